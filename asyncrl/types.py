@@ -1,0 +1,227 @@
+"""The records every part of asyncrl shares.
+
+A prompt fed by the Rollouter is one `sample_id` = ``sample_{epoch}_{index}``; it is answered
+``n`` times. Each answer is a `Trajectory`; the ``n`` answers travel together as a `Group`.
+The sample stream carries groups, and only complete (or failed) ones: the Trainer never sees
+half a group.
+
+Token arrays are numpy arrays (or torch tensors), never Python lists, so they cross the
+stream as raw frames.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length", "abort", "truncated"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "truncated")
+GroupStatus = Literal["ok", "failed"]
+
+_SAMPLE_ID = re.compile(r"^sample_(\d+)_(\d+)$")
+
+
+def make_sample_id(epoch: int, index: int) -> str:
+    """``sample_{epoch}_{index}``; ``index`` is the Rollouter's monotonic feed order."""
+    if epoch < 0 or index < 0:
+        raise ValueError(f"sample_id needs non-negative epoch and index, got {epoch=}, {index=}")
+    return f"sample_{epoch}_{index}"
+
+
+def parse_sample_id(sample_id: str) -> tuple[int, int]:
+    """Return ``(epoch, index)`` of ``sample_{epoch}_{index}``; ValueError names a bad id."""
+    m = _SAMPLE_ID.match(sample_id)
+    if m is None:
+        raise ValueError(f"sample_id {sample_id!r} is not of the form 'sample_{{epoch}}_{{index}}'")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _as_array(value, dtype, name: str) -> np.ndarray:
+    # Accept torch tensors and numpy arrays; lists are refused so nothing slow reaches the wire.
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif type(value).__module__.startswith("torch"):
+        arr = value.detach().cpu().numpy()
+    else:
+        raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(value).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-d, got shape {arr.shape}")
+    return arr.astype(dtype, copy=False)
+
+
+@dataclass(eq=False)
+class Trajectory:
+    """One response to one prompt."""
+
+    sample_id: str
+    """The prompt's id, ``sample_{epoch}_{index}``."""
+    index: int
+    """Which of the group's ``n`` responses this is (0..n-1)."""
+    prompt_ids: np.ndarray
+    """Prompt token ids, int64."""
+    response_ids: np.ndarray
+    """Response token ids, int64."""
+    logprobs: np.ndarray
+    """Behaviour log-prob of each response token under the weights that sampled it, float32."""
+    versions: np.ndarray
+    """Policy version (number of weight syncs) that produced each response token, int64."""
+    finish_reason: FinishReason
+    """``stop`` | ``length`` | ``abort`` | ``truncated``."""
+    reward: float = 0.0
+    """Scalar reward; set by the Rollouter's reward function."""
+    age: int = 0
+    """Truncation rounds this response survived (partial rollout)."""
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _as_array(self.prompt_ids, np.int64, "prompt_ids")
+        self.response_ids = _as_array(self.response_ids, np.int64, "response_ids")
+        self.logprobs = _as_array(self.logprobs, np.float32, "logprobs")
+        self.versions = _as_array(self.versions, np.int64, "versions")
+        n = len(self.response_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"{self.sample_id}[{self.index}]: response_ids, logprobs and versions must have one "
+                f"entry per response token, got {n}, {len(self.logprobs)}, {len(self.versions)}"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"{self.sample_id}[{self.index}]: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}"
+            )
+
+    @property
+    def valid(self) -> bool:
+        """A trajectory the Trainer may learn from: finished by the model, not cut off mid-flight."""
+        return self.finish_reason in ("stop", "length")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        return (
+            self.sample_id == other.sample_id
+            and self.index == other.index
+            and self.finish_reason == other.finish_reason
+            and self.reward == other.reward
+            and self.age == other.age
+            and all(
+                np.array_equal(getattr(self, k), getattr(other, k))
+                for k in ("prompt_ids", "response_ids", "logprobs", "versions")
+            )
+        )
+
+
+@dataclass(eq=False)
+class Group:
+    """The ``n`` responses of one ``sample_id``: what the sample stream carries."""
+
+    sample_id: str
+    trajectories: list[Trajectory]
+    expected: int
+    """How many responses the prompt asked for (``n``)."""
+    status: GroupStatus = "ok"
+    error: str | None = None
+    """Why the group failed (set when ``status == "failed"``)."""
+    meta: dict = field(default_factory=dict)
+    """Plain values only (str, int, float, bool, None, lists/dicts of them): e.g. the prompt text."""
+
+    def __post_init__(self) -> None:
+        if self.expected < 1:
+            raise ValueError(f"{self.sample_id}: expected must be >= 1, got {self.expected}")
+        if self.status not in ("ok", "failed"):
+            raise ValueError(f"{self.sample_id}: status {self.status!r} is not 'ok' or 'failed'")
+        for t in self.trajectories:
+            if t.sample_id != self.sample_id:
+                raise ValueError(f"group {self.sample_id} holds a trajectory of {t.sample_id}")
+
+    @property
+    def complete(self) -> bool:
+        """True when the group may be trained on: ok, and ``expected`` valid, distinct responses."""
+        return (
+            self.status == "ok"
+            and len(self.trajectories) == self.expected
+            and len({t.index for t in self.trajectories}) == self.expected
+            and all(t.valid for t in self.trajectories)
+        )
+
+    def missing(self) -> str:
+        """Say what keeps this group from being complete ('' when it is complete)."""
+        if self.status == "failed":
+            return f"failed: {self.error or 'no error given'}"
+        problems = []
+        if len(self.trajectories) != self.expected:
+            problems.append(f"{len(self.trajectories)} of {self.expected} trajectories")
+        invalid = [f"{t.index}:{t.finish_reason}" for t in self.trajectories if not t.valid]
+        if invalid:
+            problems.append("unfinished responses " + ", ".join(invalid))
+        if len({t.index for t in self.trajectories}) != len(self.trajectories):
+            problems.append("duplicate response indices")
+        return "; ".join(problems)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Group):
+            return NotImplemented
+        return (
+            self.sample_id == other.sample_id
+            and self.expected == other.expected
+            and self.status == other.status
+            and self.error == other.error
+            and self.meta == other.meta
+            and self.trajectories == other.trajectories
+        )
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request, with vLLM's meanings."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    greedy: bool = False
+    """Argmax decoding; logprobs are then those of temperature 1."""
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 and not self.greedy:
+            raise ValueError("temperature must be > 0; set greedy=True for argmax decoding")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+@dataclass
+class GenerateRequest:
+    """One response to generate. For a resumed partial, ``prompt_ids`` = prompt + partial response."""
+
+    request_id: str
+    prompt_ids: np.ndarray
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _as_array(self.prompt_ids, np.int64, "prompt_ids")
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"request {self.request_id}: prompt_ids is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class GenerateResult:
+    """What an engine returns for one request."""
+
+    request_id: str
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        self.response_ids = _as_array(self.response_ids, np.int64, "response_ids")
+        self.logprobs = _as_array(self.logprobs, np.float32, "logprobs")
+        self.versions = _as_array(self.versions, np.int64, "versions")
