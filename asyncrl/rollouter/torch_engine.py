@@ -1,0 +1,458 @@
+"""The built-in inference engine: continuous batching over any Hugging Face causal LM.
+
+``TorchEngine`` implements `asyncrl.rollouter.engine.RolloutEngine` in-process on asyncio.
+One scheduler task, owned by the engine, repeats a *step* under the engine's lock:
+
+1. admit queued requests while fewer than ``max_running`` run;
+2. prefill each newly admitted request on its own (no padding, so its prompt forward is
+   exactly the forward of ``model.generate``) and sample its first token;
+3. decode every other running request in ONE batched forward: their KV caches are stacked
+   left-padded (`asyncrl.rollouter.kv_batch`), position ids are per row;
+4. append tokens, finish requests on a stop token / ``max_tokens`` / the context limit, and
+   hand results back. Requests join and leave between steps: continuous batching.
+
+The forward runs in a worker thread so the event loop stays responsive; everything else
+(pause, abort, weight loads) takes the same lock, so it happens between two steps.
+
+Log-probs: ``log_softmax(logits / T)[token]`` of the sampled token under the weights that
+produced it, after temperature and before top-k/top-p (greedy: ``T = 1``). This equals vLLM
+with ``logprobs_mode="processed_logprobs"`` when top-k/top-p are off; a trainer recomputes it
+as ``log_softmax(logits / T)`` of a full forward over prompt + response.
+
+Pause modes are vLLM's (see `asyncrl.rollouter.engine`): ``abort`` ends everything now,
+``wait`` drains (``pause`` returns when drained, new requests are refused), ``keep`` freezes
+running requests with their KV cache and queues new ones. ``clear_cache=True`` with
+``keep`` drops the KV; on resume the engine re-prefills prompt + generated tokens (counted
+in ``stats()["reprefill_tokens"]``). Left out: paged KV memory, prefix caching, chunked
+prefill, speculative decoding, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asyncrl.rollouter.engine import (
+    PAUSE_MODES,
+    EngineClosedError,
+    EngineError,
+    EnginePausedError,
+    PauseMode,
+)
+from asyncrl.rollouter.kv_batch import LayerKV, PaddedKVBatch, cache_layers
+from asyncrl.rollouter.sampling import sample_tokens
+from asyncrl.types import GenerateRequest, GenerateResult
+
+
+@dataclass(kw_only=True)
+class TorchEngineConfig:
+    """Settings of the built-in engine."""
+
+    model_path: str | Path
+    """Local directory of a Hugging Face causal LM (config.json + weights)."""
+    device: str = "cpu"
+    """Torch device the model runs on (``cpu``, ``cuda``, ``cuda:1``...)."""
+    dtype: torch.dtype = torch.float32
+    """Model dtype; float32 gives log-probs exact to ~1e-6 against a full forward."""
+    max_running: int = 32
+    """Most requests decoded together in one batched forward (the KV slots)."""
+    max_model_len: int | None = None
+    """Prompt + response token limit; None takes the model's ``max_position_embeddings``."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """Tokens that end every request (besides its own stop ids); None takes the model's EOS."""
+    seed: int = 0
+    """Seed of the sampler used by requests that carry no seed of their own."""
+    pause_timeout_s: float = 600.0
+    """How long ``pause("wait")`` may wait for in-flight requests to drain."""
+    attn_implementation: str | None = None
+    """Passed to ``from_pretrained`` (None: transformers' default, ``sdpa`` on most setups)."""
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (or None for the model's), got {self.max_model_len}")
+        if self.pause_timeout_s <= 0:
+            raise ValueError(f"pause_timeout_s must be > 0, got {self.pause_timeout_s}")
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request inside the engine."""
+
+    request: GenerateRequest
+    future: asyncio.Future
+    tokens: list[int]
+    """Prompt + generated tokens; in decode state the last one is not in the KV cache yet."""
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    kv: LayerKV | None = None
+    """Own cache after a prefill, until the request joins the batched decode cache."""
+    needs_prefill: bool = True
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.logprobs)
+
+    def result(self, finish_reason: str) -> GenerateResult:
+        n = self.n_generated
+        return GenerateResult(
+            request_id=self.rid,
+            response_ids=np.asarray(self.tokens[len(self.tokens) - n :], dtype=np.int64),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int64),
+            finish_reason=finish_reason,
+        )
+
+
+class TorchEngine:
+    """Continuous-batching engine over a Hugging Face causal LM (see the module docstring)."""
+
+    def __init__(self, model_path: str | Path | None = None, *, config: TorchEngineConfig | None = None, **kwargs):
+        if config is None:
+            if model_path is None:
+                raise ValueError("TorchEngine needs model_path (or config=TorchEngineConfig(...))")
+            config = TorchEngineConfig(model_path=model_path, **kwargs)
+        elif model_path is not None or kwargs:
+            raise ValueError("pass either config= or model_path and keyword settings, not both")
+        self.config = config
+        from transformers import AutoModelForCausalLM
+
+        extra = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=config.dtype, **extra)
+        self.model.to(config.device).eval()
+        self.model.requires_grad_(False)
+        mcfg = self.model.config
+        self.max_model_len = config.max_model_len or int(getattr(mcfg, "max_position_embeddings", 2048))
+        if config.eos_token_ids is not None:
+            self._eos = frozenset(config.eos_token_ids)
+        else:
+            eos = mcfg.eos_token_id
+            self._eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._version = 0
+        self._queued: deque[_Seq] = deque()
+        self._running: dict[str, _Seq] = {}
+        self._batch: PaddedKVBatch | None = None
+        self._paused: PauseMode | None = None
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._counters = dict(tokens_generated=0, reprefill_tokens=0, prefill_tokens=0, steps=0)
+        self._cond: asyncio.Condition | None = None
+        self._task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _start(self) -> asyncio.Condition:
+        # The scheduler starts on first use, inside the caller's running loop (a Ray async
+        # actor builds its engine outside the loop).
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+            self._task = asyncio.get_running_loop().create_task(self._schedule(), name="torch-engine-scheduler")
+        return self._cond
+
+    async def close(self) -> None:
+        """Stop the scheduler; requests still in flight end with `EngineClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_all(EngineClosedError("the engine was closed"))
+        self._batch = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine was closed")
+        if self._failure is not None:
+            raise EngineError(f"the engine's scheduler failed: {self._failure!r}") from self._failure
+
+    # ---------------------------------------------------------------- requests
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate one response; waits while the engine is paused with ``keep``."""
+        self._check_open()
+        cond = self._start()
+        prompt = request.prompt_ids.tolist()
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt of {len(prompt)} tokens does not fit "
+                f"max_model_len={self.max_model_len}"
+            )
+        async with cond:
+            self._check_open()
+            if self._paused in ("abort", "wait"):
+                raise EnginePausedError(
+                    f"request {request.request_id} refused: the engine is paused with mode={self._paused!r}; "
+                    "call resume() first"
+                )
+            if request.request_id in self._running or any(s.rid == request.request_id for s in self._queued):
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            seed = request.sampling.seed
+            seq = _Seq(
+                request=request,
+                future=asyncio.get_running_loop().create_future(),
+                tokens=prompt,
+                generator=None if seed is None else torch.Generator().manual_seed(seed),
+                stop_ids=self._eos | frozenset(request.sampling.stop_token_ids),
+            )
+            self._queued.append(seq)
+            cond.notify_all()
+        # Cancelling the caller cancels the future; the scheduler then drops the request.
+        return await seq.future
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        """End the named requests now with their partial output; unknown ids are ignored."""
+        cond = self._start()
+        wanted = set(request_ids)
+        async with cond:
+            for seq in [s for s in self._queued if s.rid in wanted]:
+                self._queued.remove(seq)
+                _resolve(seq, seq.result("abort"))
+            for rid in wanted & self._running.keys():
+                self._finish(self._running[rid], "abort")
+            cond.notify_all()
+
+    # ---------------------------------------------------------------- pause / resume
+
+    async def pause(self, mode: PauseMode = "keep", clear_cache: bool = False) -> None:
+        """Pause with vLLM's ``abort`` | ``wait`` | ``keep``; returns once the mode holds."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._check_open()
+        cond = self._start()
+        async with cond:  # taking the lock waits for the step in progress to end
+            self._paused = mode
+            if mode == "abort":
+                while self._queued:
+                    seq = self._queued.popleft()
+                    _resolve(seq, seq.result("abort"))
+                for seq in list(self._running.values()):
+                    self._finish(seq, "abort")
+            cond.notify_all()
+            if mode == "wait":
+                try:
+                    await asyncio.wait_for(
+                        cond.wait_for(lambda: not self._running and not self._queued or self._closed),
+                        self.config.pause_timeout_s,
+                    )
+                except TimeoutError:
+                    raise EngineError(
+                        f"pause('wait') did not drain {len(self._running)} running and {len(self._queued)} "
+                        f"queued requests within pause_timeout_s={self.config.pause_timeout_s}"
+                    ) from None
+            if clear_cache:
+                self._drop_kv()
+
+    async def resume(self) -> None:
+        """Frozen requests continue from the same token; queued ones are admitted."""
+        self._check_open()
+        cond = self._start()
+        async with cond:
+            self._paused = None
+            cond.notify_all()
+
+    def _drop_kv(self) -> None:
+        """Forget every KV cache; the running requests re-prefill prompt + generated on resume."""
+        self._batch = None
+        for seq in self._running.values():
+            if not seq.needs_prefill:
+                seq.needs_prefill = True
+                seq.kv = None
+                self._counters["reprefill_tokens"] += len(seq.tokens)
+
+    # ---------------------------------------------------------------- weights
+
+    def param_meta(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of each parameter in ``named_parameters()`` order (tied ones once)."""
+        return [(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the model in place, by HF name; only while paused."""
+        cond = self._start()
+        async with cond:
+            if self._paused is None:
+                raise EngineError("load_weights needs a paused engine: call pause('keep') first")
+            named = list(named_tensors)
+            for name, tensor in named:
+                param = self._params.get(name)
+                if param is None:
+                    raise KeyError(f"load_weights: the model has no parameter named {name!r}")
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"load_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+                    )
+            await asyncio.to_thread(self._copy_weights, named)
+
+    @torch.no_grad()
+    def _copy_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named:
+            self._params[name].copy_(tensor)
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Make the loaded weights live as ``version``: later tokens carry it."""
+        cond = self._start()
+        async with cond:
+            self._version = int(version)
+
+    # ---------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, int]:
+        """running, queued, tokens_generated, kv_tokens, reprefill_tokens (+ prefill_tokens, steps, version)."""
+        kv = 0
+        for seq in self._running.values():
+            kv += 0 if seq.needs_prefill else len(seq.tokens) - 1
+        return dict(
+            running=len(self._running),
+            queued=len(self._queued),
+            kv_tokens=kv,
+            version=self._version,
+            **self._counters,
+        )
+
+    # ---------------------------------------------------------------- scheduler
+
+    def _has_work(self) -> bool:
+        return self._closed or (self._paused not in ("keep", "abort") and bool(self._running or self._queued))
+
+    async def _schedule(self) -> None:
+        cond = self._cond
+        try:
+            while True:
+                async with cond:
+                    await cond.wait_for(self._has_work)
+                    if self._closed:
+                        return
+                    self._admit()
+                    if self._running:
+                        await self._step()
+                    cond.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # forwarded to every waiting caller, then re-raised
+            self._failure = exc
+            self._fail_all(EngineError(f"the engine's scheduler failed: {exc!r}"))
+            raise
+
+    def _admit(self) -> None:
+        while self._queued and len(self._running) < self.config.max_running:
+            seq = self._queued.popleft()
+            if not seq.future.done():  # a cancelled caller's request is dropped here
+                self._running[seq.rid] = seq
+
+    async def _step(self) -> None:
+        for seq in [s for s in self._running.values() if s.future.done()]:
+            del self._running[seq.rid]
+        prefill = [s for s in self._running.values() if s.needs_prefill]
+        decode = [s for s in self._running.values() if not s.needs_prefill]
+        if not prefill and not decode:
+            return
+        self._sync_batch(decode)
+        tokens, logprobs = await asyncio.to_thread(self._forward, prefill, decode)
+        version = self._version
+        self._counters["steps"] += 1
+        for seq, tok, lp in zip([*prefill, *decode], tokens.tolist(), logprobs.tolist()):
+            if seq.needs_prefill:
+                seq.needs_prefill = False
+                self._counters["prefill_tokens"] += len(seq.tokens)
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            self._counters["tokens_generated"] += 1
+            if tok in seq.stop_ids:
+                self._finish(seq, "stop")
+            elif seq.n_generated >= seq.request.max_tokens or len(seq.tokens) >= self.max_model_len:
+                self._finish(seq, "length")
+
+    def _sync_batch(self, decode: list[_Seq]) -> None:
+        """Make the stacked decode cache hold exactly ``decode`` (in that order)."""
+        ids = [s.rid for s in decode]
+        if self._batch is not None and self._batch.ids == ids:
+            return
+        if not decode:
+            self._batch = None
+            return
+        old_ids = set(self._batch.ids) if self._batch is not None else set()
+        keep = [s.rid for s in decode if s.rid in old_ids]
+        new = {s.rid: s.kv for s in decode if s.rid not in old_ids}
+        for s in decode:
+            s.kv = None  # the batch owns it now
+        if self._batch is None or not keep:
+            self._batch = PaddedKVBatch.build(self.model.config, new)
+        else:
+            self._batch = self._batch.rebuilt(keep, new)
+        # Reorder the decode list to the batch's row order.
+        order = {rid: i for i, rid in enumerate(self._batch.ids)}
+        decode.sort(key=lambda s: order[s.rid])
+
+    @torch.no_grad()
+    def _forward(self, prefill: list[_Seq], decode: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill each new request, decode the batch; sample one token per request."""
+        from transformers import DynamicCache
+
+        device = self.config.device
+        rows = []
+        for seq in prefill:
+            cache = DynamicCache(config=self.model.config)
+            ids = torch.tensor([seq.tokens], dtype=torch.long, device=device)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            seq.kv = cache_layers(cache)
+            rows.append(out.logits[0, -1])
+        if decode:
+            batch = self._batch
+            pending = torch.tensor([[s.tokens[-1]] for s in decode], dtype=torch.long, device=device)
+            positions = torch.tensor([[len(s.tokens) - 1] for s in decode], dtype=torch.long, device=device)
+            mask = batch.step_inputs()
+            out = self.model(
+                input_ids=pending,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=batch.cache,
+                use_cache=True,
+            )
+            batch.advanced(mask)
+            rows.extend(out.logits[:, -1])
+        seqs = [*prefill, *decode]
+        return sample_tokens(
+            torch.stack(rows),
+            [s.request.sampling for s in seqs],
+            [s.generator for s in seqs],
+            self._generator,
+        )
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        self._running.pop(seq.rid, None)
+        seq.kv = None
+        _resolve(seq, seq.result(reason))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for seq in [*self._queued, *self._running.values()]:
+            if not seq.future.done():
+                seq.future.set_exception(error)
+        self._queued.clear()
+        self._running.clear()
+
+
+def _resolve(seq: _Seq, result: GenerateResult) -> None:
+    if not seq.future.done():
+        seq.future.set_result(result)
