@@ -1,0 +1,159 @@
+"""Batch assembly: complete `Group`s in, one TensorDict with fixed keys out; fail closed.
+
+Only complete groups (status ``ok``, ``expected`` distinct trajectories, each finished by the
+model) may reach the loss. `screen_groups` applies the policy: an incomplete group raises
+`IncompleteGroupError` naming every offending ``sample_id`` and what it lacks, or, with
+``on_incomplete="drop"``, is returned as dropped with its reason so the caller counts and acks
+it. Groups older than ``max_version_gap`` are dropped the same way. `assemble` refuses any
+incomplete group again (it never returns a partial batch) and builds a right-padded batch:
+
+==================  ======  =====================================================
+key                 shape   meaning
+==================  ======  =====================================================
+``input_ids``       [B, L]  prompt + response, padded with ``pad_token_id``
+``attention_mask``  [B, L]  1 on real tokens
+``response_mask``   [B, L]  1 on response tokens (the only ones the loss sees)
+``position_ids``    [B, L]  0.. over real tokens
+``old_logprobs``    [B, L]  behaviour log-prob of token t at position t (0 elsewhere)
+``versions``        [B, L]  policy version that produced token t (-1 off the response)
+``advantages``      [B, L]  the sequence's GRPO advantage on its response tokens
+``rewards``         [B]     scalar reward of the sequence
+``group_index``     [B]     which group of the batch the row came from
+==================  ======  =====================================================
+
+Rows are grouped: a group's trajectories are adjacent, ordered by trajectory index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict
+
+from asyncrl.trainer.algorithm import grpo_advantages
+from asyncrl.types import Group
+
+BATCH_KEYS: tuple[str, ...] = (
+    "input_ids", "attention_mask", "response_mask", "position_ids", "old_logprobs", "versions",
+    "advantages", "rewards", "group_index",
+)
+
+
+class IncompleteGroupError(RuntimeError):
+    """A group that is failed or short reached batch assembly; the run fails closed."""
+
+    def __init__(self, problems: dict[str, str]):
+        self.sample_ids = sorted(problems)
+        detail = "; ".join(f"{sid}: {why}" for sid, why in sorted(problems.items()))
+        super().__init__(
+            f"refusing to train on incomplete group(s) {self.sample_ids} ({detail}); "
+            "set trainer on_incomplete_group='drop' to drop, count and ack them instead"
+        )
+
+
+def oldest_version(group: Group) -> int | None:
+    """The smallest policy version of any response token in ``group`` (None if it has no tokens)."""
+    mins = [int(t.versions.min()) for t in group.trajectories if len(t.versions)]
+    return min(mins) if mins else None
+
+
+def screen_groups(
+    groups: Sequence[Group],
+    *,
+    on_incomplete: str = "raise",
+    max_version_gap: int | None = None,
+    current_version: int = 0,
+) -> tuple[list[Group], list[tuple[str, str]]]:
+    """Split ``groups`` into ``(kept, dropped)``; ``dropped`` holds ``(sample_id, reason)``.
+
+    Raises `IncompleteGroupError` on any incomplete group when ``on_incomplete == "raise"``.
+    """
+    if on_incomplete not in ("raise", "drop"):
+        raise ValueError(f"on_incomplete must be 'raise' or 'drop', got {on_incomplete!r}")
+    incomplete = {g.sample_id: g.missing() for g in groups if not g.complete}
+    if incomplete and on_incomplete == "raise":
+        raise IncompleteGroupError(incomplete)
+    kept, dropped = [], []
+    for g in groups:
+        if g.sample_id in incomplete:
+            dropped.append((g.sample_id, f"incomplete: {incomplete[g.sample_id]}"))
+            continue
+        oldest = oldest_version(g)
+        if max_version_gap is not None and oldest is not None and current_version - oldest > max_version_gap:
+            dropped.append((g.sample_id, f"stale: oldest token version {oldest}, trainer version "
+                                         f"{current_version}, gap above max_version_gap={max_version_gap}"))
+            continue
+        kept.append(g)
+    return kept, dropped
+
+
+def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std: bool = True) -> TensorDict:
+    """Build the training batch of ``groups`` (all complete) with GRPO advantages; see the module doc."""
+    if not groups:
+        raise ValueError("assemble needs at least one group")
+    incomplete = {g.sample_id: g.missing() for g in groups if not g.complete}
+    if incomplete:
+        raise IncompleteGroupError(incomplete)
+    rows = [t for g in groups for t in sorted(g.trajectories, key=lambda t: t.index)]
+    seq_adv = torch.cat([
+        grpo_advantages(torch.tensor([[t.reward for t in sorted(g.trajectories, key=lambda t: t.index)]],
+                                     dtype=torch.float32), norm_by_std=norm_adv_by_std)[0]
+        for g in groups
+    ])
+    width = max(len(t.prompt_ids) + len(t.response_ids) for t in rows)
+    b = len(rows)
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    response = torch.zeros((b, width), dtype=torch.long)
+    old_logprobs = torch.zeros((b, width), dtype=torch.float32)
+    versions = torch.full((b, width), -1, dtype=torch.long)
+    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
+    for i, t in enumerate(rows):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, :p] = torch.from_numpy(t.prompt_ids)
+        input_ids[i, p:p + r] = torch.from_numpy(t.response_ids)
+        attention[i, :p + r] = 1
+        response[i, p:p + r] = 1
+        old_logprobs[i, p:p + r] = torch.from_numpy(t.logprobs.astype("float32"))
+        versions[i, p:p + r] = torch.from_numpy(t.versions)
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "response_mask": response,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "old_logprobs": old_logprobs,
+            "versions": versions,
+            "advantages": seq_adv[:, None] * response.float(),
+            "rewards": torch.tensor([t.reward for t in rows], dtype=torch.float32),
+            "group_index": group_index,
+        },
+        batch_size=[b],
+    )
+
+
+def shard_rows(batch: TensorDict, world_size: int, rank: int) -> TensorDict:
+    """Rank ``rank``'s contiguous share of ``batch``; rows must divide evenly over ranks.
+
+    Every rank must run the same number of forward/backward passes (FSDP's collectives pair
+    up), so an uneven split is an error naming the fix rather than a silent imbalance.
+    """
+    b = batch.batch_size[0]
+    if b % world_size:
+        raise ValueError(
+            f"a mini-batch of {b} sequences does not split over world_size={world_size} ranks; "
+            "choose groups_per_batch so that groups_per_batch * n is a multiple of world_size"
+        )
+    share = b // world_size
+    return batch[rank * share:(rank + 1) * share]
+
+
+def micro_batches(batch: TensorDict, size: int) -> list[TensorDict]:
+    """Consecutive slices of at most ``size`` rows, each trimmed to its longest real row."""
+    out = []
+    for start in range(0, batch.batch_size[0], size):
+        mb = batch[start:start + size]
+        width = int(mb["attention_mask"].sum(-1).max().item())
+        out.append(mb.apply(lambda x: x[:, :max(width, 1)] if x.dim() == 2 else x, batch_size=mb.batch_size))
+    return out

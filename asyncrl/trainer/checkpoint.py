@@ -1,0 +1,105 @@
+"""Checkpoints: model + optimizer shards via torch.distributed.checkpoint, plus a JSON sidecar.
+
+Layout under ``checkpoint_dir``::
+
+    step_000012/           one checkpoint: DCP shard files + trainer_state.json
+    latest                 the name of the newest complete checkpoint (replaced atomically)
+
+A checkpoint is written into ``step_N.tmp`` and renamed when both the shards and the sidecar
+are on disk, then ``latest`` is replaced; a crash mid-write leaves the previous checkpoint as
+``latest``. The sidecar holds the trainer's ``version`` and ``step``, the ``committed``
+sample_ids (trained or dropped by policy) and a ``rollouter_state`` slot (feed index, partial
+buffer, unacked groups) that the Rollouter fills.
+
+Leaves out: pruning old checkpoints and async (background) saving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+SIDECAR = "trainer_state.json"
+LATEST = "latest"
+
+
+@dataclass(kw_only=True)
+class TrainerState:
+    """What the sidecar of one checkpoint records."""
+
+    step: int
+    """Train steps completed."""
+    version: int
+    """Weight version (number of weight syncs) at the checkpoint."""
+    committed: list[str] = field(default_factory=list)
+    """sample_ids already trained on or dropped by policy; a resumed run never trains them again."""
+    rollouter_state: dict = field(default_factory=dict)
+    """The Rollouter's state (feed index, partial buffer, unacked groups); opaque to the trainer."""
+
+
+def save_shards(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_steps: int) -> None:
+    """Every rank writes its shard of model + optimizer state to ``path`` (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd, "progress": {"optim_steps": torch.tensor(optim_steps)}},
+             checkpoint_id=path)
+
+
+def load_shards(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load ``path`` into the sharded model and optimizer (collective); returns the optimizer steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "progress": {"optim_steps": torch.tensor(0)}}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["progress"]["optim_steps"])
+
+
+def staging_path(root: str | os.PathLike, step: int) -> Path:
+    """Where the ranks write the shards of the checkpoint of ``step`` before it is published."""
+    path = Path(root) / f"step_{step:06d}.tmp"
+    if path.exists():
+        shutil.rmtree(path)  # left by a crash mid-write; never published
+    path.mkdir(parents=True)
+    return path
+
+
+def publish(root: str | os.PathLike, staged: Path, state: TrainerState) -> Path:
+    """Write the sidecar into ``staged``, rename it to its final name and point ``latest`` at it."""
+    root = Path(root)
+    _write_atomic(staged / SIDECAR, json.dumps(asdict(state)))
+    final = root / staged.name.removesuffix(".tmp")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    _write_atomic(root / LATEST, final.name)
+    return final
+
+
+def latest(root: str | os.PathLike) -> tuple[Path, TrainerState] | None:
+    """The newest published checkpoint under ``root`` and its sidecar, or None if there is none."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    data = json.loads((path / SIDECAR).read_text())
+    return path, TrainerState(**data)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

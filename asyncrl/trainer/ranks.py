@@ -1,0 +1,103 @@
+"""The trainer's ranks as one handle: start them, call a method on every rank, stop them.
+
+Two backends behind one interface, so unit tests need no processes:
+
+- `RankGroup.start_ray`: one Ray actor per rank (``ray.remote(TrainerWorker)``), all joined in
+  one torch.distributed world (``gloo`` on CPU, ``nccl`` on CUDA) rendezvousing on a free
+  loopback port;
+- `RankGroup.start_local`: a single rank in this process (world size 1), run in a worker
+  thread so the caller's event loop keeps serving its sockets.
+
+Every call has a deadline whose error names the setting that bounds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from asyncrl.trainer.config import TrainerConfig
+from asyncrl.trainer.worker import TrainerWorker
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (for the process-group rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RankGroup:
+    """Owns the trainer ranks; `call` runs one method on every rank and gathers the results."""
+
+    def __init__(self, workers: Sequence[Any], *, remote: bool):
+        self.workers = list(workers)
+        self.remote = remote
+        self.world_size = len(self.workers)
+
+    @classmethod
+    def start_ray(cls, cfg: TrainerConfig) -> RankGroup:
+        """Start ``cfg.world_size`` rank actors on the connected Ray cluster and wait until all are up."""
+        import ray
+
+        port = free_port()
+        actor = ray.remote(TrainerWorker).options(num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank)
+        workers = [
+            actor.remote(cfg.worker, rank=r, world_size=cfg.world_size, master_port=port,
+                         init_timeout_s=cfg.rank_start_timeout_s)
+            for r in range(cfg.world_size)
+        ]
+        group = cls(workers, remote=True)
+        try:
+            ray.get([w.ready.remote() for w in workers], timeout=cfg.rank_start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            group.close()
+            raise TimeoutError(f"trainer ranks not up within rank_start_timeout_s={cfg.rank_start_timeout_s}") from None
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    @classmethod
+    def start_local(cls, cfg: TrainerConfig) -> RankGroup:
+        """One rank in this process; ``cfg.world_size`` must be 1."""
+        if cfg.world_size != 1:
+            raise ValueError(f"start_local runs one rank; world_size must be 1, got {cfg.world_size}")
+        return cls([TrainerWorker(cfg.worker, rank=0, world_size=1, master_port=free_port(),
+                                  init_timeout_s=cfg.rank_start_timeout_s)], remote=False)
+
+    async def call(self, method: str, per_rank: Sequence[tuple] | None = None, *, timeout: float,
+                   setting: str = "step_timeout_s", **kwargs) -> list[Any]:
+        """Run ``method`` on every rank (rank r gets ``*per_rank[r]`` then ``**kwargs``); results by rank."""
+        args = per_rank if per_rank is not None else [()] * self.world_size
+        if len(args) != self.world_size:
+            raise ValueError(f"{method}: {len(args)} argument tuples for {self.world_size} ranks")
+        if self.remote:
+            refs = [getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, args)]
+            pending = asyncio.gather(*[asyncio.wrap_future(r.future()) for r in refs])
+        else:
+            pending = asyncio.to_thread(getattr(self.workers[0], method), *args[0], **kwargs)
+            pending = asyncio.gather(pending)
+        try:
+            return await asyncio.wait_for(pending, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"trainer ranks did not finish {method} within {setting}={timeout}") from None
+
+    def call_sync(self, method: str, per_rank: Sequence[tuple] | None = None, *, timeout: float,
+                  setting: str = "step_timeout_s", **kwargs) -> list[Any]:
+        """`call` for code without an event loop."""
+        return asyncio.run(self.call(method, per_rank, timeout=timeout, setting=setting, **kwargs))
+
+    def close(self) -> None:
+        """Stop every rank (Ray actors are killed; the local rank leaves its process group)."""
+        if self.remote:
+            import ray
+
+            for w in self.workers:
+                ray.kill(w)
+        else:
+            for w in self.workers:
+                w.shutdown()
+        self.workers = []

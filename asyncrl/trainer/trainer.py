@@ -1,0 +1,243 @@
+"""The Trainer's driver loop: receive groups, screen and assemble them, step, ack, sync, checkpoint.
+
+One train step takes ``require_batches`` mini-batches of ``groups_per_batch`` complete groups
+each; every mini-batch is one optimizer step on all ranks. After each step the trained
+``sample_id``s are committed; every ``trigger_parameter_sync_step`` steps the `WeightSyncer`
+pushes the new weights to the engines and returns the new version.
+
+Acks follow durability: with checkpoints on, a step's groups are acked once the checkpoint
+holding that step is published (so a crash never loses a group the producer already forgot);
+without checkpoints they are acked right after the optimizer step. Groups dropped by policy
+(incomplete with ``on_incomplete_group="drop"``, or older than ``max_version_gap``) are
+counted and acked at once with their reason. Incomplete groups otherwise fail the run closed.
+
+The source is anything with ``recv``/``ack`` (`GroupSource`): the ZeroMQ `StreamConsumer`,
+or `MemorySource` in tests. Leaves out: the metrics pipeline (each step returns a dict).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from asyncrl.trainer import checkpoint
+from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
+from asyncrl.trainer.config import TrainerConfig
+from asyncrl.trainer.ranks import RankGroup
+from asyncrl.types import Group
+
+
+@runtime_checkable
+class GroupSource(Protocol):
+    """Where groups come from: the sample stream's consumer side."""
+
+    async def recv(self, timeout: float | None = None) -> Group:
+        """The next group; raises TimeoutError when none arrives within ``timeout`` seconds."""
+        ...
+
+    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
+        """Tell the producer these groups are done with (trained and durable, or dropped for ``reason``)."""
+        ...
+
+
+@runtime_checkable
+class WeightSyncer(Protocol):
+    """Pushes the trainer's current weights to every engine (pause-keep, broadcast, load, resume)."""
+
+    async def sync(self) -> int:
+        """Run one weight sync; returns the new weight version."""
+        ...
+
+
+class MemorySource:
+    """An in-process `GroupSource` over a list of groups; records every ack (tests, scripts)."""
+
+    def __init__(self, groups: Iterable[Group] = ()):
+        self._queue: collections.deque[Group] = collections.deque(groups)
+        self.acks: list[tuple[str, str | None]] = []
+
+    def put(self, group: Group) -> None:
+        self._queue.append(group)
+
+    async def recv(self, timeout: float | None = None) -> Group:
+        if not self._queue:
+            raise TimeoutError("MemorySource is empty")
+        return self._queue.popleft()
+
+    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
+        self.acks.extend((sid, reason) for sid in sample_ids)
+
+
+@dataclass
+class StepResult:
+    """What one train step did."""
+
+    step: int
+    version: int
+    sample_ids: list[str]
+    """Groups trained on in this step, in batch order."""
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+    """Groups dropped by policy while collecting this step, with the reason."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Drives the ranks from a group source. Owns neither: the caller starts and closes them."""
+
+    def __init__(self, cfg: TrainerConfig, ranks: RankGroup, source: GroupSource,
+                 syncer: WeightSyncer | None = None, *, rollouter_state: Callable[[], dict] | None = None):
+        if ranks.world_size != cfg.world_size:
+            raise ValueError(f"world_size={cfg.world_size} but {ranks.world_size} ranks were given")
+        self.cfg = cfg
+        self.ranks = ranks
+        self.source = source
+        self.syncer = syncer
+        self.rollouter_state = rollouter_state
+        self.step = 0
+        self.version = 0
+        self.committed: set[str] = set()
+        """sample_ids trained on or dropped by policy."""
+        self._durable: set[str] = set()
+        self._unacked: list[str] = []
+        self.restored_rollouter_state: dict = {}
+
+    async def restore(self) -> bool:
+        """Load the latest checkpoint under ``checkpoint_dir`` if there is one; True if it did."""
+        found = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        if found is None:
+            return False
+        path, state = found
+        await self.ranks.call("load_checkpoint", timeout=self.cfg.step_timeout_s, path=str(path))
+        self.step, self.version = state.step, state.version
+        self.committed = set(state.committed)
+        self._durable = set(state.committed)
+        self.restored_rollouter_state = state.rollouter_state
+        return True
+
+    async def run(self, num_steps: int) -> list[StepResult]:
+        """Run ``num_steps`` train steps; the last one is always checkpointed (when enabled)."""
+        results = [await self.train_step() for _ in range(num_steps)]
+        if self.cfg.checkpoint_dir and self._unacked:
+            await self.save_checkpoint()
+        return results
+
+    async def _collect(self) -> tuple[list[Group], list[tuple[str, str]]]:
+        need = self.cfg.groups_per_batch * self.cfg.require_batches
+        kept: list[Group] = []
+        dropped: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        while len(kept) < need:
+            try:
+                group = await self.source.recv(timeout=self.cfg.recv_timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"no group arrived within recv_timeout_s={self.cfg.recv_timeout_s} "
+                                   f"(step {self.step + 1} has {len(kept)} of {need})") from None
+            if group.sample_id in self.committed or group.sample_id in seen:
+                # A replay after a reconnect: ack again only what is durable, never train twice.
+                if group.sample_id in self._durable:
+                    self.source.ack([group.sample_id])
+                continue
+            seen.add(group.sample_id)
+            ok, out = screen_groups([group], on_incomplete=self.cfg.on_incomplete_group,
+                                    max_version_gap=self.cfg.max_version_gap, current_version=self.version)
+            kept.extend(ok)
+            for sid, reason in out:
+                self.source.ack([sid], reason=reason)
+                self.committed.add(sid)
+                dropped.append((sid, reason))
+        return kept, dropped
+
+    async def train_step(self) -> StepResult:
+        """Collect the groups of one step, run its mini-batches, commit, maybe sync and checkpoint."""
+        cfg = self.cfg
+        groups, dropped = await self._collect()
+        per_batch = []
+        batches = []
+        for i in range(cfg.require_batches):
+            chunk = groups[i * cfg.groups_per_batch:(i + 1) * cfg.groups_per_batch]
+            batch = assemble(chunk, pad_token_id=cfg.worker.pad_token_id,
+                             norm_adv_by_std=cfg.worker.algorithm.norm_adv_by_std)
+            batches.append(batch)
+            per_batch.append(await self._train_minibatch(batch))
+        ids = [g.sample_id for g in groups]
+        self.step += 1
+        self.committed.update(ids)
+        self._unacked.extend(ids)
+        if self.syncer is not None and self.step % cfg.trigger_parameter_sync_step == 0:
+            self.version = await self.syncer.sync()
+        if cfg.checkpoint_dir is None:
+            self._ack_unacked()
+        elif self.step % cfg.checkpoint_every == 0:
+            await self.save_checkpoint()
+        metrics = _step_metrics(per_batch, batches, dropped)
+        metrics.update(step=self.step, version=self.version)
+        return StepResult(step=self.step, version=self.version, sample_ids=ids, dropped=dropped, metrics=metrics)
+
+    async def _train_minibatch(self, batch) -> dict[str, float]:
+        mode = self.cfg.worker.algorithm.loss_agg_mode
+        denom = float(batch["response_mask"].sum()) if mode == "token-mean" else float(batch.batch_size[0])
+        shards = [(shard_rows(batch, self.ranks.world_size, r), denom) for r in range(self.ranks.world_size)]
+        per_rank = await self.ranks.call("train_minibatch", shards, timeout=self.cfg.step_timeout_s)
+        out = dict(per_rank[0])
+        for other in per_rank[1:]:
+            for k, v in other.items():
+                if k.endswith("_max"):
+                    out[k] = max(out[k], v)
+                elif k.endswith("_min"):
+                    out[k] = min(out[k], v)
+                elif k not in ("grad_norm", "lr"):
+                    out[k] += v
+        out["_batch_version"] = self.version  # the version trained on, for staleness
+        return out
+
+    async def save_checkpoint(self) -> None:
+        """Publish a checkpoint of the ranks and the sidecar, then ack the groups it made durable."""
+        root = self.cfg.checkpoint_dir
+        staged = checkpoint.staging_path(root, self.step)
+        await self.ranks.call("save_checkpoint", timeout=self.cfg.step_timeout_s, path=str(staged))
+        state = checkpoint.TrainerState(
+            step=self.step, version=self.version, committed=sorted(self.committed),
+            rollouter_state=self.rollouter_state() if self.rollouter_state else {},
+        )
+        checkpoint.publish(root, staged, state)
+        self._durable = set(self.committed)
+        self._ack_unacked()
+
+    def _ack_unacked(self) -> None:
+        if self._unacked:
+            self.source.ack(self._unacked)
+            self._unacked = []
+
+
+def _step_metrics(per_batch: list[dict], batches: list, dropped: list[tuple[str, str]]) -> dict:
+    """Combine the ranks' per-mini-batch sums into the step's metrics."""
+    tokens = sum(b["tokens"] for b in per_batch) or 1.0
+    resp = torch.cat([b["response_mask"].sum(-1) for b in batches]).float()
+    gaps = torch.cat([
+        (b["_batch_version"] - bt["versions"])[bt["response_mask"].bool()] for b, bt in zip(per_batch, batches)
+    ]).float()
+    rewards = torch.cat([bt["rewards"] for bt in batches])
+    return {
+        "loss": sum(b["loss"] for b in per_batch) / len(per_batch),
+        "clip_frac": sum(b["clipped_tokens"] for b in per_batch) / tokens,
+        "tis_truncated_frac": sum(b["truncated_tokens"] for b in per_batch) / tokens,
+        "is_ratio_mean": sum(b["is_ratio_sum"] for b in per_batch) / tokens,
+        "is_ratio_max": max(b["is_ratio_max"] for b in per_batch),
+        "is_ratio_min": min(b["is_ratio_min"] for b in per_batch),
+        "kl": sum(b["kl_sum"] for b in per_batch) / tokens,
+        "entropy": sum(b["entropy_sum"] for b in per_batch) / tokens,
+        "grad_norm": sum(b["grad_norm"] for b in per_batch) / len(per_batch),
+        "lr": per_batch[-1]["lr"],
+        "staleness_mean": float(gaps.mean()) if gaps.numel() else 0.0,
+        "staleness_max": float(gaps.max()) if gaps.numel() else 0.0,
+        "response_length_mean": float(resp.mean()),
+        "response_length_max": float(resp.max()),
+        "reward_mean": float(rewards.mean()),
+        "groups": float(sum(int(bt["group_index"].max()) + 1 for bt in batches)),
+        "dropped_incomplete": float(sum(r.startswith("incomplete") for _, r in dropped)),
+        "dropped_stale": float(sum(r.startswith("stale") for _, r in dropped)),
+    }

@@ -1,0 +1,192 @@
+"""One trainer rank: an FSDP2-sharded HF causal LM, its AdamW optimizer and the loss step.
+
+`TrainerWorker` is a plain class: `asyncrl.trainer.ranks` runs it in-process (one rank) or
+wraps it with ``ray.remote`` (one actor per rank, all in one torch.distributed world). Every
+rank gets its own rows of each mini-batch; the loss of each micro-batch is divided by the
+mini-batch's global token (or sequence) count, so accumulating over micro-batches and
+averaging over ranks gives exactly the gradient of the whole mini-batch.
+
+The model runs in ``eval()`` mode throughout: dropout would make the recomputed log-probs
+differ from the behaviour log-probs of the same weights, which the loss treats as off-policy.
+
+Leaves out: sequence packing, activation checkpointing, and LoRA.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from asyncrl.trainer import algorithm, checkpoint
+from asyncrl.trainer.batch import micro_batches
+from asyncrl.trainer.config import OptimConfig, WorkerConfig
+from asyncrl.trainer.fsdp import parallelize
+
+
+def lr_at(cfg: OptimConfig, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then constant or cosine."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class TrainerWorker:
+    """One rank of the trainer's torch.distributed world."""
+
+    def __init__(self, cfg: WorkerConfig, *, rank: int, world_size: int, master_addr: str = "127.0.0.1",
+                 master_port: int, init_timeout_s: float = 300.0):
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        torch.manual_seed(cfg.seed)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout_s),
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.model = self._load(use_cuda)
+        self.ref_model = None
+        if cfg.algorithm.kl_coef > 0:
+            # The reference is frozen: it anchors the KL penalty at the starting policy.
+            self.ref_model = self._load(use_cuda)
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                           weight_decay=cfg.optim.weight_decay)
+        self.optim_steps = 0
+
+    def _load(self, mixed_precision: bool) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.cfg.model_path, dtype=torch.float32)
+        model.to(self.device).eval()
+        return parallelize(model, self.mesh, mixed_precision=mixed_precision)
+
+    def ready(self) -> int:
+        """Return this rank once the model is loaded and the process group is up."""
+        return self.rank
+
+    # -- forward -------------------------------------------------------------------------
+
+    def _forward(self, model: torch.nn.Module, mb: TensorDict) -> torch.Tensor:
+        mb = mb.to(self.device)
+        return model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                     position_ids=mb["position_ids"], use_cache=False).logits
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TensorDict, reference: bool = False) -> torch.Tensor:
+        """Per-token log-probs [B, L] of ``batch`` (aligned like ``old_logprobs``) under the current
+        weights, or the frozen reference's with ``reference``. Collective: every rank calls it."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("reference log-probs need algorithm.kl_coef > 0 (no reference model loaded)")
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        start = 0
+        for mb in micro_batches(batch, self.cfg.micro_batch_size):
+            logits = self._forward(model, mb)
+            lp = algorithm.token_logprobs(logits, mb["input_ids"].to(self.device), self.cfg.algorithm.temperature)
+            rows, width = lp.shape
+            out[start:start + rows, :width] = lp.cpu() * mb["attention_mask"]
+            start += rows
+        return out
+
+    # -- one optimizer step ----------------------------------------------------------------
+
+    def train_minibatch(self, shard: TensorDict, denom: float) -> dict[str, float]:
+        """Accumulate gradients over this rank's ``shard`` of a mini-batch, then one optimizer step.
+
+        ``denom`` is the whole mini-batch's count (tokens or sequences, see `algorithm.aggregate`).
+        Collective: every rank calls it with its own shard and the same ``denom``.
+        """
+        acfg = self.cfg.algorithm
+        mbs = micro_batches(shard, self.cfg.micro_batch_size)
+        # Proximal and reference log-probs come from the weights *before* this update.
+        prox = [self.compute_logprobs(mb) for mb in mbs] if acfg.decoupled else [None] * len(mbs)
+        ref = [self.compute_logprobs(mb, reference=True) for mb in mbs] if acfg.kl_coef > 0 else [None] * len(mbs)
+        totals: dict[str, float] = {"loss": 0.0, "entropy_sum": 0.0}
+        for mb, prox_lp, ref_lp in zip(mbs, prox, ref):
+            logits = self._forward(self.model, mb)
+            mb = mb.to(self.device)
+            logprobs = algorithm.token_logprobs(logits, mb["input_ids"], acfg.temperature)
+            loss, stats = algorithm.policy_loss(
+                logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], acfg, denom=denom,
+                proximal_logprobs=None if prox_lp is None else prox_lp.to(self.device),
+                ref_logprobs=None if ref_lp is None else ref_lp.to(self.device),
+            )
+            # FSDP averages gradients over ranks; the loss is already normalised by the global
+            # count, so scale by world_size to turn that average back into the global sum.
+            (loss * self.world_size).backward()
+            with torch.no_grad():
+                ent = algorithm.token_entropy(logits.detach(), acfg.temperature)
+                totals["entropy_sum"] += float((ent * mb["response_mask"]).sum())
+            totals["loss"] += float(loss.detach())
+            for k, v in stats.items():
+                v = float(v)
+                if k.endswith("_max"):
+                    totals[k] = max(totals.get(k, -math.inf), v)
+                elif k.endswith("_min"):
+                    totals[k] = min(totals.get(k, math.inf), v)
+                else:
+                    totals[k] = totals.get(k, 0.0) + v
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"gradient norm is {norm} at optimizer step {self.optim_steps}; "
+                                     "lower optim.lr or check the batch's advantages")
+        lr = lr_at(self.cfg.optim, self.optim_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optim_steps += 1
+        totals.update(grad_norm=norm, lr=lr)
+        return totals
+
+    # -- state -----------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded CPU copy of the model's parameters on rank 0 ({} elsewhere). Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write model + optimizer shards to ``path`` with torch.distributed.checkpoint. Collective."""
+        checkpoint.save_shards(path, self.model, self.optimizer, self.optim_steps)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load model + optimizer from ``path``; returns the optimizer step count. Collective."""
+        self.optim_steps = checkpoint.load_shards(path, self.model, self.optimizer)
+        return self.optim_steps
+
+    # -- weight sync (the entry points asyncrl.sync drives) ----------------------------------
+
+    def init_weight_sync(self, **kwargs):
+        from asyncrl.sync.sender import WeightSender
+
+        self._sender = WeightSender(self.model, rank=self.rank, **kwargs)
+        return self._sender.connect()
+
+    def send_weights(self, **kwargs):
+        # Every trainer rank calls it: gathering full tensors from FSDP shards is collective.
+        return self._sender.send(**kwargs)
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
