@@ -233,6 +233,30 @@ class TorchEngine:
                 self._finish(self._running[rid], "abort")
             cond.notify_all()
 
+    async def wait_for_tokens(self, request_id: str, n_tokens: int, timeout_s: float = 60.0) -> int:
+        """Wait until ``request_id`` has generated ``n_tokens`` or is no longer in flight.
+
+        Returns its token count then (0 once it has left). A hook for tests and benchmarks that
+        must act mid-generation; raises `EngineError` naming ``timeout_s`` when it runs out.
+        """
+        cond = self._start()
+
+        def reached() -> bool:
+            seq = self._running.get(request_id)
+            if seq is not None:
+                return seq.n_generated >= n_tokens
+            return not any(s.rid == request_id for s in self._queued)
+
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(reached), timeout_s)
+            except TimeoutError:
+                raise EngineError(
+                    f"request {request_id} did not reach {n_tokens} tokens within timeout_s={timeout_s}"
+                ) from None
+            seq = self._running.get(request_id)
+            return 0 if seq is None else seq.n_generated
+
     # ---------------------------------------------------------------- pause / resume
 
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = False) -> None:

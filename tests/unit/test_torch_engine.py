@@ -1,0 +1,307 @@
+"""The built-in engine against transformers itself: tokens, log-probs, pause modes, weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.rollouter.engine import EngineClosedError, EngineError, EnginePausedError
+from asyncrl.rollouter.torch_engine import TorchEngine, TorchEngineConfig
+from asyncrl.types import GenerateRequest, SamplingParams
+
+GREEDY = SamplingParams(greedy=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    torch.set_num_threads(1)
+    # A wider init than the default 0.02 gives peaked, varied logits: greedy tokens differ
+    # from step to step and no two logits tie within float error.
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def ref(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 40, (n,), generator=g).numpy() for n in lengths]
+
+
+def req(rid, prompt, max_tokens=24, sampling=GREEDY):
+    return GenerateRequest(rid, np.asarray(prompt), max_tokens=max_tokens, sampling=sampling)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n, eos=False):
+    """transformers' own greedy generate; ``eos=False`` matches an engine with ``eos_token_ids=()``."""
+    x = torch.as_tensor(prompt)[None]
+    kw = {} if eos else {"eos_token_id": None}
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kw)
+    return out[0, len(prompt) :].numpy()
+
+
+@torch.no_grad()
+def full_forward_logprobs(model, prompt, response, temperature=1.0):
+    ids = torch.as_tensor(np.concatenate([prompt, response]))[None]
+    logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
+    return logp[len(prompt) - 1 : -1].gather(1, ids[0, len(prompt) :, None])[:, 0].numpy()
+
+
+async def test_greedy_equals_hf_generate_concurrently(model_path, ref):
+    ps = prompts([2, 5, 9, 14, 3, 21, 7, 11, 4, 17])
+    # max_running < number of requests: requests join and leave the batch mid-flight.
+    engine = TorchEngine(model_path, max_running=4)
+    try:
+        results = await asyncio.gather(*(engine.generate(req(f"r{i}", p, 20 + i)) for i, p in enumerate(ps)))
+    finally:
+        await engine.close()
+    for i, (p, r) in enumerate(zip(ps, results)):
+        expected = hf_greedy(ref, p, 20 + i, eos=True)
+        np.testing.assert_array_equal(r.response_ids, expected, err_msg=f"request r{i}")
+        assert r.finish_reason == ("stop" if expected[-1] == ref.config.eos_token_id else "length")
+        assert (r.versions == 0).all()
+    assert engine.stats()["tokens_generated"] == sum(len(r.response_ids) for r in results)
+
+
+async def test_logprobs_equal_full_forward(model_path, ref):
+    ps = prompts([3, 8, 13, 6], seed=1)
+    samplings = [
+        GREEDY,
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=2),
+        SamplingParams(temperature=1.3, top_k=5),
+    ]
+    engine = TorchEngine(model_path, max_running=8, eos_token_ids=())
+    try:
+        results = await asyncio.gather(
+            *(engine.generate(req(f"r{i}", p, 30, s)) for i, (p, s) in enumerate(zip(ps, samplings)))
+        )
+    finally:
+        await engine.close()
+    for p, s, r in zip(ps, samplings, results):
+        assert len(r.response_ids) == 30 and r.finish_reason == "length"
+        temp = 1.0 if s.greedy else s.temperature
+        expected = full_forward_logprobs(ref, p, r.response_ids, temp)
+        assert np.abs(expected - r.logprobs).max() <= 1e-4
+
+
+async def test_seeded_sampling_does_not_depend_on_batch(model_path):
+    p = prompts([6], seed=2)[0]
+    s = SamplingParams(temperature=1.0, seed=7)
+    engine = TorchEngine(model_path, max_running=8, eos_token_ids=())
+    try:
+        alone = await engine.generate(req("alone", p, 20, s))
+        others = [engine.generate(req(f"o{i}", q, 25, SamplingParams())) for i, q in enumerate(prompts([4, 9, 2]))]
+        crowded, *_ = await asyncio.gather(engine.generate(req("crowded", p, 20, s)), *others)
+    finally:
+        await engine.close()
+    np.testing.assert_array_equal(alone.response_ids, crowded.response_ids)
+    assert len(set(alone.response_ids.tolist())) > 3  # really sampled, not a constant
+
+
+async def _start(engine, requests, first_id, n_tokens):
+    tasks = [asyncio.create_task(engine.generate(r)) for r in requests]
+    await asyncio.sleep(0)  # let the requests enqueue
+    got = await engine.wait_for_tokens(first_id, n_tokens, timeout_s=60)
+    assert got >= n_tokens
+    return tasks
+
+
+async def test_keep_resume_same_weights_is_uninterrupted(model_path, ref):
+    ps = prompts([5, 12, 3], seed=3)
+    engine = TorchEngine(model_path, max_running=4, eos_token_ids=())
+    try:
+        tasks = await _start(engine, [req(f"r{i}", p, 40) for i, p in enumerate(ps)], "r0", 5)
+        await engine.pause("keep")
+        before = engine.stats()
+        assert before["running"] == 3 and before["kv_tokens"] > 0
+        # A request arriving while paused with keep is queued, not refused.
+        late = asyncio.create_task(engine.generate(req("late", ps[0], 10)))
+        await asyncio.sleep(0)
+        assert engine.stats()["queued"] == 1
+        assert engine.stats()["tokens_generated"] == before["tokens_generated"]  # frozen
+        await engine.resume()
+        results = await asyncio.gather(*tasks, late)
+    finally:
+        await engine.close()
+    for p, r in zip(ps, results):
+        np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, p, 40))
+    np.testing.assert_array_equal(results[-1].response_ids, hf_greedy(ref, ps[0], 10))
+    assert engine.stats()["reprefill_tokens"] == 0
+
+
+def perturbed(model, seed=0, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + scale * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def reference_swap(model_path, prompt, n_old, n_total, new_weights):
+    """Greedy: n_old tokens with the old weights, swap weights in place, continue on the same KV."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    cache = DynamicCache(config=model.config)
+    tokens, logprobs = [], []
+    x = torch.as_tensor(prompt)[None]
+    for i in range(n_total):
+        if i == n_old:
+            for name, p in model.named_parameters():
+                p.copy_(new_weights[name])
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
+        tok = int(logits.argmax())
+        tokens.append(tok)
+        logprobs.append(float(torch.log_softmax(logits.float(), -1)[tok]))
+        x = torch.tensor([[tok]])
+    return np.array(tokens), np.array(logprobs)
+
+
+async def test_keep_with_weight_update_continues_on_kv(model_path, ref):
+    ps = prompts([4, 10], seed=4)
+    new = perturbed(ref)
+    engine = TorchEngine(model_path, max_running=4, eos_token_ids=())
+    try:
+        tasks = await _start(engine, [req(f"r{i}", p, 30) for i, p in enumerate(ps)], "r0", 6)
+        await engine.pause("keep")
+        # Load in two buckets, as the weight sync does.
+        names = [n for n, *_ in engine.param_meta()]
+        await engine.load_weights((n, new[n]) for n in names[: len(names) // 2])
+        await engine.load_weights((n, new[n]) for n in names[len(names) // 2 :])
+        await engine.finish_weight_update(1)
+        await engine.resume()
+        results = await asyncio.gather(*tasks)
+    finally:
+        await engine.close()
+    assert engine.version == 1 and engine.stats()["reprefill_tokens"] == 0
+    for p, r in zip(ps, results):
+        k = int((r.versions == 0).sum())
+        assert 0 < k < 30
+        np.testing.assert_array_equal(r.versions, [0] * k + [1] * (30 - k))
+        tokens, logprobs = reference_swap(model_path, p, k, 30, new)
+        np.testing.assert_array_equal(r.response_ids, tokens)
+        assert np.abs(r.logprobs - logprobs).max() <= 1e-4
+        # The swap mattered: the old weights alone continue differently.
+        assert not np.array_equal(r.response_ids, hf_greedy(ref, p, 30))
+
+
+async def test_keep_clear_cache_reprefills(model_path, ref):
+    ps = prompts([5, 8], seed=5)
+    engine = TorchEngine(model_path, max_running=4, eos_token_ids=())
+    try:
+        tasks = await _start(engine, [req(f"r{i}", p, 30) for i, p in enumerate(ps)], "r0", 4)
+        await engine.pause("keep", clear_cache=True)
+        st = engine.stats()
+        assert st["kv_tokens"] == 0
+        held = st["reprefill_tokens"]
+        await engine.resume()
+        results = await asyncio.gather(*tasks)
+    finally:
+        await engine.close()
+    for p, r in zip(ps, results):
+        np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, p, 30))
+    # Each request re-prefilled its prompt and everything generated before the pause.
+    assert held >= sum(len(p) + 4 for p in ps) - 2 and held == engine.stats()["reprefill_tokens"]
+
+
+async def test_abort_mode_returns_partials_and_resubmission_completes(model_path, ref):
+    ps = prompts([6, 9], seed=6)
+    engine = TorchEngine(model_path, max_running=4, eos_token_ids=())
+    try:
+        tasks = await _start(engine, [req(f"r{i}", p, 30) for i, p in enumerate(ps)], "r0", 5)
+        await engine.pause("abort")
+        partials = await asyncio.gather(*tasks)
+        with pytest.raises(EnginePausedError, match="mode='abort'"):
+            await engine.generate(req("refused", ps[0]))
+        await engine.resume()
+        # Prompt + partial response, with the remaining budget, completes the response.
+        rest = await asyncio.gather(
+            *(
+                engine.generate(req(f"again{i}", np.concatenate([p, r.response_ids]), 30 - len(r.response_ids)))
+                for i, (p, r) in enumerate(zip(ps, partials))
+            )
+        )
+    finally:
+        await engine.close()
+    for p, part, tail in zip(ps, partials, rest):
+        assert part.finish_reason == "abort" and 0 < len(part.response_ids) < 30
+        assert len(part.logprobs) == len(part.versions) == len(part.response_ids)
+        np.testing.assert_array_equal(np.concatenate([part.response_ids, tail.response_ids]), hf_greedy(ref, p, 30))
+
+
+async def test_abort_chosen_requests(model_path, ref):
+    ps = prompts([4, 7, 5], seed=7)
+    engine = TorchEngine(model_path, max_running=2, eos_token_ids=())
+    try:
+        tasks = await _start(engine, [req(f"r{i}", p, 25) for i, p in enumerate(ps)], "r0", 3)
+        await engine.abort(["r0", "r2", "unknown"])  # r2 is still queued (2 slots)
+        results = await asyncio.gather(*tasks)
+    finally:
+        await engine.close()
+    assert [r.finish_reason for r in results] == ["abort", "length", "abort"]
+    assert 3 <= len(results[0].response_ids) < 25 and len(results[2].response_ids) == 0
+    np.testing.assert_array_equal(results[1].response_ids, hf_greedy(ref, ps[1], 25))
+
+
+async def test_wait_drains_in_flight_and_refuses_new(model_path, ref):
+    ps = prompts([4, 7, 5], seed=8)
+    engine = TorchEngine(model_path, max_running=2, eos_token_ids=())
+    try:
+        tasks = await _start(engine, [req(f"r{i}", p, 20) for i, p in enumerate(ps)], "r0", 2)
+        await engine.pause("wait")  # returns once drained, queued r2 included
+        assert all(t.done() for t in tasks)
+        assert engine.stats()["running"] == engine.stats()["queued"] == 0
+        with pytest.raises(EnginePausedError, match="mode='wait'"):
+            await engine.generate(req("refused", ps[0]))
+        await engine.resume()
+        after = await engine.generate(req("after", ps[0], 20))
+    finally:
+        await engine.close()
+    for p, t in zip(ps, tasks):
+        assert t.result().finish_reason == "length"
+        np.testing.assert_array_equal(t.result().response_ids, hf_greedy(ref, p, 20))
+    np.testing.assert_array_equal(after.response_ids, hf_greedy(ref, ps[0], 20))
+
+
+async def test_weights_boundaries(model_path, ref):
+    engine = TorchEngine(model_path)
+    try:
+        meta = engine.param_meta()
+        assert [n for n, *_ in meta] == [n for n, _ in ref.named_parameters()]
+        assert "lm_head.weight" not in [n for n, *_ in meta]  # tied: listed once
+        name, dtype, shape = meta[0]
+        with pytest.raises(EngineError, match="paused"):
+            await engine.load_weights([(name, torch.zeros(shape, dtype=dtype))])
+        await engine.pause("keep")
+        with pytest.raises(KeyError, match="nope"):
+            await engine.load_weights([("nope", torch.zeros(1))])
+        with pytest.raises(ValueError, match="shape"):
+            await engine.load_weights([(name, torch.zeros(1))])
+        await engine.load_weights([(name, torch.full(shape, 0.5, dtype=dtype))])
+        assert bool((dict(engine.model.named_parameters())[name] == 0.5).all())
+    finally:
+        await engine.close()
+    with pytest.raises(EngineClosedError):
+        await engine.generate(req("late", prompts([3])[0]))
+
+
+async def test_close_fails_in_flight(model_path):
+    engine = TorchEngine(model_path, max_running=1, eos_token_ids=())
+    tasks = await _start(engine, [req(f"r{i}", p, 200) for i, p in enumerate(prompts([3, 4]))], "r0", 1)
+    await engine.pause("keep")
+    await engine.close()
+    for t in tasks:
+        with pytest.raises(EngineClosedError):
+            await t
+
+
+def test_config_errors_name_the_field(model_path):
+    with pytest.raises(ValueError, match="max_running"):
+        TorchEngineConfig(model_path=model_path, max_running=0)
+    with pytest.raises(ValueError, match="pause_timeout_s"):
+        TorchEngineConfig(model_path=model_path, pause_timeout_s=0)
