@@ -1,0 +1,430 @@
+"""`VLLMEngine`: the `RolloutEngine` interface over vLLM's ``AsyncLLM`` (GPU; written against vLLM 0.33).
+
+One engine replica = one ``AsyncLLM`` (its EngineCore and GPU workers run in processes
+vLLM starts). What maps onto what:
+
+- ``generate`` -> ``AsyncLLM.generate(TokensPrompt, SamplingParams, request_id)`` with
+  ``output_kind=FINAL_ONLY`` (one output, all tokens), ``logprobs=0`` (the sampled token's
+  log-prob only), ``detokenize=False``, ``ignore_eos=True`` (a request stops on its own
+  ``stop_token_ids``, as in the built-in engine). The engine is built with
+  ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)`` of the sampled token,
+  greedy rows at ``T = 1``, which is the built-in engine's quantity (see
+  ``asyncrl/rollouter/sampling.py``) whenever ``top_k=0, top_p=1``; with top-k/top-p vLLM
+  renormalises over the kept tokens and the built-in engine does not.
+- Per-token versions come from vLLM itself: the EngineCore labels every output with its
+  weight version and ``CompletionOutput.weight_versions`` gives ``[start, end)`` spans per
+  label. `receive_weights` commits each update with ``weight_version=str(version)``, so a
+  request frozen by ``pause(keep)`` across an update carries the old version before the
+  pause and the new one after it. vLLM's initial label ``"default"`` reads as
+  ``initial_version``.
+- ``pause(mode, clear_cache)`` -> ``pause_generation(mode=..., clear_cache=...)``;
+  ``resume()`` -> ``resume_generation()``; ``abort(ids)`` -> ``AsyncLLM.abort(ids)`` (the
+  request's final output then has ``finish_reason="abort"`` and its partial tokens).
+  Requests vLLM rejects while paused (``RetryableRequestError``) raise `EnginePausedError`.
+- Weights: `init_weight_sync` -> ``init_weight_transfer_engine``; `receive_weights` ->
+  ``start_weight_update``, ``update_weights``, ``finish_weight_update`` (vLLM's NCCL
+  transfer engine; the trainer side is `asyncrl.sync.vllm.VLLMWeightSender`). A failed
+  update leaves the engine refusing to resume until a later update completes, so it never
+  serves half-loaded weights.
+
+Leaves out: ``load_weights`` from local tensors (vLLM's model lives in another process;
+weights arrive only over the transfer engine), LoRA, multimodal inputs, ``n > 1`` (asyncrl
+sends one request per response), prefix-cache and queue statistics (not exposed per
+engine by ``AsyncLLM``). ``vllm`` is imported only when an engine is built, so this module
+imports on machines without it. None of it has run here (no GPU, no vLLM wheel for CPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asyncrl.rollouter.engine import (
+    PAUSE_MODES,
+    EngineClosedError,
+    EngineError,
+    EnginePausedError,
+    PauseMode,
+)
+from asyncrl.types import GenerateRequest, GenerateResult
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+_VLLM_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_INIT_INFO_REQUIRED = ("master_address", "master_port", "rank_offset", "world_size")
+
+
+@dataclass(kw_only=True)
+class VLLMEngineConfig:
+    """How one vLLM replica is built (fields not listed go through ``engine_kwargs``)."""
+
+    model: str
+    """Local Hugging Face model directory (or any model id vLLM can load)."""
+    dtype: str = "auto"
+    """vLLM ``dtype``: auto | bfloat16 | float16 | float32."""
+    seed: int = 0
+    """vLLM's engine seed (requests without a seed draw from it)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the GPU this replica may take (weights + KV cache)."""
+    max_model_len: int | None = None
+    """Longest prompt + response; None lets vLLM read it from the model config."""
+    max_num_seqs: int | None = None
+    """Cap on requests in the running batch; None keeps vLLM's default."""
+    tensor_parallel_size: int = 1
+    """GPUs per replica (each is one worker in the weight-transfer group)."""
+    enforce_eager: bool = False
+    """Skip CUDA graph capture (faster start, slower decode)."""
+    logprobs_mode: str = "processed_logprobs"
+    """Which log-probs vLLM returns; processed_logprobs matches the built-in engine (module doc)."""
+    initial_version: int = 0
+    """Version of the weights the engine starts with."""
+    weight_sync_timeout_s: float = 600.0
+    """Deadline of each weight-transfer call (init, one update)."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """Other ``AsyncEngineArgs`` fields, passed as given."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"VLLMEngineConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"VLLMEngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"VLLMEngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.weight_sync_timeout_s <= 0:
+            raise ValueError(f"VLLMEngineConfig.weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
+        clash = {"logprobs_mode", "weight_transfer_config", "model"} & set(self.engine_kwargs)
+        if clash:
+            raise ValueError(f"VLLMEngineConfig.engine_kwargs must not set {sorted(clash)}: use the fields of the same name")
+
+    def engine_args(self) -> dict:
+        """Keyword arguments of vLLM's ``AsyncEngineArgs`` for this replica."""
+        args = {
+            "model": self.model,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "enforce_eager": self.enforce_eager,
+            "logprobs_mode": self.logprobs_mode,
+            # Requests are token ids and results are token ids: no tokenizer is needed.
+            "skip_tokenizer_init": True,
+            # Sampling defaults come from the request, not the model's generation_config.json.
+            "generation_config": "vllm",
+            "weight_transfer_config": {"backend": "nccl"},
+            "disable_log_stats": True,
+        }
+        if self.max_model_len is not None:
+            args["max_model_len"] = self.max_model_len
+        if self.max_num_seqs is not None:
+            args["max_num_seqs"] = self.max_num_seqs
+        return {**args, **self.engine_kwargs}
+
+
+def sampling_kwargs(request: GenerateRequest) -> dict:
+    """vLLM ``SamplingParams`` keyword arguments for one asyncrl request."""
+    s = request.sampling
+    return {
+        "n": 1,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0 if s.greedy else s.temperature,
+        "top_p": 1.0 if s.greedy else s.top_p,
+        "top_k": 0 if s.greedy else s.top_k,
+        "seed": s.seed,
+        "stop_token_ids": [int(t) for t in s.stop_token_ids],
+        "ignore_eos": True,
+        "logprobs": 0,
+        "detokenize": False,
+    }
+
+
+def map_finish_reason(request_id: str, reason: str | None) -> str:
+    """vLLM's finish reason -> asyncrl's (stop | length | abort); anything else is an EngineError."""
+    if reason not in _VLLM_FINISH:
+        raise EngineError(f"request {request_id}: vLLM finished it with {reason!r}, not stop/length/abort")
+    return _VLLM_FINISH[reason]
+
+
+def sampled_logprobs(request_id: str, token_ids: Sequence[int], logprobs) -> np.ndarray:
+    """Log-prob of each sampled token from vLLM's per-position logprobs.
+
+    ``logprobs`` is vLLM's ``SampleLogprobs``: a list of ``{token_id: Logprob}`` per position
+    (or a ``FlatLogprobs``, indexable the same way).
+    """
+    if logprobs is None:
+        if len(token_ids) == 0:
+            return np.zeros(0, dtype=np.float32)
+        raise EngineError(f"request {request_id}: vLLM returned no logprobs (was logprobs=0 dropped?)")
+    if len(logprobs) != len(token_ids):
+        raise EngineError(f"request {request_id}: {len(token_ids)} tokens but {len(logprobs)} logprob positions")
+    out = np.empty(len(token_ids), dtype=np.float32)
+    for i, tok in enumerate(token_ids):
+        entry = logprobs[i].get(int(tok))
+        if entry is None:
+            raise EngineError(f"request {request_id}: no logprob for sampled token {tok} at position {i}")
+        out[i] = entry.logprob
+    return out
+
+
+def expand_version_spans(spans, num_tokens: int, initial_version: int) -> np.ndarray:
+    """Per-token versions from vLLM's ``weight_versions`` spans (``.version``, ``.start``, ``.end``).
+
+    Labels are ``str(version)``; vLLM's unset label ``"default"`` reads as ``initial_version``.
+    Spans must tile ``[0, num_tokens)``.
+    """
+    versions = np.full(num_tokens, -1, dtype=np.int64)
+    if not spans:
+        if num_tokens:
+            raise EngineError(f"vLLM returned {num_tokens} tokens without weight-version spans")
+        return versions
+    for span in spans:
+        label = span.version
+        if label == "default":
+            v = initial_version
+        else:
+            try:
+                v = int(label)
+            except ValueError:
+                raise EngineError(f"weight version label {label!r} is not an integer version") from None
+        versions[span.start : span.end] = v
+    if num_tokens and (versions < 0).any():
+        raise EngineError(f"weight-version spans {[(s.start, s.end) for s in spans]} do not cover {num_tokens} tokens")
+    return versions
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def checkpoint_param_meta(model_dir: str | Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Name, dtype and shape of every tensor in a model directory's safetensors files, sorted by name.
+
+    These are the checkpoint-format names vLLM's ``load_weights`` accepts (what the trainer
+    sends), read from the file headers without loading a tensor.
+    """
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+    meta = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{f.name}: tensor {name!r} has dtype {info['dtype']}, which asyncrl does not sync")
+            meta[name] = (name, _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
+    return [meta[k] for k in sorted(meta)]
+
+
+class VLLMEngine:
+    """One vLLM replica behind the `RolloutEngine` interface (see the module docstring).
+
+    ``VLLMEngine(VLLMEngineConfig(model=...))`` or ``VLLMEngine(model=..., **fields)``.
+    Building it starts vLLM's EngineCore and loads the model (blocking, tens of seconds).
+    """
+
+    def __init__(self, config: VLLMEngineConfig | None = None, **fields) -> None:
+        if config is None:
+            config = VLLMEngineConfig(**fields)
+        elif fields:
+            raise TypeError("VLLMEngine takes a VLLMEngineConfig or keyword fields, not both")
+        self.config = config
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
+        self._version = config.initial_version
+        self._paused: PauseMode | None = None
+        self._update_open = False
+        self._weights_broken: str | None = None
+        self._closed = False
+        self._running = 0
+        self._tokens_generated = 0
+        self._finished = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        from vllm import SamplingParams
+        from vllm.exceptions import RetryableRequestError
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._closed:
+            raise EngineClosedError(f"request {request.request_id}: the vLLM engine is closed")
+        if self._paused in ("abort", "wait"):
+            raise EnginePausedError(f"request {request.request_id}: engine is paused with mode={self._paused!r}")
+        params = SamplingParams(**sampling_kwargs(request), output_kind=RequestOutputKind.FINAL_ONLY)
+        prompt = {"prompt_token_ids": request.prompt_ids.tolist()}
+        final = None
+        self._running += 1
+        try:
+            async for out in self._llm.generate(prompt, params, request.request_id):
+                final = out
+        except RetryableRequestError as exc:
+            raise EnginePausedError(f"request {request.request_id}: vLLM refused it while paused ({exc})") from exc
+        except EngineDeadError as exc:
+            raise EngineClosedError(f"request {request.request_id}: the vLLM engine died or was closed") from exc
+        finally:
+            self._running -= 1
+        if final is None or not final.outputs:
+            raise EngineError(f"request {request.request_id}: vLLM ended the request without an output")
+        completion = final.outputs[0]
+        token_ids = list(completion.token_ids)
+        result = GenerateResult(
+            request_id=request.request_id,
+            response_ids=np.asarray(token_ids, dtype=np.int64),
+            logprobs=sampled_logprobs(request.request_id, token_ids, completion.logprobs),
+            versions=expand_version_spans(completion.weight_versions, len(token_ids), self.config.initial_version),
+            finish_reason=map_finish_reason(request.request_id, completion.finish_reason),
+        )
+        self._tokens_generated += len(token_ids)
+        self._finished += 1
+        return result
+
+    async def pause(self, mode: PauseMode = "keep", clear_cache: bool = False) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._check_open()
+        # Set first: a generate() racing the pause is refused locally as well as by vLLM.
+        self._paused = mode
+        await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        self._check_open()
+        if self._update_open:
+            raise EngineError("resume() during a weight update: finish_weight_update(version) first")
+        if self._weights_broken is not None:
+            raise EngineError(
+                f"refusing to resume on partly loaded weights ({self._weights_broken}); "
+                "complete a weight update first"
+            )
+        await self._llm.resume_generation()
+        self._paused = None
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids:
+            await self._llm.abort(ids)
+
+    def param_meta(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """Checkpoint-format tensors of the model directory (`checkpoint_param_meta`).
+
+        vLLM casts what it receives to its own parameter dtype on load, so the dtype here is
+        the checkpoint's unless ``dtype`` is set explicitly.
+        """
+        meta = checkpoint_param_meta(self.config.model)
+        if self.config.dtype in ("auto",):
+            return meta
+        dtype = getattr(torch, {"half": "float16", "float": "float32"}.get(self.config.dtype, self.config.dtype))
+        return [(n, dtype if d.is_floating_point else d, s) for n, d, s in meta]
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError(
+            "VLLMEngine loads weights only through vLLM's NCCL transfer engine: "
+            "init_weight_sync(...) once, then receive_weights(...) per sync (asyncrl.sync.vllm)"
+        )
+
+    async def init_weight_sync(self, **init_info) -> None:
+        """Join the trainer's NCCL group: vLLM's ``init_weight_transfer_engine(init_info)``.
+
+        ``init_info`` is one entry of `asyncrl.sync.vllm.VLLMWeightSender.engine_init_infos`
+        (master_address, master_port, rank_offset, world_size, packed,
+        packed_buffer_size_bytes, packed_num_buffers). Blocks until the trainer's
+        ``connect()`` meets it.
+        """
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        missing = [k for k in _INIT_INFO_REQUIRED if k not in init_info]
+        if missing:
+            raise ValueError(f"init_weight_sync is missing {missing}; pass an entry of VLLMWeightSender.engine_init_infos()")
+        self._check_open()
+        await self._with_deadline(
+            self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info))),
+            "init_weight_sync",
+        )
+
+    async def receive_weights(
+        self,
+        *,
+        names: Sequence[str] = (),
+        dtype_names: Sequence[str] = (),
+        shapes: Sequence[Sequence[int]] = (),
+        version: int | None = None,
+    ) -> None:
+        """Receive one full set of weights while paused; runs while the trainer calls ``send``.
+
+        ``names``/``dtype_names``/``shapes`` are `VLLMWeightSender.update_info` (empty lists
+        reuse the last metadata). With ``version``, the update is committed here
+        (``finish_weight_update``); without it, call `finish_weight_update(version)` next.
+        """
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._check_open()
+        if self._paused is None:
+            raise EngineError("receive_weights while serving: pause(mode='keep') first")
+        if not (len(names) == len(dtype_names) == len(shapes)):
+            raise ValueError(
+                f"receive_weights: names, dtype_names and shapes differ in length "
+                f"({len(names)}, {len(dtype_names)}, {len(shapes)})"
+            )
+        info = {"names": list(names), "dtype_names": list(dtype_names), "shapes": [list(s) for s in shapes]}
+        self._weights_broken = "a weight update started and has not finished"
+        await self._with_deadline(self._llm.start_weight_update(), "start_weight_update")
+        self._update_open = True
+        await self._with_deadline(
+            self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)), "update_weights"
+        )
+        if version is not None:
+            await self.finish_weight_update(version)
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Commit the received weights as ``version``: tokens from now on carry it."""
+        self._check_open()
+        if not self._update_open:
+            raise EngineError("finish_weight_update without receive_weights")
+        await self._with_deadline(
+            self._llm.finish_weight_update(weight_version=str(version)), "finish_weight_update"
+        )
+        self._update_open = False
+        self._weights_broken = None
+        self._version = version
+
+    def stats(self) -> dict[str, int]:
+        """Counters kept here: running (generate calls in flight), tokens_generated, finished."""
+        return {"running": self._running, "tokens_generated": self._tokens_generated, "finished": self._finished}
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._llm.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the vLLM engine is closed")
+
+    async def _with_deadline(self, awaitable, what: str):
+        try:
+            return await asyncio.wait_for(awaitable, self.config.weight_sync_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"vLLM {what} did not finish within VLLMEngineConfig.weight_sync_timeout_s="
+                f"{self.config.weight_sync_timeout_s}s"
+            ) from None
