@@ -1,0 +1,115 @@
+"""``EngineActor``: one inference engine replica behind a Ray async actor.
+
+The class is plain Python (testable in-process); `remote_engine_actor` makes the Ray actor
+class from it. Ray runs ``async`` methods concurrently on the actor's event loop, so many
+``generate`` calls are in flight at once and the engine batches them. Requests and results
+cross Ray as the `asyncrl.types` dataclasses.
+
+The engine is built by kind: ``"torch"`` -> `TorchEngine` (built-in), ``"vllm"`` ->
+``asyncrl.rollouter.vllm_engine.VLLMEngine`` (imported only when asked for). Weight sync:
+``init_weight_sync`` / ``receive_weights`` go to the engine's own methods when it has them
+(vLLM's weight-transfer engine), else to a ``asyncrl.sync.receiver.WeightReceiver`` that
+loads received buckets through the engine's ``load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from asyncrl.rollouter.engine import PauseMode
+from asyncrl.types import GenerateRequest, GenerateResult
+
+ENGINE_KINDS = ("torch", "vllm")
+
+
+def make_engine(kind: str = "torch", **engine_kwargs):
+    """Build an engine by kind (``torch`` | ``vllm``) from its keyword settings."""
+    if kind == "torch":
+        from asyncrl.rollouter.torch_engine import TorchEngine
+
+        return TorchEngine(**engine_kwargs)
+    if kind == "vllm":
+        from asyncrl.rollouter.vllm_engine import VLLMEngine
+
+        return VLLMEngine(**engine_kwargs)
+    raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}")
+
+
+class EngineActor:
+    """One engine replica; the same methods as `asyncrl.rollouter.engine.RolloutEngine`."""
+
+    def __init__(self, kind: str = "torch", num_threads: int | None = None, **engine_kwargs):
+        if num_threads is not None:
+            import torch
+
+            # Actors sharing a machine share its cores: cap torch's intra-op threads.
+            torch.set_num_threads(num_threads)
+        self.kind = kind
+        self.engine = make_engine(kind, **engine_kwargs)
+        self._receiver = None
+
+    async def ready(self) -> dict:
+        """Returns once the engine is built: ``{"kind", "version"}``."""
+        return {"kind": self.kind, "version": self.engine.version}
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await self.engine.generate(request)
+
+    async def pause(self, mode: PauseMode = "keep", clear_cache: bool = False) -> None:
+        await self.engine.pause(mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        await self.engine.abort(list(request_ids))
+
+    async def wait_for_tokens(self, request_id: str, n_tokens: int, timeout_s: float = 60.0) -> int:
+        """The engine's progress hook (built-in engine only): see `TorchEngine.wait_for_tokens`."""
+        return await self.engine.wait_for_tokens(request_id, n_tokens, timeout_s=timeout_s)
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    async def param_meta(self) -> list:
+        return self.engine.param_meta()
+
+    async def load_weights(self, named_tensors) -> None:
+        await self.engine.load_weights(named_tensors)
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self.engine.finish_weight_update(version)
+
+    async def init_weight_sync(self, **kwargs):
+        if hasattr(self.engine, "init_weight_sync"):
+            return await self.engine.init_weight_sync(**kwargs)
+        from asyncrl.sync.receiver import WeightReceiver
+
+        self._receiver = WeightReceiver(self.engine, **kwargs)
+        return await self._receiver.connect()
+
+    async def receive_weights(self, **kwargs):
+        if hasattr(self.engine, "receive_weights"):
+            return await self.engine.receive_weights(**kwargs)
+        if self._receiver is None:
+            raise RuntimeError("receive_weights before init_weight_sync: call init_weight_sync first")
+        return await self._receiver.receive(**kwargs)
+
+    async def close(self) -> None:
+        close = getattr(self._receiver, "close", None)
+        if close is not None:
+            result = close()
+            if hasattr(result, "__await__"):
+                await result
+        await self.engine.close()
+
+
+def remote_engine_actor(num_cpus: float = 1, num_gpus: float = 0, **options):
+    """The Ray actor class of `EngineActor`: ``remote_engine_actor().remote(kind="torch", model_path=...)``."""
+    import ray
+
+    # Async actor: default max_concurrency (1000) lets every generate call be in flight.
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, **options)(EngineActor)
