@@ -1,0 +1,385 @@
+"""The sample-stream codec: a msgpack header plus one raw frame per array.
+
+``pack(obj)`` turns a value into a list of frames: frame 0 is a msgpack header; every numpy
+array and torch tensor in ``obj`` is replaced in the header by ``(dtype, shape, frame_index)``
+and its bytes travel as their own frame, so they can be sent with ``copy=False``.
+``unpack(frames)`` rebuilds the value; arrays are views on the received frames
+(``numpy.frombuffer`` / ``torch.frombuffer``), not copies. Treat them as read-only: a numpy
+array decoded from immutable bytes is read-only, and a torch tensor shares the frame's memory.
+
+Supported values: None, bool, int (64-bit), float, str, bytes, lists/tuples (decoded as
+lists), dicts with str/int keys, numpy arrays and scalars of numeric or bool dtype, torch
+tensors (including bfloat16; numpy has no bfloat16, so its bytes are rebuilt with torch),
+and `Trajectory` / `Group`, which round-trip exactly. Non-contiguous arrays are made
+contiguous on encode; 0-d and empty arrays work.
+
+Left out on purpose: pickle (never, on any path: an unsupported type is a `CodecError`
+naming it), object/string/structured numpy dtypes, sparse and quantized tensors, and GPU
+tensors stay where they are until encode copies them to host memory.
+
+Any malformed input (garbage bytes, a wrong protocol version, a missing or extra frame, a
+frame whose length does not match dtype x shape, a frame over ``max_frame_bytes``) raises
+`CodecError` with a message saying what was wrong; it never returns a wrong array.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from asyncrl.types import Group, Trajectory
+
+CODEC_VERSION = 1
+"""Bumped on any change to the header layout; a peer with another version is refused."""
+
+DEFAULT_MAX_FRAME_BYTES = 512 * 1024 * 1024
+"""Largest frame `unpack` accepts unless told otherwise (512 MiB)."""
+
+DEFAULT_OWN_FRAME_BYTES = 64 * 1024
+"""Arrays this large or larger travel as their own frame (ZeroMQ copies smaller frames anyway)."""
+
+_MAX_NDIM = 32
+_ALIGN = 16  # pool offsets keep every dtype (complex128 included) aligned
+
+# msgpack extension codes used in the header.
+_EXT_NDARRAY = 1
+_EXT_TENSOR = 2
+_EXT_NPSCALAR = 3
+_EXT_TRAJECTORY = 4
+_EXT_GROUP = 5
+
+# Numeric and bool numpy dtypes, keyed by `dtype.str` (byte order included).
+_NP_KINDS = set("biufc")
+
+_TRAJECTORY_FIELDS = (
+    "sample_id", "index", "prompt_ids", "response_ids", "logprobs", "versions",
+    "finish_reason", "reward", "age",
+)
+
+
+class CodecError(ValueError):
+    """A value cannot be encoded, or frames cannot be decoded; the message says why."""
+
+
+# --------------------------------------------------------------------------------------
+# torch is optional at import time: the codec is used by processes that never touch it.
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter")
+
+
+_TORCH_DTYPES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+)
+
+
+def _torch_dtype(name: str):
+    if name not in _TORCH_DTYPES:
+        raise CodecError(f"unsupported torch dtype {name!r} in header (supported: {', '.join(_TORCH_DTYPES)})")
+    return getattr(_torch(), name)
+
+
+# --------------------------------------------------------------------------------------
+# encode
+
+
+class _Encoder:
+    """One `pack` call: collects raw frames while msgpack walks the value.
+
+    Arrays of at least ``own_frame_bytes`` get their own frame and are sent without a copy.
+    Smaller ones are copied into one shared pool frame at aligned offsets: ZeroMQ copies small
+    frames anyway, and one frame instead of dozens is what keeps per-message cost low.
+    """
+
+    def __init__(self, own_frame_bytes: int) -> None:
+        self.own_frame_bytes = own_frame_bytes
+        self.own: list[Any] = []
+        self.pooled: list[tuple[int, Any]] = []
+        self.pool_nbytes = 0
+        self._packers: list[msgpack.Packer] = []
+        self._depth = 0
+
+    def packb(self, value: Any) -> bytes:
+        # Packers are reused per nesting depth: building one per record costs a buffer allocation.
+        if self._depth == len(self._packers):
+            self._packers.append(msgpack.Packer(default=self.default, use_bin_type=True, buf_size=4096))
+        packer = self._packers[self._depth]
+        self._depth += 1
+        try:
+            return packer.pack(value)
+        except CodecError:
+            raise
+        except (OverflowError, TypeError, ValueError) as e:
+            raise CodecError(f"cannot encode: {e}") from e
+        finally:
+            self._depth -= 1
+
+    def default(self, obj: Any) -> msgpack.ExtType:
+        if isinstance(obj, np.ndarray):
+            return self._ndarray(obj)
+        if isinstance(obj, np.generic):
+            return msgpack.ExtType(_EXT_NPSCALAR, self.packb(np.asarray(obj)))
+        if _is_torch_tensor(obj):
+            return self._tensor(obj)
+        if isinstance(obj, Group):
+            return msgpack.ExtType(_EXT_GROUP, self.packb(_group_columns(obj)))
+        if isinstance(obj, Trajectory):
+            return msgpack.ExtType(_EXT_TRAJECTORY, self.packb([getattr(obj, f) for f in _TRAJECTORY_FIELDS]))
+        raise CodecError(f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__} (no pickle)")
+
+    def _place(self, code: int, dtype: str, shape: list[int], flat_u8: Any) -> msgpack.ExtType:
+        n = flat_u8.nbytes
+        if n >= self.own_frame_bytes:
+            self.own.append(flat_u8)
+            where = [1 + len(self.own), 0]  # data frame 1 is the pool
+        else:
+            offset = self.pool_nbytes
+            self.pooled.append((offset, flat_u8))
+            self.pool_nbytes = offset + -(-n // _ALIGN) * _ALIGN
+            where = [1, offset]
+        return msgpack.ExtType(code, msgpack.packb([dtype, shape, *where]))
+
+    def _ndarray(self, arr: np.ndarray) -> msgpack.ExtType:
+        if arr.dtype.kind not in _NP_KINDS:
+            raise CodecError(f"cannot encode a numpy array of dtype {arr.dtype} (numeric and bool dtypes only)")
+        flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        return self._place(_EXT_NDARRAY, arr.dtype.str, list(arr.shape), flat)
+
+    def _tensor(self, t: Any) -> msgpack.ExtType:
+        torch = _torch()
+        if t.layout != torch.strided or t.is_quantized:
+            raise CodecError(f"cannot encode a {t.layout} tensor (dense tensors only)")
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _TORCH_DTYPES:
+            raise CodecError(f"cannot encode a torch tensor of dtype {t.dtype} (supported: {', '.join(_TORCH_DTYPES)})")
+        shape = list(t.shape)
+        t = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+        flat = t.reshape(-1).view(torch.uint8).numpy()
+        return self._place(_EXT_TENSOR, name, shape, flat)
+
+    def pool(self) -> np.ndarray:
+        pool = np.empty(self.pool_nbytes, np.uint8)
+        for offset, flat in self.pooled:
+            pool[offset : offset + flat.nbytes] = flat
+        return pool
+
+
+def _group_columns(g: Group) -> list[Any]:
+    # A group travels column-wise: one array per field for all n responses, so a message
+    # holds a handful of arrays whatever n is; decoding slices them back into views.
+    ts = g.trajectories
+    cat = (lambda name: np.concatenate([getattr(t, name) for t in ts])) if ts else (lambda name: None)
+    return [
+        g.sample_id, g.expected, g.status, g.error, g.meta,
+        [t.index for t in ts], [t.finish_reason for t in ts], [t.reward for t in ts], [t.age for t in ts],
+        [len(t.prompt_ids) for t in ts], [len(t.response_ids) for t in ts],
+        cat("prompt_ids"), cat("response_ids"), cat("logprobs"), cat("versions"),
+    ]
+
+
+def pack(obj: Any, *, own_frame_bytes: int = DEFAULT_OWN_FRAME_BYTES) -> list[Any]:
+    """Encode ``obj`` as ``[header, pool, *own_frames]``; own frames share the arrays' memory.
+
+    Arrays of at least ``own_frame_bytes`` travel as their own frame, smaller ones in the
+    shared pool frame. Raises `CodecError` naming the type of any value it cannot encode.
+    """
+    enc = _Encoder(own_frame_bytes)
+    body = enc.packb(obj)
+    header = msgpack.packb([CODEC_VERSION, 1 + len(enc.own), enc.pool_nbytes, body], use_bin_type=True)
+    return [header, enc.pool(), *enc.own]
+
+
+def frames_nbytes(frames: list[Any]) -> int:
+    """Total bytes of a frame list as `pack` returns it (header included)."""
+    return sum(_buffer(f).nbytes for f in frames)
+
+
+# --------------------------------------------------------------------------------------
+# decode
+
+
+def _buffer(frame: Any) -> memoryview:
+    # zmq.Frame exposes .buffer; bytes/bytearray/memoryview/ndarray support the buffer protocol.
+    buf = getattr(frame, "buffer", frame)
+    try:
+        mv = memoryview(buf)
+    except TypeError as e:
+        raise CodecError(f"frame of type {type(frame).__name__} is not a buffer") from e
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+class _Decoder:
+    """One `unpack` call: resolves extension records against the raw frames."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self.buffers = buffers  # buffers[0] is the pool
+        self.used = [False] * len(buffers)
+        self.used[0] = True
+
+    def unpackb(self, data: bytes) -> Any:
+        return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False)
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == _EXT_NDARRAY:
+            return self._ndarray(*self._locate(data, "array"))
+        if code == _EXT_TENSOR:
+            return self._tensor(*self._locate(data, "tensor"))
+        if code == _EXT_NPSCALAR:
+            arr = self.unpackb(data)
+            if not isinstance(arr, np.ndarray) or arr.ndim != 0:
+                raise CodecError("numpy scalar record does not hold a 0-d array")
+            return arr[()]
+        if code == _EXT_TRAJECTORY:
+            values = self._fields(data, "Trajectory", len(_TRAJECTORY_FIELDS))
+            return _build(Trajectory, **dict(zip(_TRAJECTORY_FIELDS, values)))
+        if code == _EXT_GROUP:
+            return _group_from_columns(self._fields(data, "Group", _GROUP_COLUMNS))
+        raise CodecError(f"unknown extension code {code} in header")
+
+    def _fields(self, data: bytes, what: str, n: int) -> list[Any]:
+        values = self.unpackb(data)
+        if not isinstance(values, list) or len(values) != n:
+            raise CodecError(f"{what} record is not a list of {n} fields")
+        return values
+
+    def _locate(self, data: bytes, what: str) -> tuple[str, tuple[int, ...], memoryview]:
+        try:
+            dtype, shape, index, offset = msgpack.unpackb(data, raw=False)
+        except Exception as e:
+            raise CodecError(f"{what} record is not (dtype, shape, frame_index, offset): {e}") from e
+        if not isinstance(dtype, str):
+            raise CodecError(f"{what} dtype must be a string, got {type(dtype).__name__}")
+        if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+            raise CodecError(f"{what} shape {shape!r} is not a list of non-negative ints")
+        if type(index) is not int or not 1 <= index <= len(self.buffers):
+            raise CodecError(f"{what} refers to frame {index!r} but the message has {len(self.buffers)} data frames")
+        if type(offset) is not int or offset < 0 or (index != 1 and offset != 0):
+            raise CodecError(f"{what} offset {offset!r} is invalid for data frame {index}")
+        if index != 1:
+            if self.used[index - 1]:
+                raise CodecError(f"{what} refers to data frame {index} a second time")
+            self.used[index - 1] = True
+        return dtype, tuple(shape), self.buffers[index - 1], offset, index
+
+    @staticmethod
+    def _view(buf: memoryview, offset: int, index: int, shape: tuple[int, ...], itemsize: int, dtype: str) -> memoryview:
+        need = math.prod(shape) * itemsize
+        if index == 1:  # pooled: must lie inside the pool
+            if offset + need > buf.nbytes:
+                raise CodecError(
+                    f"pooled array of dtype {dtype} x shape {list(shape)} needs bytes {offset}..{offset + need} "
+                    f"but the pool frame has {buf.nbytes}"
+                )
+            return buf[offset : offset + need]
+        if buf.nbytes != need:
+            raise CodecError(f"data frame {index} has {buf.nbytes} bytes but dtype {dtype} x shape {list(shape)} needs {need}")
+        return buf
+
+    def _ndarray(self, dtype: str, shape: tuple[int, ...], buf: memoryview, offset: int, index: int) -> np.ndarray:
+        dt = _NP_DTYPES.get(dtype)
+        if dt is None:
+            try:
+                dt = np.dtype(dtype)
+            except TypeError as e:
+                raise CodecError(f"unknown numpy dtype {dtype!r} in header") from e
+            if dt.kind not in _NP_KINDS or dt.str != dtype:
+                raise CodecError(f"unsupported numpy dtype {dtype!r} in header (numeric and bool dtypes only)")
+        view = self._view(buf, offset, index, shape, dt.itemsize, dtype)
+        return np.frombuffer(view, dtype=dt).reshape(shape)
+
+    def _tensor(self, dtype: str, shape: tuple[int, ...], buf: memoryview, offset: int, index: int) -> Any:
+        torch = _torch()
+        tdt = _torch_dtype(dtype)
+        view = self._view(buf, offset, index, shape, tdt.itemsize, dtype)
+        if view.nbytes == 0:  # torch.frombuffer refuses empty buffers
+            return torch.empty(shape, dtype=tdt)
+        with warnings.catch_warnings():
+            # Immutable input (bytes) is shared, not copied; torch warns that it is not writable.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(view, dtype=tdt).reshape(shape)
+
+
+_GROUP_COLUMNS = 15
+_NP_DTYPES = {np.dtype(c).str: np.dtype(c) for c in "?bBhHiIlLqQefdFD"}
+
+
+def _build(cls: type, **kwargs: Any) -> Any:
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"invalid {cls.__name__}: {e}") from e
+
+
+def _group_from_columns(c: list[Any]) -> Group:
+    sample_id, expected, status, error, meta, index, finish, reward, age, plens, rlens, p, r, lp, v = c
+    n = len(index) if isinstance(index, list) else -1
+    if n < 0 or not all(isinstance(col, list) and len(col) == n for col in (finish, reward, age, plens, rlens)):
+        raise CodecError(f"group {sample_id!r}: per-response columns disagree in length")
+    trajectories = []
+    if n:
+        arrays = (p, r, lp, v)
+        if not all(isinstance(a, np.ndarray) and a.ndim == 1 for a in arrays):
+            raise CodecError(f"group {sample_id!r}: token columns must be 1-d arrays")
+        if not all(type(x) is int and x >= 0 for x in plens + rlens):
+            raise CodecError(f"group {sample_id!r}: lengths must be non-negative ints")
+        if sum(plens) != len(p) or not sum(rlens) == len(r) == len(lp) == len(v):
+            raise CodecError(f"group {sample_id!r}: lengths do not add up to the token columns")
+        po = ro = 0
+        for i in range(n):
+            pe, re = po + plens[i], ro + rlens[i]
+            trajectories.append(_build(
+                Trajectory, sample_id=sample_id, index=index[i], prompt_ids=p[po:pe], response_ids=r[ro:re],
+                logprobs=lp[ro:re], versions=v[ro:re], finish_reason=finish[i], reward=reward[i], age=age[i],
+            ))
+            po, ro = pe, re
+    return _build(Group, sample_id=sample_id, trajectories=trajectories, expected=expected, status=status,
+                  error=error, meta=meta)
+
+
+def unpack(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
+    """Decode ``[header, pool, *own_frames]`` as `pack` made it; arrays are views on the frames.
+
+    Raises `CodecError` for any malformed input (see the module docstring).
+    """
+    if not isinstance(frames, (list, tuple)) or len(frames) < 2:
+        raise CodecError(f"expected [header, pool, *data_frames], got {len(frames) if isinstance(frames, (list, tuple)) else type(frames).__name__}")
+    buffers = [_buffer(f) for f in frames]
+    for i, buf in enumerate(buffers):
+        if buf.nbytes > max_frame_bytes:
+            raise CodecError(f"frame {i} has {buf.nbytes} bytes, over max_frame_bytes={max_frame_bytes}")
+    try:
+        header = msgpack.unpackb(buffers[0], raw=False)
+    except Exception as e:
+        raise CodecError(f"header is not valid msgpack: {type(e).__name__}: {e}") from e
+    if not isinstance(header, list) or len(header) != 4 or header[0] != CODEC_VERSION:
+        version = header[0] if isinstance(header, list) and header else header
+        raise CodecError(f"codec version {version!r} is not supported (this side speaks {CODEC_VERSION})")
+    _, n_frames, pool_nbytes, body = header
+    if type(n_frames) is not int or type(pool_nbytes) is not int or not isinstance(body, bytes):
+        raise CodecError("header is not [version, n_data_frames, pool_nbytes, body]")
+    if n_frames != len(buffers) - 1:
+        raise CodecError(f"header announces {n_frames} data frames but {len(buffers) - 1} arrived")
+    if buffers[1].nbytes != pool_nbytes:
+        raise CodecError(f"pool frame has {buffers[1].nbytes} bytes but the header announces {pool_nbytes}")
+    dec = _Decoder(buffers[1:])
+    try:
+        value = dec.unpackb(body)
+    except CodecError:
+        raise
+    except Exception as e:
+        raise CodecError(f"body is not valid: {type(e).__name__}: {e}") from e
+    if not all(dec.used):
+        unused = [i + 1 for i, u in enumerate(dec.used) if not u]
+        raise CodecError(f"data frames {unused} are not referenced by the header")
+    return value

@@ -1,0 +1,336 @@
+"""The Trainer's end of the sample stream: a ROUTER that grants credit, delivers and acks.
+
+``StreamConsumer`` binds a ROUTER on ``StreamConfig.endpoint``. Each producer (a DEALER) says
+hello with a ``ping``; the consumer answers with ``credit`` messages that carry its session
+id, the producer's cumulative credit and any acks (see `asyncrl.queue.protocol`).
+
+Delivery: every received group is de-duplicated by ``sample_id`` against the committed set
+(those are acked at once, never delivered) and against the groups held now (received and not
+yet acked: the duplicate's producer is remembered so the eventual ack reaches it too).
+``recv()`` hands out groups; ``ack(sample_ids)`` after the training step that used them
+committed (or with a ``reason`` when a policy dropped them) returns credit to their producers
+and adds them to ``committed``. A consumer restarted with its persisted ``committed`` set
+sees each group once.
+
+Malformed or foreign messages are counted in ``stats`` and logged; the stream goes on.
+Left out: several consumers sharing producers (one consumer per stream), and compaction of
+``committed`` (it grows by one short string per trained group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import zmq
+import zmq.asyncio
+
+from asyncrl.queue import protocol as P
+from asyncrl.queue.codec import CodecError, unpack
+from asyncrl.queue.protocol import StreamConfig, StreamError
+from asyncrl.types import Group
+
+log = logging.getLogger("asyncrl.queue")
+
+
+@dataclass
+class ConsumerStats:
+    """Counters of a consumer since `start`."""
+
+    received: int = 0
+    """Group messages received (duplicates and stale ones included)."""
+    delivered: int = 0
+    """Groups handed out by ``recv``."""
+    acked: int = 0
+    """Groups acked after a committed step."""
+    dropped: int = 0
+    """Groups acked with a reason (dropped by policy)."""
+    duplicates: int = 0
+    """Groups discarded because their ``sample_id`` was committed or already held."""
+    stale: int = 0
+    """Groups sent under an earlier consumer session (the producer re-sends them)."""
+    malformed: int = 0
+    """Messages rejected: foreign, garbage, wrong version, undecodable group."""
+
+
+@dataclass
+class _Peer:
+    """What the consumer knows of one producer incarnation (one routing id)."""
+
+    producer: str
+    finished: int = 0
+    """Groups of this peer acked or discarded in this session: credit granted = finished + window."""
+    last_seen: float = field(default_factory=time.monotonic)
+    gone: bool = False
+    acks: list[str] = field(default_factory=list)
+    """Acks not yet sent to it."""
+
+
+class StreamConsumer:
+    """Receives groups from any number of producers; see the module docstring.
+
+    Use from one asyncio event loop (`BlockingStreamConsumer` wraps it for a plain thread).
+    """
+
+    def __init__(self, config: StreamConfig | None = None, *, committed: Iterable[str] = ()) -> None:
+        self.config = config or StreamConfig()
+        self.session = uuid.uuid4().hex
+        self.stats = ConsumerStats()
+        self._committed: set[str] = set(committed)
+        self._holders: dict[str, list[bytes]] = {}  # sample_id held now -> peers that sent it
+        self._delivered: set[str] = set()
+        self._ready: deque[Group] = deque()
+        self._peers: dict[bytes, _Peer] = {}
+        self._dirty: set[bytes] = set()
+        self._wake_reader = asyncio.Event()
+        self._wake_writer = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._failure: BaseException | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Bind the ROUTER and start the I/O loop; producers get credit as they say hello."""
+        if self._sock is not None:
+            raise StreamError("consumer already started")
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+        sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what producers send, not the HWM
+        sock.setsockopt(zmq.SNDHWM, 0)
+        try:
+            sock.bind(self.config.endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise StreamError(f"cannot bind StreamConfig.endpoint={self.config.endpoint!r}: {e}") from e
+        self._sock = sock
+        for coro in (self._read_loop(), self._write_loop(), self._heartbeat_loop()):
+            task = asyncio.create_task(coro)
+            task.add_done_callback(self._on_task_done)
+            self._tasks.append(task)
+        log.info("stream consumer bound %s (session %s, window %d)", self.config.endpoint, self.session, self.config.window)
+
+    async def close(self) -> None:
+        """Stop the I/O loop and close the socket; unacked groups stay with their producers."""
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._sock is not None:
+            self._sock.close(0)
+        self._wake_reader.set()
+
+    async def __aenter__(self) -> StreamConsumer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+            log.error("stream consumer I/O loop failed", exc_info=self._failure)
+            self._wake_reader.set()
+
+    # ---------------------------------------------------------------- the Trainer's API
+
+    @property
+    def committed(self) -> set[str]:
+        """A copy of the ``sample_id``s acked so far (including those given at construction)."""
+        return set(self._committed)
+
+    @property
+    def unacked(self) -> list[str]:
+        """``sample_id``s handed out by ``recv`` and not yet acked."""
+        return sorted(self._delivered)
+
+    async def recv(self, timeout: float | None = None) -> Group:
+        """The next group, waiting up to ``timeout`` seconds (None: no deadline).
+
+        Raises `StreamTimeout` (naming the window when unacked groups may be what blocks),
+        `StreamError` if the consumer was closed or its I/O loop failed.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            self._raise_if_down()
+            self._wake_reader.clear()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise P.StreamTimeout(
+                    f"no group arrived within recv(timeout={timeout}); {len(self._delivered)} delivered groups "
+                    f"are unacked. Each producer may have StreamConfig.window={self.config.window} groups "
+                    "unacked: ack the groups a committed step used, or raise window above what one step needs"
+                )
+            try:
+                await asyncio.wait_for(self._wake_reader.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        group = self._ready.popleft()
+        self._delivered.add(group.sample_id)
+        self.stats.delivered += 1
+        return group
+
+    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
+        """Mark groups done: the step that used them committed, or a policy dropped them (``reason``).
+
+        Credit returns to their producers, which then forget them. Acking a committed id again
+        is a no-op; an id never handed out by ``recv`` raises ValueError.
+        """
+        sample_ids = [sample_ids] if isinstance(sample_ids, str) else list(sample_ids)
+        unknown = [s for s in sample_ids if s not in self._delivered and s not in self._committed]
+        if unknown:
+            raise ValueError(f"ack of sample_ids never delivered by recv(): {unknown[:5]}")
+        for sid in sample_ids:
+            if sid in self._committed:
+                continue
+            self._delivered.discard(sid)
+            self._committed.add(sid)
+            if reason is None:
+                self.stats.acked += 1
+            else:
+                self.stats.dropped += 1
+                log.info("group %s dropped: %s", sid, reason)
+            for peer_id in self._holders.pop(sid, ()):
+                self._finish(peer_id, sid)
+        self._wake_writer.set()
+
+    # ---------------------------------------------------------------- I/O
+
+    def _raise_if_down(self) -> None:
+        if self._failure is not None:
+            raise StreamError("stream consumer I/O loop failed") from self._failure
+        if self._closed or self._sock is None:
+            raise StreamError("stream consumer is closed (or was never started)")
+
+    def _finish(self, peer_id: bytes, sid: str) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            peer.finished += 1
+            peer.acks.append(sid)
+            self._dirty.add(peer_id)
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                self._handle(frames)
+            except (P.ProtocolError, CodecError) as e:
+                self._reject(e)
+            except Exception as e:  # a message must never stop the stream; say loudly that it was odd
+                log.exception("unexpected error handling a message")
+                self._reject(e)
+
+    def _reject(self, e: Exception) -> None:
+        self.stats.malformed += 1
+        if self.stats.malformed <= 10 or self.stats.malformed % 1000 == 0:
+            log.warning("stream consumer rejected a message (%d so far): %s", self.stats.malformed, e)
+
+    def _handle(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            raise P.ProtocolError(f"message of {len(frames)} frames has no envelope")
+        peer_id, kind, fields = frames[0].bytes, *P.parse_envelope(frames[1])
+        if kind == P.PING:
+            self._hello(peer_id, P.field(fields, "producer", str))
+        elif kind == P.GROUP:
+            self._group(peer_id, fields, frames[2:])
+        elif kind == P.BYE:
+            peer = self._peers.get(peer_id)
+            if peer is not None:
+                peer.gone = True
+                log.info("producer %s said bye", peer.producer)
+        else:
+            raise P.ProtocolError(f"a consumer does not accept {kind!r} messages")
+
+    def _hello(self, peer_id: bytes, producer: str) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            peer = self._peers[peer_id] = _Peer(producer=producer)
+            self._dirty.add(peer_id)
+            self._wake_writer.set()
+            log.info("producer %s connected", producer)
+        elif peer.gone:
+            peer.gone = False
+            self._dirty.add(peer_id)
+            self._wake_writer.set()
+            log.info("producer %s is back", producer)
+        peer.last_seen = time.monotonic()
+
+    def _group(self, peer_id: bytes, fields: dict[str, Any], payload: list[Any]) -> None:
+        session = P.field(fields, "session", str)
+        sid = P.field(fields, "sample_id", str)
+        if peer_id not in self._peers:
+            raise P.ProtocolError(f"group {sid} from a producer that never said hello")
+        self._hello(peer_id, self._peers[peer_id].producer)
+        self.stats.received += 1
+        if session != self.session:
+            self.stats.stale += 1  # sent under an earlier consumer's credit; re-sent under ours
+            return
+        if sid in self._committed:
+            self.stats.duplicates += 1
+            self._finish(peer_id, sid)
+            self._wake_writer.set()
+            return
+        if sid in self._holders:
+            self.stats.duplicates += 1
+            if peer_id not in self._holders[sid]:
+                self._holders[sid].append(peer_id)
+            else:
+                self._finish(peer_id, sid)  # the same peer twice: it needs the credit back
+                self._wake_writer.set()
+            return
+        try:
+            group = unpack(payload, max_frame_bytes=self.config.max_frame_bytes)
+            if not isinstance(group, Group) or group.sample_id != sid:
+                raise CodecError(f"payload of group message {sid} is not that Group")
+        except CodecError:
+            self._finish(peer_id, sid)  # never deliverable: give the credit back, keep no state
+            self._wake_writer.set()
+            raise
+        self._holders[sid] = [peer_id]
+        self._ready.append(group)
+        self._wake_reader.set()
+
+    async def _write_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            await self._wake_writer.wait()
+            self._wake_writer.clear()
+            dirty, self._dirty = self._dirty, set()
+            for peer_id in dirty:
+                peer = self._peers.get(peer_id)
+                if peer is None:
+                    continue
+                acks, peer.acks = peer.acks, []
+                msg = P.envelope(
+                    P.CREDIT,
+                    {"session": self.session, "granted": peer.finished + self.config.window, "acks": acks},
+                )
+                await self._sock.send_multipart([peer_id, msg])
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            now = time.monotonic()
+            for peer_id, peer in self._peers.items():
+                if not peer.gone and now - peer.last_seen > self.config.peer_timeout_s:
+                    peer.gone = True
+                    log.warning(
+                        "producer %s silent for %.1fs (StreamConfig.peer_timeout_s=%s): counted as gone",
+                        peer.producer, now - peer.last_seen, self.config.peer_timeout_s,
+                    )
+                if not peer.gone:
+                    self._dirty.add(peer_id)
+            self._wake_writer.set()
+
+

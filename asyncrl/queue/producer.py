@@ -1,0 +1,292 @@
+"""The Rollouter's end of the sample stream: a DEALER that sends groups under credit.
+
+``StreamProducer`` connects a DEALER to the consumer's endpoint and says hello (``ping``)
+every ``heartbeat_s``. It sends a group only while it has credit from the consumer's current
+session; ``await send(group)`` waits otherwise, so backpressure reaches the caller and
+nothing is ever dropped to make room. Every sent group stays in ``unacked`` until the
+consumer acks it. When a new consumer session appears (the consumer restarted), all unacked
+groups are re-sent first, in their original order; the consumer de-duplicates them.
+
+If the consumer goes silent for ``peer_timeout_s`` the producer logs it and keeps waiting:
+its memory stays bounded by the window (``unacked`` never exceeds the credit granted).
+The Rollouter checkpoints ``unacked`` and passes it back as ``StreamProducer(unacked=...)``
+on resume, so nothing generated is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import zmq
+import zmq.asyncio
+
+from asyncrl.queue import protocol as P
+from asyncrl.queue.codec import CodecError, pack
+from asyncrl.queue.protocol import StreamConfig, StreamError
+from asyncrl.types import Group
+
+log = logging.getLogger("asyncrl.queue")
+
+
+@dataclass
+class ProducerStats:
+    """Counters of a producer since `start`."""
+
+    sent: int = 0
+    """Group messages sent (re-sends included)."""
+    resent: int = 0
+    """Group messages sent again to a new consumer session."""
+    acked: int = 0
+    """Groups the consumer acked (and the producer forgot)."""
+    sessions: int = 0
+    """Consumer sessions seen (1 + consumer restarts)."""
+    malformed: int = 0
+    """Messages from the socket rejected as malformed."""
+
+
+class StreamProducer:
+    """Sends groups to one consumer; see the module docstring.
+
+    Use from one asyncio event loop (`BlockingStreamProducer` wraps it for a plain thread).
+    """
+
+    def __init__(
+        self, config: StreamConfig | None = None, *, producer_id: str = "producer", unacked: Iterable[Group] = ()
+    ) -> None:
+        self.config = config or StreamConfig()
+        self.producer_id = producer_id
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.stats = ProducerStats()
+        self._unacked: OrderedDict[str, tuple[Group, list[Any]]] = OrderedDict()
+        for g in unacked:
+            self._unacked[g.sample_id] = (g, self._pack(g))
+        self._resend: deque[str] = deque()
+        self._session: str | None = None
+        self._granted = 0
+        self._sent = 0  # groups sent in this session
+        self._last_heard = 0.0
+        self._connected = False
+        self._changed = asyncio.Event()  # replaced by a fresh one each time it is set (see _signal)
+        self._tasks: list[asyncio.Task] = []
+        self._failure: BaseException | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Connect and say hello; returns at once (credit arrives when the consumer is up)."""
+        if self._sock is not None:
+            raise StreamError("producer already started")
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.producer_id}/{self.incarnation}".encode())
+        sock.setsockopt(zmq.SNDHWM, 0)  # credit bounds what is queued, not the HWM
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.config.endpoint)
+        self._sock = sock
+        self._last_heard = time.monotonic()
+        await self._ping()
+        for coro in (self._read_loop(), self._heartbeat_loop()):
+            task = asyncio.create_task(coro)
+            task.add_done_callback(self._on_task_done)
+            self._tasks.append(task)
+        log.info("stream producer %s connecting to %s", self.producer_id, self.config.endpoint)
+
+    async def close(self) -> None:
+        """Say bye and close; ``unacked`` keeps what the consumer has not acked."""
+        self._closed = True
+        if self._sock is not None and self._failure is None:
+            try:
+                await asyncio.wait_for(self._sock.send_multipart([P.envelope(P.BYE, {})]), 1.0)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._sock is not None:
+            self._sock.close(0)
+        self._signal()
+
+    async def __aenter__(self) -> StreamProducer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+            log.error("stream producer I/O loop failed", exc_info=self._failure)
+            self._signal()
+
+    def _signal(self) -> None:
+        # Wake every waiter; each re-checks its own condition.
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _wait_until(self, predicate: Any, timeout: float | None) -> bool:
+        """Wait until ``predicate()``; False if ``timeout`` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not predicate():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    # ---------------------------------------------------------------- the Rollouter's API
+
+    @property
+    def unacked(self) -> list[Group]:
+        """Groups sent (or restored) and not yet acked, oldest first: what a checkpoint keeps."""
+        return [g for g, _ in self._unacked.values()]
+
+    @property
+    def connected(self) -> bool:
+        """True while the consumer has been heard from within ``peer_timeout_s``."""
+        return self._connected
+
+    @property
+    def credit(self) -> int:
+        """Groups this producer may send now."""
+        return max(0, self._granted - self._sent) if self._session else 0
+
+    async def send(self, group: Group, timeout: float | None = None) -> None:
+        """Send ``group`` once credit allows; waits while out of credit (backpressure).
+
+        ``timeout`` (default ``StreamConfig.send_timeout_s``; None: no deadline) bounds the
+        wait and raises `StreamTimeout`. Raises `CodecError` for a group that cannot be
+        encoded or has a frame over ``max_frame_bytes``, ValueError for a ``sample_id``
+        already unacked, `StreamError` once closed or failed.
+        """
+        if group.sample_id in self._unacked:
+            raise ValueError(f"group {group.sample_id} was already sent and is not acked yet")
+        frames = self._pack(group)
+        timeout = self.config.send_timeout_s if timeout is None else timeout
+        if not await self._wait_until(self._may_send, timeout):
+            raise P.StreamTimeout(
+                f"no credit for {group.sample_id} within {timeout}s (StreamConfig.send_timeout_s); "
+                f"consumer {'connected' if self._connected else 'not heard from'}, "
+                f"{len(self._unacked)} groups unacked"
+            )
+        self._raise_if_down()
+        if group.sample_id in self._unacked:
+            raise ValueError(f"group {group.sample_id} was already sent and is not acked yet")
+        # No await between the credit check and _send_one reserving it.
+        self._unacked[group.sample_id] = (group, frames)
+        await self._send_one(group.sample_id, frames)
+
+    async def wait_acked(self, timeout: float) -> None:
+        """Wait until every sent group is acked; `StreamTimeout` after ``timeout`` seconds."""
+        if not await self._wait_until(lambda: not self._unacked or self._down(), timeout):
+            raise P.StreamTimeout(f"{len(self._unacked)} groups still unacked after wait_acked(timeout={timeout})")
+        if self._unacked:
+            self._raise_if_down()
+
+    # ---------------------------------------------------------------- internals
+
+    def _pack(self, group: Group) -> list[Any]:
+        if not isinstance(group, Group):
+            raise TypeError(f"the stream carries Group records, got {type(group).__name__}")
+        frames = pack(group, own_frame_bytes=self.config.own_frame_bytes)
+        for f in frames:
+            if memoryview(f).nbytes > self.config.max_frame_bytes:
+                raise CodecError(
+                    f"group {group.sample_id} has a frame of {memoryview(f).nbytes} bytes, over "
+                    f"StreamConfig.max_frame_bytes={self.config.max_frame_bytes}"
+                )
+        return frames
+
+    def _down(self) -> bool:
+        return self._closed or self._failure is not None
+
+    def _raise_if_down(self) -> None:
+        if self._failure is not None:
+            raise StreamError("stream producer I/O loop failed") from self._failure
+        if self._closed or self._sock is None:
+            raise StreamError("stream producer is closed (or was never started)")
+
+    def _may_send(self) -> bool:
+        return self._down() or (self.credit > 0 and not self._resend)
+
+    async def _send_one(self, sid: str, frames: list[Any]) -> None:
+        assert self._sock is not None and self._session is not None
+        self._sent += 1
+        self.stats.sent += 1
+        head = P.envelope(P.GROUP, {"session": self._session, "sample_id": sid})
+        await self._sock.send_multipart([head, *frames], copy=False)
+
+    async def _ping(self) -> None:
+        assert self._sock is not None
+        await self._sock.send_multipart(
+            [P.envelope(P.PING, {"producer": self.producer_id, "incarnation": self.incarnation})]
+        )
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                kind, fields = P.parse_envelope(frames[0])
+                if kind != P.CREDIT:
+                    raise P.ProtocolError(f"a producer does not accept {kind!r} messages")
+                session = P.field(fields, "session", str)
+                granted = P.field(fields, "granted", int)
+                acks = P.field(fields, "acks", list)
+            except P.ProtocolError as e:
+                self.stats.malformed += 1
+                log.warning("stream producer %s rejected a message: %s", self.producer_id, e)
+                continue
+            await self._on_credit(session, granted, acks)
+            self._signal()
+
+    async def _on_credit(self, session: str, granted: int, acks: list[Any]) -> None:
+        self._last_heard = time.monotonic()
+        if not self._connected:
+            self._connected = True
+            log.info("stream producer %s: consumer is up (session %s)", self.producer_id, session)
+        for sid in acks:
+            if self._unacked.pop(sid, None) is not None:
+                self.stats.acked += 1
+        if session != self._session:
+            # A new consumer incarnation: credit restarts, and everything unacked goes again.
+            self._session, self._granted, self._sent = session, granted, 0
+            self._resend = deque(self._unacked)
+            self.stats.sessions += 1
+            if self.stats.sessions > 1:
+                log.warning(
+                    "stream producer %s: new consumer session %s, re-sending %d unacked groups",
+                    self.producer_id, session, len(self._resend),
+                )
+        else:
+            self._granted = max(self._granted, granted)
+        while self._resend and self.credit > 0:
+            sid = self._resend.popleft()
+            if sid in self._unacked:
+                self.stats.resent += 1
+                await self._send_one(sid, self._unacked[sid][1])
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            await self._ping()
+            silent = time.monotonic() - self._last_heard
+            if self._connected and silent > self.config.peer_timeout_s:
+                self._connected = False
+                log.warning(
+                    "stream producer %s: consumer silent for %.1fs (StreamConfig.peer_timeout_s=%s); "
+                    "holding %d unacked groups and waiting",
+                    self.producer_id, silent, self.config.peer_timeout_s, len(self._unacked),
+                )

@@ -1,0 +1,119 @@
+"""The sample stream's wire protocol: settings, message kinds, the envelope, and errors.
+
+Every message is ``[envelope, *payload]``; the ROUTER side also sees the peer's routing id
+in front. The envelope is msgpack ``[MAGIC, PROTOCOL_VERSION, kind, fields]``; only
+``group`` messages carry a payload (the codec's frames of one `Group`).
+
+Producer -> consumer
+  ``ping``  ``{producer, incarnation}``: hello and heartbeat, every ``heartbeat_s``.
+  ``group`` ``{session, sample_id}`` + codec frames: one group, sent under credit of ``session``.
+  ``bye``   ``{}``: the producer closes.
+Consumer -> producer
+  ``credit`` ``{session, granted, acks}``: heartbeat, credit and acks in one message.
+  ``granted`` is cumulative per (producer incarnation, consumer session): the producer may
+  have sent ``granted`` groups in this session in total. It equals the groups of this peer the
+  consumer has finished with (acked, or duplicates it discarded) plus ``window``, so a lost or
+  repeated credit message changes nothing and each producer has at most ``window`` groups
+  unacked. ``session`` is new for every consumer incarnation: a producer that sees a new one
+  re-sends all its unacked groups; the consumer de-duplicates them by ``sample_id``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from asyncrl.queue.codec import DEFAULT_MAX_FRAME_BYTES, DEFAULT_OWN_FRAME_BYTES
+
+MAGIC = b"asyncrl-stream"
+PROTOCOL_VERSION = 1
+
+PING, GROUP, BYE, CREDIT = "ping", "group", "bye", "credit"
+_KINDS = (PING, GROUP, BYE, CREDIT)
+
+
+class StreamError(RuntimeError):
+    """The stream cannot go on (a background I/O loop failed, or it was closed)."""
+
+
+class StreamTimeout(TimeoutError):
+    """A stream wait ran past its deadline; the message names the setting."""
+
+
+class ProtocolError(ValueError):
+    """A message on the socket is not a well-formed message of this protocol (counted, logged)."""
+
+
+@dataclass(kw_only=True)
+class StreamConfig:
+    """Settings of the sample stream, shared by its producers and its consumer."""
+
+    endpoint: str = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint: the consumer binds it, producers connect to it. Loopback by default."""
+    window: int = 64
+    """Groups each producer may have unacked at the consumer; must exceed the groups one
+    training step consumes, since groups are acked only after the step commits."""
+    heartbeat_s: float = 1.0
+    """Interval of heartbeats (and credit refresh) in both directions."""
+    peer_timeout_s: float = 10.0
+    """Silence after which a peer counts as gone (logged; a producer keeps waiting, bounded)."""
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    """Largest frame accepted (ZeroMQ MAXMSGSIZE on the consumer, and checked on send)."""
+    own_frame_bytes: int = DEFAULT_OWN_FRAME_BYTES
+    """Arrays of at least this many bytes travel as their own zero-copy frame."""
+    send_timeout_s: float | None = None
+    """Deadline of ``producer.send`` waiting for credit; None waits as long as the consumer
+    needs (backpressure by design)."""
+
+    def __post_init__(self) -> None:
+        if "://" not in self.endpoint:
+            raise ValueError(f"endpoint {self.endpoint!r} is not a ZeroMQ endpoint; use e.g. 'tcp://127.0.0.1:5555'")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 (groups unacked per producer), got {self.window}")
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.peer_timeout_s <= self.heartbeat_s:
+            raise ValueError(
+                f"peer_timeout_s ({self.peer_timeout_s}) must exceed heartbeat_s ({self.heartbeat_s}); "
+                "use a few heartbeats, e.g. 10x"
+            )
+        if self.max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")
+        if self.own_frame_bytes < 1:
+            raise ValueError(f"own_frame_bytes must be >= 1, got {self.own_frame_bytes}")
+        if self.send_timeout_s is not None and self.send_timeout_s <= 0:
+            raise ValueError(f"send_timeout_s must be > 0 or None (wait for credit), got {self.send_timeout_s}")
+
+
+def envelope(kind: str, fields: dict[str, Any]) -> bytes:
+    """Frame 0 of a message of ``kind``."""
+    return msgpack.packb([MAGIC, PROTOCOL_VERSION, kind, fields], use_bin_type=True)
+
+
+def parse_envelope(frame: Any) -> tuple[str, dict[str, Any]]:
+    """Return ``(kind, fields)`` of frame 0; `ProtocolError` says what is wrong with it."""
+    buf = getattr(frame, "buffer", frame)
+    if memoryview(buf).nbytes > 64 * 1024:
+        raise ProtocolError(f"envelope of {memoryview(buf).nbytes} bytes is too large to be one")
+    try:
+        value = msgpack.unpackb(buf, raw=False)
+    except Exception as e:
+        raise ProtocolError(f"envelope is not msgpack ({type(e).__name__})") from e
+    if not isinstance(value, list) or len(value) != 4 or value[0] != MAGIC:
+        raise ProtocolError("envelope lacks the asyncrl-stream magic (foreign message)")
+    _, version, kind, fields = value
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    if kind not in _KINDS or not isinstance(fields, dict):
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    return kind, fields
+
+
+def field(fields: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """``fields[name]`` checked to be of ``kind``; `ProtocolError` names the field."""
+    value = fields.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise ProtocolError(f"field {name!r} is {type(value).__name__}, expected {kind}")
+    return value
