@@ -1,0 +1,166 @@
+"""`WeightSyncGroup`: a torch.distributed process group of its own, outside the training world.
+
+Rank 0 is trainer rank 0, ranks 1..N are the engine workers. Rank 0 hosts the rendezvous
+`TCPStore` on a socket it binds itself (``master_addr``, port 0 = any free port), so the
+port is known before anyone joins and the store listens only on that address. The backend
+object (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA) is built directly on a
+`PrefixStore`: nothing here touches ``torch.distributed``'s default group, so a trainer
+rank keeps its FSDP2 world and an engine keeps whatever it has.
+
+Joining blocks until every rank has joined (that is the backend's rendezvous); it runs
+under ``timeout_s``, which is also the deadline of every collective on the group.
+Leaves out: several groups sharing one store, re-joining a broken group (build a new one
+under a new ``group_name``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncGroupConfig:
+    """How to reach and build the weight-sync group (plain values: it crosses Ray as kwargs)."""
+
+    master_addr: str = "127.0.0.1"
+    """Address rank 0 binds the rendezvous store to and the other ranks connect to."""
+    master_port: int = 0
+    """Port of the store; 0 lets rank 0 pick a free one (it reports it back)."""
+    world_size: int = 2
+    """1 trainer rank + every engine worker."""
+    backend: str = "auto"
+    """``gloo``, ``nccl``, or ``auto`` (nccl when CUDA is available, else gloo)."""
+    timeout_s: float = 120.0
+    """Deadline of joining the group and of every collective on it."""
+    group_name: str = "asyncrl-weight-sync"
+    """Key prefix in the store; a new name makes a fresh group on the same store."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (trainer rank 0 + at least one engine worker), got {self.world_size}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in [0, 65535] (0 = pick a free port), got {self.master_port}")
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend == "auto":
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        return self.backend
+
+
+class WeightSyncGroup:
+    """One member of the weight-sync group. Rank 0 calls `listen()` then `join()`; others `join()`."""
+
+    def __init__(self, config: SyncGroupConfig, rank: int) -> None:
+        if not 0 <= rank < config.world_size:
+            raise ValueError(f"rank must be in [0, {config.world_size}), got {rank}")
+        self.config = config
+        self.rank = rank
+        self.backend = config.resolved_backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self._store: dist.Store | None = None
+        self._pg = None
+        self.port = config.master_port
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.config.timeout_s)
+
+    def listen(self) -> int:
+        """Rank 0: bind the rendezvous socket and host the store; return the port."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 hosts the weight-sync store")
+        if self._store is None:
+            family = socket.AF_INET6 if _is_ipv6(self.config.master_addr) else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.config.master_addr, self.config.master_port))
+            sock.listen(128)
+            self.port = sock.getsockname()[1]
+            try:
+                self._store = dist.TCPStore(
+                    self.config.master_addr, self.port, self.config.world_size, True, self.timeout,
+                    wait_for_workers=False, master_listen_fd=sock.fileno(),
+                )
+            except BaseException:
+                sock.close()
+                raise
+            sock.detach()  # the store's server owns the descriptor now and closes it
+        return self.port
+
+    def join(self) -> None:
+        """Rendezvous and build the backend group; blocks until every rank joined (under ``timeout_s``)."""
+        if self._pg is not None:
+            return
+        if self._store is None:
+            if self.rank == 0:
+                self.listen()
+            else:
+                if self.port == 0:
+                    raise ValueError("master_port must be the port rank 0 reported (got 0) on ranks > 0")
+                self._store = dist.TCPStore(
+                    self.config.master_addr, self.port, self.config.world_size, False, self.timeout
+                )
+        store = dist.PrefixStore(self.config.group_name, self._store)
+        if self.backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self.timeout
+            opts._devices = [_gloo_device(self.config.master_addr)]
+            self._pg = dist.ProcessGroupGloo(store, self.rank, self.config.world_size, opts)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self._pg = dist.ProcessGroupNCCL(store, self.rank, self.config.world_size, opts)
+
+    @property
+    def joined(self) -> bool:
+        return self._pg is not None
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0):
+        """Start a broadcast of ``tensor`` from ``src``; returns the backend's Work (``.wait()`` it)."""
+        if self._pg is None:
+            raise RuntimeError("weight-sync group not joined yet: call join() first")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = self.timeout
+        return self._pg.broadcast([tensor], opts)
+
+    def close(self) -> None:
+        """Abort the backend group (peers blocked on it fail fast) and close the store socket."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - best effort: the group may already be broken
+                pass
+        self._store = None
+
+
+def _is_ipv6(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).version == 6
+    except ValueError:
+        return False
+
+
+def _gloo_device(master_addr: str):
+    # On loopback every rank is on this machine: pin gloo to it so no rank advertises an
+    # address the others cannot reach. Elsewhere let gloo pick this host's interface.
+    try:
+        loopback = ipaddress.ip_address(master_addr).is_loopback
+    except ValueError:
+        loopback = master_addr == "localhost"
+    if loopback:
+        return dist.ProcessGroupGloo.create_device(hostname=master_addr)
+    return dist.ProcessGroupGloo.create_default_device()
