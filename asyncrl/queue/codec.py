@@ -362,9 +362,10 @@ def unpack(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
         header = msgpack.unpackb(buffers[0], raw=False)
     except Exception as e:
         raise CodecError(f"header is not valid msgpack: {type(e).__name__}: {e}") from e
-    if not isinstance(header, list) or len(header) != 4 or header[0] != CODEC_VERSION:
-        version = header[0] if isinstance(header, list) and header else header
-        raise CodecError(f"codec version {version!r} is not supported (this side speaks {CODEC_VERSION})")
+    if isinstance(header, list) and header and header[0] != CODEC_VERSION:
+        raise CodecError(f"codec version {header[0]!r} is not supported (this side speaks {CODEC_VERSION})")
+    if not isinstance(header, list) or len(header) != 4:
+        raise CodecError("header is not [version, n_data_frames, pool_nbytes, body]")
     _, n_frames, pool_nbytes, body = header
     if type(n_frames) is not int or type(pool_nbytes) is not int or not isinstance(body, bytes):
         raise CodecError("header is not [version, n_data_frames, pool_nbytes, body]")
