@@ -4,9 +4,11 @@ One engine replica = one ``AsyncLLM`` (its EngineCore and GPU workers run in pro
 vLLM starts). What maps onto what:
 
 - ``generate`` -> ``AsyncLLM.generate(TokensPrompt, SamplingParams, request_id)`` with
-  ``output_kind=FINAL_ONLY`` (one output, all tokens), ``logprobs=0`` (the sampled token's
-  log-prob only), ``detokenize=False``, ``ignore_eos=True`` (a request stops on its own
-  ``stop_token_ids``, as in the built-in engine). The engine is built with
+  ``output_kind=DELTA`` (each step's new tokens, so progress is visible to
+  `VLLMEngine.wait_for_tokens`), ``logprobs=0`` (the sampled token's log-prob only),
+  ``detokenize=False`` (no tokenizer is loaded), and stop ids = the request's plus the
+  model's EOS, exactly as the built-in engine (``ignore_eos=True`` keeps vLLM from adding
+  EOS ids of its own). The engine is built with
   ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)`` of the sampled token,
   greedy rows at ``T = 1``, which is the built-in engine's quantity (see
   ``asyncrl/rollouter/sampling.py``) whenever ``top_k=0, top_p=1``; with top-k/top-p vLLM
@@ -23,9 +25,9 @@ vLLM starts). What maps onto what:
   Requests vLLM rejects while paused (``RetryableRequestError``) raise `EnginePausedError`.
 - Weights: `init_weight_sync` -> ``init_weight_transfer_engine``; `receive_weights` ->
   ``start_weight_update``, ``update_weights``, ``finish_weight_update`` (vLLM's NCCL
-  transfer engine; the trainer side is `asyncrl.sync.vllm.VLLMWeightSender`). A failed
-  update leaves the engine refusing to resume until a later update completes, so it never
-  serves half-loaded weights.
+  transfer engine; the trainer side is `asyncrl.sync.vllm.VLLMWeightSender`). An update
+  that fails part way leaves the engine refusing to ``resume()`` (vLLM's worker also stays
+  inside the update), so it never serves half-loaded weights; such an engine is rebuilt.
 
 Leaves out: ``load_weights`` from local tensors (vLLM's model lives in another process;
 weights arrive only over the transfer engine), LoRA, multimodal inputs, ``n > 1`` (asyncrl
@@ -64,8 +66,8 @@ _INIT_INFO_REQUIRED = ("master_address", "master_port", "rank_offset", "world_si
 class VLLMEngineConfig:
     """How one vLLM replica is built (fields not listed go through ``engine_kwargs``)."""
 
-    model: str
-    """Local Hugging Face model directory (or any model id vLLM can load)."""
+    model_path: str | Path
+    """Local Hugging Face model directory (config.json + safetensors), as for the built-in engine."""
     dtype: str = "auto"
     """vLLM ``dtype``: auto | bfloat16 | float16 | float32."""
     seed: int = 0
@@ -82,6 +84,8 @@ class VLLMEngineConfig:
     """Skip CUDA graph capture (faster start, slower decode)."""
     logprobs_mode: str = "processed_logprobs"
     """Which log-probs vLLM returns; processed_logprobs matches the built-in engine (module doc)."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """Tokens that end every request (besides its own stop ids); None takes config.json's EOS."""
     initial_version: int = 0
     """Version of the weights the engine starts with."""
     weight_sync_timeout_s: float = 600.0
@@ -100,14 +104,14 @@ class VLLMEngineConfig:
             raise ValueError(f"VLLMEngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.weight_sync_timeout_s <= 0:
             raise ValueError(f"VLLMEngineConfig.weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
-        clash = {"logprobs_mode", "weight_transfer_config", "model"} & set(self.engine_kwargs)
+        clash = {"logprobs_mode", "weight_transfer_config", "model", "skip_tokenizer_init"} & set(self.engine_kwargs)
         if clash:
             raise ValueError(f"VLLMEngineConfig.engine_kwargs must not set {sorted(clash)}: use the fields of the same name")
 
     def engine_args(self) -> dict:
         """Keyword arguments of vLLM's ``AsyncEngineArgs`` for this replica."""
         args = {
-            "model": self.model,
+            "model": str(self.model_path),
             "dtype": self.dtype,
             "seed": self.seed,
             "gpu_memory_utilization": self.gpu_memory_utilization,
@@ -128,9 +132,15 @@ class VLLMEngineConfig:
         return {**args, **self.engine_kwargs}
 
 
-def sampling_kwargs(request: GenerateRequest) -> dict:
-    """vLLM ``SamplingParams`` keyword arguments for one asyncrl request."""
+def sampling_kwargs(request: GenerateRequest, eos_token_ids: Iterable[int] = ()) -> dict:
+    """vLLM ``SamplingParams`` keyword arguments for one asyncrl request.
+
+    The request stops on its own ``stop_token_ids`` plus ``eos_token_ids`` and on nothing
+    else (``ignore_eos`` turns off vLLM's tokenizer/generation-config EOS), as in the
+    built-in engine. ``output_kind`` (DELTA) is set by the engine, not here.
+    """
     s = request.sampling
+    stops = dict.fromkeys([int(t) for t in eos_token_ids] + [int(t) for t in s.stop_token_ids])
     return {
         "n": 1,
         "max_tokens": request.max_tokens,
@@ -138,11 +148,20 @@ def sampling_kwargs(request: GenerateRequest) -> dict:
         "top_p": 1.0 if s.greedy else s.top_p,
         "top_k": 0 if s.greedy else s.top_k,
         "seed": s.seed,
-        "stop_token_ids": [int(t) for t in s.stop_token_ids],
+        "stop_token_ids": list(stops),
         "ignore_eos": True,
         "logprobs": 0,
         "detokenize": False,
     }
+
+
+def model_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """``eos_token_id`` of a model directory's config.json (int or list) as a tuple."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
 
 
 def map_finish_reason(request_id: str, reason: str | None) -> str:
@@ -233,16 +252,19 @@ def checkpoint_param_meta(model_dir: str | Path) -> list[tuple[str, torch.dtype,
 class VLLMEngine:
     """One vLLM replica behind the `RolloutEngine` interface (see the module docstring).
 
-    ``VLLMEngine(VLLMEngineConfig(model=...))`` or ``VLLMEngine(model=..., **fields)``.
-    Building it starts vLLM's EngineCore and loads the model (blocking, tens of seconds).
+    ``VLLMEngine(model_path, **fields)`` or ``VLLMEngine(config=VLLMEngineConfig(...))``, as
+    `TorchEngine`. Building it starts vLLM's EngineCore and loads the model (blocking).
     """
 
-    def __init__(self, config: VLLMEngineConfig | None = None, **fields) -> None:
+    def __init__(self, model_path: str | Path | None = None, *, config: VLLMEngineConfig | None = None, **kwargs):
         if config is None:
-            config = VLLMEngineConfig(**fields)
-        elif fields:
-            raise TypeError("VLLMEngine takes a VLLMEngineConfig or keyword fields, not both")
+            if model_path is None:
+                raise ValueError("VLLMEngine needs model_path (or config=VLLMEngineConfig(...))")
+            config = VLLMEngineConfig(model_path=model_path, **kwargs)
+        elif model_path is not None or kwargs:
+            raise ValueError("pass either config= or model_path and keyword settings, not both")
         self.config = config
+        self._eos = config.eos_token_ids if config.eos_token_ids is not None else model_eos_token_ids(config.model_path)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -252,113 +274,153 @@ class VLLMEngine:
         self._update_open = False
         self._weights_broken: str | None = None
         self._closed = False
-        self._running = 0
-        self._tokens_generated = 0
-        self._finished = 0
+        self._live: dict[str, list[int]] = {}  # request id -> tokens so far (one-element list)
+        self._waiters: dict[str, list[tuple[int, asyncio.Future]]] = {}
+        self._counters = dict(tokens_generated=0, finished=0)
 
     @property
     def version(self) -> int:
         return self._version
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate one response; waits (queued in vLLM) while the engine is paused with ``keep``."""
         from vllm import SamplingParams
         from vllm.exceptions import RetryableRequestError
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if self._closed:
-            raise EngineClosedError(f"request {request.request_id}: the vLLM engine is closed")
+        rid = request.request_id
+        self._check_open()
         if self._paused in ("abort", "wait"):
-            raise EnginePausedError(f"request {request.request_id}: engine is paused with mode={self._paused!r}")
-        params = SamplingParams(**sampling_kwargs(request), output_kind=RequestOutputKind.FINAL_ONLY)
+            raise EnginePausedError(
+                f"request {rid} refused: the engine is paused with mode={self._paused!r}; call resume() first"
+            )
+        if rid in self._live:
+            raise ValueError(f"request_id {rid!r} is already in flight")
+        # DELTA outputs: each step's new tokens, so progress is visible (wait_for_tokens).
+        params = SamplingParams(**sampling_kwargs(request, self._eos), output_kind=RequestOutputKind.DELTA)
         prompt = {"prompt_token_ids": request.prompt_ids.tolist()}
+        ids: list[int] = []
+        logps: list[np.ndarray] = []
         final = None
-        self._running += 1
+        self._live[rid] = [0]
         try:
-            async for out in self._llm.generate(prompt, params, request.request_id):
-                final = out
+            async for out in self._llm.generate(prompt, params, rid):
+                completion = out.outputs[0]
+                new = list(completion.token_ids)
+                ids += new
+                logps.append(sampled_logprobs(rid, new, completion.logprobs))
+                self._progress(rid, len(ids))
+                final = completion
         except RetryableRequestError as exc:
-            raise EnginePausedError(f"request {request.request_id}: vLLM refused it while paused ({exc})") from exc
+            raise EnginePausedError(f"request {rid} refused by vLLM while paused: {exc}") from exc
         except EngineDeadError as exc:
-            raise EngineClosedError(f"request {request.request_id}: the vLLM engine died or was closed") from exc
+            raise EngineClosedError(f"request {rid}: the vLLM engine died or was closed") from exc
         finally:
-            self._running -= 1
-        if final is None or not final.outputs:
-            raise EngineError(f"request {request.request_id}: vLLM ended the request without an output")
-        completion = final.outputs[0]
-        token_ids = list(completion.token_ids)
-        result = GenerateResult(
-            request_id=request.request_id,
-            response_ids=np.asarray(token_ids, dtype=np.int64),
-            logprobs=sampled_logprobs(request.request_id, token_ids, completion.logprobs),
-            versions=expand_version_spans(completion.weight_versions, len(token_ids), self.config.initial_version),
-            finish_reason=map_finish_reason(request.request_id, completion.finish_reason),
+            self._live.pop(rid, None)
+            self._progress(rid, 0, done=True)
+        if final is None or final.finish_reason is None:
+            raise EngineError(f"request {rid}: vLLM ended the request without a final output")
+        self._counters["tokens_generated"] += len(ids)
+        self._counters["finished"] += 1
+        return GenerateResult(
+            request_id=rid,
+            response_ids=np.asarray(ids, dtype=np.int64),
+            logprobs=np.concatenate(logps) if logps else np.zeros(0, dtype=np.float32),
+            versions=expand_version_spans(final.weight_versions, len(ids), self.config.initial_version),
+            finish_reason=map_finish_reason(rid, final.finish_reason),
         )
-        self._tokens_generated += len(token_ids)
-        self._finished += 1
-        return result
+
+    def _progress(self, rid: str, n: int, done: bool = False) -> None:
+        if not done:
+            self._live[rid][0] = n
+        waiting = self._waiters.get(rid, [])
+        keep = []
+        for target, fut in waiting:
+            if fut.done():
+                continue
+            if done or n >= target:
+                fut.set_result(0 if done else n)
+            else:
+                keep.append((target, fut))
+        if keep:
+            self._waiters[rid] = keep
+        else:
+            self._waiters.pop(rid, None)
+
+    async def wait_for_tokens(self, request_id: str, n_tokens: int, timeout_s: float = 60.0) -> int:
+        """Wait until ``request_id`` has ``n_tokens`` or has left; its count then (0 once left).
+
+        Same hook as `TorchEngine.wait_for_tokens`; an unknown id returns 0 at once. Raises
+        `EngineError` naming ``timeout_s`` when it runs out.
+        """
+        live = self._live.get(request_id)
+        if live is None:
+            return 0
+        if live[0] >= n_tokens:
+            return live[0]
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(request_id, []).append((n_tokens, fut))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise EngineError(
+                f"request {request_id} did not reach {n_tokens} tokens within timeout_s={timeout_s}"
+            ) from None
 
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = False) -> None:
+        """vLLM's ``pause_generation(mode=..., clear_cache=...)``; returns once the mode holds."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._check_open()
-        # Set first: a generate() racing the pause is refused locally as well as by vLLM.
-        self._paused = mode
+        self._paused = mode  # first, so a generate() racing the pause is refused here too
         await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> None:
+        """vLLM's ``resume_generation()``; refused while a weight update is open or failed."""
         self._check_open()
         if self._update_open:
-            raise EngineError("resume() during a weight update: finish_weight_update(version) first")
+            raise EngineError("resume() during a weight update: call finish_weight_update(version) first")
         if self._weights_broken is not None:
-            raise EngineError(
-                f"refusing to resume on partly loaded weights ({self._weights_broken}); "
-                "complete a weight update first"
-            )
+            raise EngineError(f"refusing to resume on partly loaded weights: {self._weights_broken}")
         await self._llm.resume_generation()
         self._paused = None
 
     async def abort(self, request_ids: Iterable[str]) -> None:
-        ids = list(request_ids)
+        """End the named requests now with their partial output; unknown ids are ignored."""
+        ids = [r for r in request_ids if r in self._live]
         if ids:
             await self._llm.abort(ids)
 
     def param_meta(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """Checkpoint-format tensors of the model directory (`checkpoint_param_meta`).
+        """Checkpoint-format ``(name, dtype, shape)`` of the model directory (`checkpoint_param_meta`).
 
-        vLLM casts what it receives to its own parameter dtype on load, so the dtype here is
-        the checkpoint's unless ``dtype`` is set explicitly.
+        These names are what vLLM's ``load_weights`` maps (fused qkv etc. happen inside
+        vLLM), i.e. what the trainer sends; vLLM casts received tensors to its own dtype.
         """
-        meta = checkpoint_param_meta(self.config.model)
-        if self.config.dtype in ("auto",):
-            return meta
-        dtype = getattr(torch, {"half": "float16", "float": "float32"}.get(self.config.dtype, self.config.dtype))
-        return [(n, dtype if d.is_floating_point else d, s) for n, d, s in meta]
+        return checkpoint_param_meta(self.config.model_path)
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError(
-            "VLLMEngine loads weights only through vLLM's NCCL transfer engine: "
-            "init_weight_sync(...) once, then receive_weights(...) per sync (asyncrl.sync.vllm)"
+            "VLLMEngine takes weights only through vLLM's NCCL weight-transfer engine: "
+            "init_weight_sync(**info) once, then receive_weights(...) per sync (asyncrl.sync.vllm)"
         )
 
     async def init_weight_sync(self, **init_info) -> None:
         """Join the trainer's NCCL group: vLLM's ``init_weight_transfer_engine(init_info)``.
 
-        ``init_info`` is one entry of `asyncrl.sync.vllm.VLLMWeightSender.engine_init_infos`
-        (master_address, master_port, rank_offset, world_size, packed,
-        packed_buffer_size_bytes, packed_num_buffers). Blocks until the trainer's
-        ``connect()`` meets it.
+        ``init_info`` is this engine's entry of `asyncrl.sync.vllm.VLLMWeightSender.connect`'s
+        list (master_address, master_port, rank_offset, world_size, packed,
+        packed_buffer_size_bytes, packed_num_buffers). Returns when the trainer has joined.
         """
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         missing = [k for k in _INIT_INFO_REQUIRED if k not in init_info]
         if missing:
-            raise ValueError(f"init_weight_sync is missing {missing}; pass an entry of VLLMWeightSender.engine_init_infos()")
+            raise ValueError(f"init_weight_sync is missing {missing}: pass this engine's entry of VLLMWeightSender.connect()")
         self._check_open()
-        await self._with_deadline(
-            self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info))),
-            "init_weight_sync",
-        )
+        request = WeightTransferInitRequest(init_info=dict(init_info))
+        await self._deadline(self._llm.init_weight_transfer_engine(request), "init_weight_transfer_engine")
 
     async def receive_weights(
         self,
@@ -368,49 +430,51 @@ class VLLMEngine:
         shapes: Sequence[Sequence[int]] = (),
         version: int | None = None,
     ) -> None:
-        """Receive one full set of weights while paused; runs while the trainer calls ``send``.
+        """Receive one full set of weights while paused, as the trainer's ``send`` broadcasts it.
 
-        ``names``/``dtype_names``/``shapes`` are `VLLMWeightSender.update_info` (empty lists
-        reuse the last metadata). With ``version``, the update is committed here
-        (``finish_weight_update``); without it, call `finish_weight_update(version)` next.
+        The keywords are `VLLMWeightSender.update_kwargs` (empty lists reuse the metadata
+        of the last update). With ``version`` the update is committed here; without it, call
+        `finish_weight_update(version)` next.
         """
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         self._check_open()
         if self._paused is None:
             raise EngineError("receive_weights while serving: pause(mode='keep') first")
-        if not (len(names) == len(dtype_names) == len(shapes)):
+        if not len(names) == len(dtype_names) == len(shapes):
             raise ValueError(
                 f"receive_weights: names, dtype_names and shapes differ in length "
                 f"({len(names)}, {len(dtype_names)}, {len(shapes)})"
             )
-        info = {"names": list(names), "dtype_names": list(dtype_names), "shapes": [list(s) for s in shapes]}
-        self._weights_broken = "a weight update started and has not finished"
-        await self._with_deadline(self._llm.start_weight_update(), "start_weight_update")
+        info = {"names": list(names), "dtype_names": list(dtype_names), "shapes": [list(x) for x in shapes]}
+        # Until finish_weight_update succeeds the model may hold a mix of old and new tensors.
+        self._weights_broken = "a weight update started and did not finish; rebuild the engine"
+        await self._deadline(self._llm.start_weight_update(), "start_weight_update")
         self._update_open = True
-        await self._with_deadline(
-            self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)), "update_weights"
-        )
+        await self._deadline(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)), "update_weights")
         if version is not None:
             await self.finish_weight_update(version)
 
     async def finish_weight_update(self, version: int) -> None:
-        """Commit the received weights as ``version``: tokens from now on carry it."""
+        """Commit the received weights as ``version``: tokens generated after resume carry it."""
         self._check_open()
         if not self._update_open:
-            raise EngineError("finish_weight_update without receive_weights")
-        await self._with_deadline(
-            self._llm.finish_weight_update(weight_version=str(version)), "finish_weight_update"
-        )
+            raise EngineError("finish_weight_update without receive_weights: nothing to commit")
+        await self._deadline(self._llm.finish_weight_update(weight_version=str(version)), "finish_weight_update")
         self._update_open = False
         self._weights_broken = None
-        self._version = version
+        self._version = int(version)
 
     def stats(self) -> dict[str, int]:
-        """Counters kept here: running (generate calls in flight), tokens_generated, finished."""
-        return {"running": self._running, "tokens_generated": self._tokens_generated, "finished": self._finished}
+        """running (requests in flight here), tokens_generated, finished, version.
+
+        vLLM keeps its queue, KV and re-prefill counts inside the EngineCore; they are not
+        reported here.
+        """
+        return dict(running=len(self._live), version=self._version, **self._counters)
 
     async def close(self) -> None:
+        """Shut vLLM down; requests still in flight end with `EngineClosedError`."""
         if self._closed:
             return
         self._closed = True
@@ -420,7 +484,7 @@ class VLLMEngine:
         if self._closed:
             raise EngineClosedError("the vLLM engine is closed")
 
-    async def _with_deadline(self, awaitable, what: str):
+    async def _deadline(self, awaitable, what: str):
         try:
             return await asyncio.wait_for(awaitable, self.config.weight_sync_timeout_s)
         except TimeoutError:

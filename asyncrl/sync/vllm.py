@@ -22,15 +22,15 @@ the trainer's half of that protocol. The facts it relies on, read from vLLM 0.33
   ``packed_buffer_size_bytes`` (that tensor included), or at the end. One NCCL broadcast
   per bucket from rank 0. Both sides derive the same cut points from the same metadata.
 
-The coordinator drives it like this (trainer ranks all call `send`; only rank 0 talks NCCL)::
+The coordinator drives it like this (all trainer ranks build the sender and call `send`)::
 
-    sender = VLLMWeightSender(cfg, rank=trainer_rank, workers_per_engine=[tp * pp, ...])
-    # once, concurrently:  rank 0: sender.connect()
-    #                      engine i: engine_actor.init_weight_sync(**sender.engine_init_infos()[i])
-    # each sync: engines pause(mode="keep", clear_cache=False); then concurrently:
-    #   engine i: engine_actor.receive_weights(**sender.update_info(metas), version=v + 1)
-    #   every trainer rank: sender.send(iter_full_tensors(model))
-    # then engines resume().
+    sender = VLLMWeightSender(model, rank=trainer_rank, workers_per_engine=[tp * pp, ...])
+    infos = sender.connect()                      # rank 0: one dict per engine, join in background
+    # once:       engine i: engine_actor.init_weight_sync(**infos[i])   (no need to await first)
+    # each sync:  every engine: pause(mode="keep", clear_cache=False)
+    #             kw = sender.update_kwargs(version=v + 1)              # rank 0
+    #             concurrently: every engine receive_weights(**kw); every trainer rank send(version=v + 1)
+    #             every engine: resume()
 
 Leaves out: the unique-id (torch-free) rendezvous, CUDA-IPC (colocated) transfer, the
 sparse and m2n backends, and sending from more than one trainer rank. Nothing here can run
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ class VLLMSyncConfig:
     packed: bool = True
     """Packed buckets (True) or one broadcast per tensor (False), vLLM's ``packed``."""
     timeout_s: float = 600.0
-    """Deadline of the rendezvous in `VLLMWeightSender.connect`."""
+    """How long `VLLMWeightSender.send` waits for every engine worker to have joined the group."""
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -213,7 +214,7 @@ def broadcast_packed(
     broadcast: Callable[[torch.Tensor, object], None],
     device: torch.device,
     streams: Sequence[object | None],
-) -> int:
+) -> tuple[int, int]:
     """Pack ``pairs`` into vLLM-geometry buckets and hand each to ``broadcast(buffer, stream)``.
 
     Bucket ``b`` uses slot ``b % len(streams)``: before re-using a slot its previous bucket
@@ -221,12 +222,12 @@ def broadcast_packed(
     are held and packing one overlaps sending another. Each incoming tensor is copied into
     the bucket and dropped, so a gathered full tensor lives only until it is packed.
     Checks every pair against ``metas`` (the receiver cuts its buckets from them). Returns
-    the bytes sent.
+    ``(bytes sent, peak bytes of bucket buffers held at once)``.
     """
     plan = plan_vllm_buckets([m.nbytes for m in metas], bucket_bytes)
     it = iter(pairs)
     held: list[torch.Tensor | None] = [None] * len(streams)
-    sent = 0
+    sent = peak = 0
     for b, idx in enumerate(plan):
         slot = b % len(streams)
         stream = streams[slot]
@@ -250,13 +251,14 @@ def broadcast_packed(
             broadcast(buf, stream)
             held[slot] = buf
             sent += nbytes
+            peak = max(peak, sum(h.numel() for h in held if h is not None))
     extra = next(it, None)
     if extra is not None:
         raise ValueError(f"weight source yielded {extra[0]!r} beyond the {len(metas)} tensors in the metadata")
     for stream in streams:
         if stream is not None:
             stream.synchronize()
-    return sent
+    return sent, peak
 
 
 def _next_checked(it: Iterator, metas: Sequence[TensorMeta], i: int) -> tuple[str, torch.Tensor]:
@@ -276,37 +278,76 @@ def _next_checked(it: Iterator, metas: Sequence[TensorMeta], i: int) -> tuple[st
     return name, tensor
 
 
-class VLLMWeightSender:
-    """The trainer's side of vLLM's NCCL weight transfer (see the module docstring).
+class VLLMWeightSyncError(RuntimeError):
+    """A vLLM weight sync failed; the message names the step and the setting involved."""
 
-    Built on every trainer rank; only rank 0 opens the NCCL endpoint and broadcasts, the
-    other ranks only join the FSDP2 gathers inside `send`.
+
+class VLLMWeightSender:
+    """The trainer's side of vLLM's NCCL weight transfer, shaped like `asyncrl.sync.sender.WeightSender`.
+
+    Built on every trainer rank around the (possibly FSDP2-sharded) model; every rank calls
+    `send` (the all-gathers are collectives), only rank 0 opens the NCCL endpoint and
+    broadcasts. See the module docstring for the order of calls.
     """
 
     def __init__(
         self,
-        config: VLLMSyncConfig | None = None,
+        model: torch.nn.Module,
         *,
         rank: int,
         workers_per_engine: Sequence[int],
-        device: torch.device | str | None = None,
+        config: VLLMSyncConfig | None = None,
     ) -> None:
-        self.config = config or VLLMSyncConfig()
+        self.model = model
         self.rank = rank
+        self.config = config or VLLMSyncConfig()
         self.workers_per_engine = list(workers_per_engine)
-        self.port = self.config.master_port or (free_port(self.config.master_address) if rank == 0 else 0)
-        self.device = torch.device(device) if device is not None else None
+        if not self.workers_per_engine or any(w < 1 for w in self.workers_per_engine):
+            raise ValueError(f"workers_per_engine needs one count >= 1 per engine, got {self.workers_per_engine}")
+        self.port = 0
+        self.device: torch.device | None = None
         self._comm = None
+        self._join_thread: threading.Thread | None = None
+        self._join_result: dict = {}
         self._streams: list[object | None] = []
-        self._sent_metas: list[TensorMeta] | None = None
+        self._announced: list[TensorMeta] | None = None
+        self.stats = {"syncs": 0, "meta_sends": 0, "bytes_sent": 0, "peak_extra_bytes": 0, "last_send_s": 0.0}
 
     @property
     def world_size(self) -> int:
         return 1 + sum(self.workers_per_engine)
 
-    def engine_init_infos(self) -> list[dict]:
-        """What each engine's ``init_weight_sync(**info)`` takes, in engine order (rank 0 only)."""
-        self._require_rank0("engine_init_infos")
+    def metas(self) -> list[TensorMeta]:
+        """What is sent, in order: `model_tensor_metas` of the model."""
+        return model_tensor_metas(self.model)
+
+    # -- rendezvous ---------------------------------------------------------------------------
+
+    def connect(self) -> list[dict] | None:
+        """Rank 0: start joining vLLM's group; return one ``init_weight_sync`` kwargs dict per engine.
+
+        The join (vLLM's ``trainer_init`` on the current CUDA device) finishes only when every
+        engine worker has called ``init_weight_sync`` with its dict, so it runs in a thread and
+        `send` waits for it. Other ranks: nothing to do, None.
+        """
+        if self.rank != 0:
+            return None
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.port = self.config.master_port or free_port(self.config.master_address)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        rendezvous = {"master_address": self.config.master_address, "master_port": self.port, "world_size": self.world_size}
+
+        def join() -> None:
+            try:
+                torch.cuda.set_device(self.device)
+                self._join_result["comm"] = trainer_init(rendezvous)
+            except BaseException as exc:  # noqa: BLE001 - forwarded to send()
+                self._join_result["error"] = exc
+
+        self._join_thread = threading.Thread(target=join, name="vllm-weight-transfer-join", daemon=True)
+        self._join_thread.start()
+        self._announced = None  # vLLM's init_transfer_engine forgets the engines' cached metadata
         return engine_init_infos(
             master_address=self.config.master_address,
             master_port=self.port,
@@ -316,111 +357,95 @@ class VLLMWeightSender:
             num_buffers=self.config.num_buffers,
         )
 
-    def connect(self) -> None:
-        """Open the NCCL endpoint as rank 0; returns once every engine worker has joined.
-
-        Call it while the engines run ``init_weight_sync`` (both sides block in one
-        rendezvous). Uses the current CUDA device unless ``device`` was given.
-        """
-        self._require_rank0("connect")
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
-        if self.device is not None:
-            torch.cuda.set_device(self.device)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        rendezvous = {
-            "master_address": self.config.master_address,
-            "master_port": self.port,
-            "world_size": self.world_size,
-        }
-        self._comm = _call_with_deadline(
-            lambda: trainer_init(rendezvous),
-            self.config.timeout_s,
-            f"vLLM weight-transfer rendezvous at {self.config.master_address}:{self.port} "
-            f"({self.world_size} ranks) did not complete within VLLMSyncConfig.timeout_s="
-            f"{self.config.timeout_s}s; did every engine call init_weight_sync?",
-        )
+    def _wait_joined(self):
+        if self._comm is not None:
+            return self._comm
+        if self._join_thread is None:
+            raise VLLMWeightSyncError("VLLMWeightSender.send before connect(): open the NCCL endpoint first")
+        self._join_thread.join(self.config.timeout_s)
+        if self._join_thread.is_alive():
+            raise VLLMWeightSyncError(
+                f"vLLM engines did not join the weight-transfer group at {self.config.master_address}:{self.port} "
+                f"({self.world_size} ranks) within VLLMSyncConfig.timeout_s={self.config.timeout_s}s; "
+                "did every engine run init_weight_sync?"
+            )
+        self._join_thread = None
+        if "error" in self._join_result:
+            err = self._join_result.pop("error")
+            raise VLLMWeightSyncError(f"joining vLLM's weight-transfer group failed: {err}") from err
+        self._comm = self._join_result.pop("comm")
         self._streams = [torch.cuda.Stream(device=self.device) for _ in range(self.config.num_buffers)]
-        self._sent_metas = None  # vLLM's init_transfer_engine forgets the engines' cached metadata
+        return self._comm
 
-    def forget_metadata(self) -> None:
-        """Send full metadata at the next sync (e.g. after an engine was restarted)."""
-        self._sent_metas = None
+    # -- one sync -----------------------------------------------------------------------------
 
-    def update_info(self, metas: Sequence[TensorMeta]) -> dict[str, list]:
-        """The ``receive_weights`` kwargs of this sync: full metadata once, empty lists while unchanged."""
-        metas = list(metas)
-        if metas == self._sent_metas:
-            return {"names": [], "dtype_names": [], "shapes": []}
+    def update_kwargs(self, *, version: int) -> dict:
+        """Rank 0: the ``receive_weights`` kwargs every vLLM engine gets for this sync.
+
+        Names/dtypes/shapes go on the first sync after `connect` and whenever they change;
+        otherwise empty lists, which vLLM reads as "same as last time".
+        """
+        metas = self.metas()
         if self.config.packed:
             check_vllm_alignment(metas, self.config.bucket_bytes)
-        return update_info(metas)
+        if metas == self._announced:
+            return {"names": [], "dtype_names": [], "shapes": [], "version": version}
+        self._announced = metas
+        self.stats["meta_sends"] += 1
+        return {**update_info(metas), "version": version}
 
-    def send(self, pairs: Iterable[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]) -> int:
-        """Broadcast one full set of weights; call on every trainer rank, while the engines run
-        ``receive_weights``. ``pairs`` yields ``(name, full tensor)`` in ``metas`` order
-        (`iter_full_tensors`). Returns the bytes broadcast (0 on ranks other than 0)."""
-        metas = list(metas)
+    def forget_metadata(self) -> None:
+        """Announce full metadata at the next sync (e.g. after an engine was rebuilt)."""
+        self._announced = None
+
+    @torch.no_grad()
+    def send(self, *, version: int) -> dict:
+        """Broadcast every parameter; all trainer ranks call it while the engines run
+        ``receive_weights(**update_kwargs(version=...))``. Returns stats."""
+        start = time.perf_counter()
+        metas = self.metas()
+        pairs = iter_full_tensors(self.model)
         if self.rank != 0:
-            for _ in pairs:  # join the FSDP2 all-gathers that rank 0's iteration runs
+            for _ in pairs:  # join the FSDP2 all-gathers rank 0's iteration runs
                 pass
-            return 0
-        if self._comm is None:
-            raise RuntimeError("VLLMWeightSender.send before connect(): open the NCCL endpoint first")
-        comm = self._comm
-        if self.config.packed:
-            sent = broadcast_packed(
-                pairs,
-                metas,
-                bucket_bytes=self.config.bucket_bytes,
-                broadcast=lambda buf, stream: comm.broadcast(buf, src=0, stream=stream),
-                device=self.device,
-                streams=self._streams,
-            )
-        else:
-            sent = self._send_unpacked(pairs, metas)
-        self._sent_metas = metas
-        return sent
+            return {**self.stats, "version": version}
+        comm = self._wait_joined()
+        try:
+            if self.config.packed:
+                sent, peak = broadcast_packed(
+                    pairs,
+                    metas,
+                    bucket_bytes=self.config.bucket_bytes,
+                    broadcast=lambda buf, stream: comm.broadcast(buf, src=0, stream=stream),
+                    device=self.device,
+                    streams=self._streams,
+                )
+            else:
+                sent, peak = self._send_unpacked(comm, pairs, metas), 0
+        except BaseException as exc:
+            for _ in pairs:  # finish the gathers so the other trainer ranks do not hang
+                pass
+            self._announced = None
+            raise VLLMWeightSyncError(f"broadcast of weights version {version} to vLLM failed: {exc}") from exc
+        self.stats["syncs"] += 1
+        self.stats["bytes_sent"] += sent
+        self.stats["peak_extra_bytes"] = max(self.stats["peak_extra_bytes"], peak)
+        self.stats["last_send_s"] = time.perf_counter() - start
+        return {**self.stats, "version": version, "bytes": sent}
 
-    def _send_unpacked(self, pairs: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> int:
+    def _send_unpacked(self, comm, pairs: Iterator[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> int:
         # vLLM's unpacked path: one broadcast per tensor, in metadata order, on the current stream.
-        it, sent = iter(pairs), 0
-        stream = torch.cuda.current_stream()
+        stream, sent = torch.cuda.current_stream(), 0
         for i in range(len(metas)):
-            _, tensor = _next_checked(it, metas, i)
-            tensor = tensor.to(self.device).contiguous()
-            self._comm.broadcast(tensor, src=0, stream=stream)
+            _, tensor = _next_checked(pairs, metas, i)
+            comm.broadcast(tensor.to(self.device).contiguous(), src=0, stream=stream)
             sent += metas[i].nbytes
         stream.synchronize()
         return sent
 
     def close(self) -> None:
-        """Tear down the NCCL communicator (rank 0); the engines keep serving."""
+        """Tear down the NCCL communicator (rank 0); the engines keep serving. Safe to call twice."""
         if self._comm is not None:
             self._comm.destroy()
             self._comm = None
 
-    def _require_rank0(self, what: str) -> None:
-        if self.rank != 0:
-            raise RuntimeError(f"VLLMWeightSender.{what} runs on trainer rank 0 only (this is rank {self.rank})")
-
-
-def _call_with_deadline(fn: Callable[[], object], timeout_s: float, message: str):
-    # The rendezvous blocks in C++ (TCPStore, ncclCommInitRank) and cannot be cancelled, so it
-    # runs in a daemon thread; on timeout we raise and leave the thread to the process exit.
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, name="vllm-weight-transfer-rendezvous", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(message)
-    if "error" in result:
-        raise result["error"]
-    return result["value"]

@@ -1,0 +1,413 @@
+"""vLLM engine and vLLM weight-transfer sender.
+
+CPU tests (no vLLM import): request translation, finish reasons, logprob/version extraction,
+checkpoint metadata, vLLM 0.33's packed-bucket geometry and bytes, the sender's metadata-once
+rule. GPU tests (``gpu`` marker, and skipped without vLLM): a real ``AsyncLLM`` on a tiny
+model, and (with two GPUs) a real NCCL weight transfer from this process into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.rollouter.engine import EngineError
+from asyncrl.rollouter.vllm_engine import (
+    VLLMEngineConfig,
+    checkpoint_param_meta,
+    expand_version_spans,
+    map_finish_reason,
+    model_eos_token_ids,
+    sampled_logprobs,
+    sampling_kwargs,
+)
+from asyncrl.sync.vllm import (
+    TensorMeta,
+    VLLMSyncConfig,
+    VLLMWeightSender,
+    broadcast_packed,
+    check_vllm_alignment,
+    engine_init_infos,
+    plan_vllm_buckets,
+    update_info,
+)
+from asyncrl.types import GenerateRequest, SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def _request(**sampling) -> GenerateRequest:
+    return GenerateRequest("r0", np.array([1, 5, 6]), max_tokens=7, sampling=SamplingParams(**sampling))
+
+
+# ----------------------------------------------------------------------- engine, pure logic
+
+
+def test_modules_import_without_vllm():
+    code = "import sys, asyncrl.rollouter.vllm_engine, asyncrl.sync.vllm; assert 'vllm' not in sys.modules"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_sampling_kwargs_greedy_and_sampled():
+    greedy = sampling_kwargs(_request(greedy=True, temperature=0.7, top_k=5, stop_token_ids=(9,)), eos_token_ids=(2,))
+    assert greedy["temperature"] == 0.0 and greedy["top_k"] == 0 and greedy["top_p"] == 1.0
+    assert greedy["stop_token_ids"] == [2, 9]
+    assert greedy["max_tokens"] == 7 and greedy["n"] == 1
+    # the sampled token's logprob only, ids only, and no EOS but the ones we pass
+    assert greedy["logprobs"] == 0 and greedy["detokenize"] is False and greedy["ignore_eos"] is True
+
+    sampled = sampling_kwargs(_request(temperature=0.7, top_p=0.9, top_k=5, seed=3, stop_token_ids=(2, 4)), (2,))
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"], sampled["seed"]) == (0.7, 0.9, 5, 3)
+    assert sampled["stop_token_ids"] == [2, 4]  # EOS given twice is listed once
+
+
+def test_finish_reason_mapping():
+    assert [map_finish_reason("r", x) for x in ("stop", "length", "abort")] == ["stop", "length", "abort"]
+    for bad in ("error", "repetition", None):
+        with pytest.raises(EngineError, match="request r7"):
+            map_finish_reason("r7", bad)
+
+
+def test_sampled_logprobs_picks_the_sampled_token():
+    lp = SimpleNamespace
+    positions = [{4: lp(logprob=-0.5), 7: lp(logprob=-0.1)}, {9: lp(logprob=-2.0)}]
+    np.testing.assert_array_equal(sampled_logprobs("r", [4, 9], positions), np.array([-0.5, -2.0], np.float32))
+    assert sampled_logprobs("r", [], None).shape == (0,)
+    with pytest.raises(EngineError, match="no logprob for sampled token 5"):
+        sampled_logprobs("r", [4, 5], positions)
+    with pytest.raises(EngineError, match="3 tokens but 2"):
+        sampled_logprobs("r", [4, 9, 1], positions)
+    with pytest.raises(EngineError, match="no logprobs"):
+        sampled_logprobs("r", [4], None)
+
+
+def test_version_spans_expand_per_token():
+    span = lambda v, a, b: SimpleNamespace(version=v, start=a, end=b)  # noqa: E731
+    got = expand_version_spans([span("default", 0, 3), span("1", 3, 5), span("2", 5, 6)], 6, initial_version=0)
+    np.testing.assert_array_equal(got, [0, 0, 0, 1, 1, 2])
+    assert expand_version_spans(None, 0, 0).shape == (0,)
+    with pytest.raises(EngineError, match="do not cover"):
+        expand_version_spans([span("1", 0, 2)], 4, 0)
+    with pytest.raises(EngineError, match="not an integer"):
+        expand_version_spans([span("v1", 0, 2)], 2, 0)
+    with pytest.raises(EngineError, match="without weight-version spans"):
+        expand_version_spans(None, 3, 0)
+
+
+def test_checkpoint_meta_matches_the_hf_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = sorted((n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters())
+    assert checkpoint_param_meta(path) == expected  # tied lm_head is stored once, as HF names it
+    assert model_eos_token_ids(path) == (model.config.eos_token_id,)
+
+
+def test_engine_config_validates_and_builds_engine_args(tmp_path):
+    cfg = VLLMEngineConfig(model_path=tmp_path, dtype="float32", max_model_len=128, engine_kwargs={"max_num_batched_tokens": 512})
+    args = cfg.engine_args()
+    assert args["model"] == str(tmp_path) and args["logprobs_mode"] == "processed_logprobs"
+    assert args["weight_transfer_config"] == {"backend": "nccl"} and args["skip_tokenizer_init"] is True
+    assert args["max_model_len"] == 128 and args["max_num_batched_tokens"] == 512
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        VLLMEngineConfig(model_path=tmp_path, logprobs_mode="sampled")
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VLLMEngineConfig(model_path=tmp_path, gpu_memory_utilization=0)
+    with pytest.raises(ValueError, match="engine_kwargs must not set"):
+        VLLMEngineConfig(model_path=tmp_path, engine_kwargs={"logprobs_mode": "raw_logprobs"})
+
+
+# ----------------------------------------------------------------------- sender, pure logic
+
+
+def test_bucket_plan_is_vllms_greedy_overflow_rule():
+    # a bucket closes right after the tensor that takes it PAST the threshold (strictly greater)
+    assert plan_vllm_buckets([4, 4, 4], 5) == [range(0, 2), range(2, 3)]
+    assert plan_vllm_buckets([5, 5], 10) == [range(0, 2)]
+    assert plan_vllm_buckets([5, 5, 1], 10) == [range(0, 3)]
+    assert plan_vllm_buckets([100, 1, 100], 10) == [range(0, 1), range(1, 3)]  # tensors larger than a bucket
+    assert plan_vllm_buckets([3, 3, 3], 10**9) == [range(0, 3)]  # bucket larger than the model
+    assert plan_vllm_buckets([], 10) == []
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("embed", torch.randn(16, 8, generator=g)),
+        ("norm", torch.randn(8, generator=g).to(torch.bfloat16)),
+        ("count", torch.randint(0, 9, (4, 4), generator=g)),
+        ("big", torch.randn(64, 64, generator=g)),
+        ("half", torch.randn(6, generator=g).half()),
+        ("scalar", torch.randn((), generator=g)),
+    ]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 600, 16384, 10**9])
+def test_packed_buckets_carry_exact_bytes_in_vllm_geometry(bucket_bytes):
+    tensors = _tensors()
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    sent = []
+    total, peak = broadcast_packed(
+        iter(tensors), metas, bucket_bytes=bucket_bytes, broadcast=lambda buf, s: sent.append(buf.clone()),
+        device=CPU, streams=[None, None],
+    )
+    plan = plan_vllm_buckets([m.nbytes for m in metas], bucket_bytes)
+    assert [b.numel() for b in sent] == [sum(metas[i].nbytes for i in idx) for idx in plan]
+    assert total == sum(m.nbytes for m in metas)
+    assert peak <= 2 * max(b.numel() for b in sent)  # two slots held at most
+    # unpack the way vLLM's receiver does: rebuild (shape, dtype) from update_info, split by size
+    info = update_info(metas)
+    got = {}
+    for idx, buf in zip(plan, sent):
+        sizes = [metas[i].nbytes for i in idx]
+        for i, piece in zip(idx, buf.split(sizes)):
+            got[info["names"][i]] = piece.view(getattr(torch, info["dtype_names"][i])).view(info["shapes"][i])
+    for name, t in tensors:
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_source_that_disagrees_with_metadata_is_refused():
+    tensors = _tensors()
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    send = lambda pairs: broadcast_packed(  # noqa: E731
+        iter(pairs), metas, bucket_bytes=10**9, broadcast=lambda b, s: None, device=CPU, streams=[None]
+    )
+    with pytest.raises(ValueError, match="index 1: declared 'norm'"):
+        send([tensors[0], ("other", tensors[1][1]), *tensors[2:]])
+    with pytest.raises(ValueError, match="ended after 5 tensors"):
+        send(tensors[:5])
+    with pytest.raises(ValueError, match="beyond the 6 tensors"):
+        send([*tensors, ("extra", torch.zeros(1))])
+
+
+def test_alignment_check_flags_what_vllms_receiver_cannot_view():
+    # 7 bf16 values (14 bytes) then an int64: vLLM's split(...).view(int64) fails at offset 14
+    metas = [TensorMeta("a", torch.bfloat16, (7,)), TensorMeta("b", torch.int64, (2,))]
+    with pytest.raises(ValueError, match="'b'.*byte 14"):
+        check_vllm_alignment(metas, 10**9)
+    check_vllm_alignment(metas, 1)  # one tensor per bucket: every offset is 0
+
+
+def test_engine_init_infos_lay_engines_out_after_trainer_rank0():
+    infos = engine_init_infos(master_address="10.0.0.1", master_port=29555, workers_per_engine=[1, 2, 1], bucket_bytes=64)
+    assert [i["rank_offset"] for i in infos] == [1, 2, 4]
+    assert {i["world_size"] for i in infos} == {5}
+    # exactly the fields of vLLM 0.33's NCCLWeightTransferInitInfo that the TCP rendezvous uses
+    assert set(infos[0]) == {
+        "master_address", "master_port", "rank_offset", "world_size",
+        "packed", "packed_buffer_size_bytes", "packed_num_buffers",
+    }  # fmt: skip
+    assert infos[0]["packed_buffer_size_bytes"] == 64 and infos[0]["packed_num_buffers"] == 2
+    with pytest.raises(ValueError, match="workers_per_engine"):
+        engine_init_infos(master_address="x", master_port=1, workers_per_engine=[])
+
+
+def test_sender_announces_metadata_once_and_broadcasts_all_bytes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"), dtype=torch.float32)
+    sender = VLLMWeightSender(model, rank=0, workers_per_engine=[1, 1], config=VLLMSyncConfig(bucket_mb=0.01))
+    received = []
+    # Stand-in for the NCCL communicator (no CUDA here): record what rank 0 broadcasts.
+    sender._comm = SimpleNamespace(broadcast=lambda buf, src, stream: received.append(buf.clone()))
+    sender.device, sender._streams = CPU, [None, None]
+
+    first = sender.update_kwargs(version=1)
+    names = [n for n, _ in model.named_parameters()]
+    assert first["names"] == names and first["version"] == 1
+    stats = sender.send(version=1)
+    assert stats["bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(received) == len(plan_vllm_buckets([m.nbytes for m in sender.metas()], sender.config.bucket_bytes)) > 1
+    flat = torch.cat(received)
+    expected = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
+    assert torch.equal(flat, expected)
+
+    again = sender.update_kwargs(version=2)
+    assert again == {"names": [], "dtype_names": [], "shapes": [], "version": 2}
+    assert sender.stats["meta_sends"] == 1
+    sender.forget_metadata()
+    assert sender.update_kwargs(version=3)["names"] == names
+
+
+def test_sender_on_other_ranks_only_iterates(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"), dtype=torch.float32)
+    sender = VLLMWeightSender(model, rank=1, workers_per_engine=[1])
+    assert sender.connect() is None
+    assert sender.send(version=1)["syncs"] == 0  # no communicator needed, nothing broadcast
+    with pytest.raises(ValueError, match="workers_per_engine"):
+        VLLMWeightSender(model, rank=0, workers_per_engine=[0])
+
+
+# ----------------------------------------------------------------------- GPU: a real AsyncLLM
+
+gpu = pytest.mark.gpu
+
+
+def _gpu_model(path, seed=0):
+    # head_dim 64 (vLLM's attention kernels want a multiple of 8; 64 is supported everywhere)
+    return build_tiny_model(path, seed=seed, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=256)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dir(tmp_path_factory):
+    return _gpu_model(tmp_path_factory.mktemp("vllm") / "tiny")
+
+
+def _engine(path, **kw):
+    pytest.importorskip("vllm")
+    from asyncrl.rollouter.vllm_engine import VLLMEngine
+
+    return VLLMEngine(path, dtype="float32", gpu_memory_utilization=0.15, enforce_eager=True, max_model_len=256, **kw)
+
+
+def _hf(path, device="cuda"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def _hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt):].tolist()
+
+
+def _hf_logprobs(model, prompt, response):
+    ids = torch.tensor([prompt + response], device=model.device)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1, device=model.device)
+    return logp[pos, torch.tensor(response, device=model.device)].cpu().numpy()
+
+
+def _greedy(rid, prompt, n):
+    return GenerateRequest(rid, np.array(prompt), max_tokens=n, sampling=SamplingParams(greedy=True))
+
+
+PROMPTS = [[1, 10, 11, 12], [1, 20, 21, 22, 23, 24, 25, 26, 27], [1, 30]]
+
+
+@gpu
+async def test_vllm_greedy_and_logprobs_match_transformers(gpu_model_dir):
+    engine = _engine(gpu_model_dir, eos_token_ids=())
+    try:
+        results = await asyncio.gather(*(engine.generate(_greedy(f"g{i}", p, 24)) for i, p in enumerate(PROMPTS)))
+        hf = _hf(gpu_model_dir)
+        for prompt, res in zip(PROMPTS, results):
+            assert res.finish_reason == "length" and len(res.response_ids) == 24
+            assert res.response_ids.tolist() == _hf_greedy(hf, prompt, 24)
+            np.testing.assert_allclose(res.logprobs, _hf_logprobs(hf, prompt, res.response_ids.tolist()), atol=2e-3)
+            assert (res.versions == 0).all()
+        # a stop id ends the request with "stop", the stop token included
+        stop_at = int(results[0].response_ids[5])
+        req = GenerateRequest("s", np.array(PROMPTS[0]), 24, SamplingParams(greedy=True, stop_token_ids=(stop_at,)))
+        res = await engine.generate(req)
+        assert res.finish_reason == "stop" and int(res.response_ids[-1]) == stop_at
+        assert len(res.response_ids) <= 6
+    finally:
+        await engine.close()
+
+
+@gpu
+async def test_vllm_pause_keep_abort_and_partial_resubmit(gpu_model_dir):
+    from asyncrl.rollouter.engine import EnginePausedError
+
+    engine = _engine(gpu_model_dir, eos_token_ids=())
+    try:
+        ref = await engine.generate(_greedy("ref", PROMPTS[1], 120))
+        # keep: freeze mid-generation, resume, same tokens as the uninterrupted run
+        task = asyncio.create_task(engine.generate(_greedy("k", PROMPTS[1], 120)))
+        assert await engine.wait_for_tokens("k", 10) >= 10
+        await engine.pause("keep", clear_cache=False)
+        await engine.resume()
+        kept = await task
+        assert kept.response_ids.tolist() == ref.response_ids.tolist() and kept.finish_reason == "length"
+        # abort one request: partial output; prompt + partial completes to the reference
+        task = asyncio.create_task(engine.generate(_greedy("a", PROMPTS[1], 120)))
+        await engine.wait_for_tokens("a", 10)
+        await engine.abort(["a"])
+        part = await task
+        n = len(part.response_ids)
+        assert part.finish_reason == "abort" and 10 <= n < 120
+        assert part.response_ids.tolist() == ref.response_ids[:n].tolist()
+        rest = await engine.generate(_greedy("a2", PROMPTS[1] + part.response_ids.tolist(), 120 - n))
+        assert part.response_ids.tolist() + rest.response_ids.tolist() == ref.response_ids.tolist()
+        # pause(abort) refuses new requests until resume
+        await engine.pause("abort")
+        with pytest.raises(EnginePausedError):
+            await engine.generate(_greedy("x", PROMPTS[0], 4))
+        await engine.resume()
+        assert len((await engine.generate(_greedy("y", PROMPTS[0], 4))).response_ids) == 4
+    finally:
+        await engine.close()
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+async def test_vllm_nccl_weight_transfer_into_kept_request(tmp_path, gpu_model_dir):
+    # vLLM's worker takes GPU 0; the trainer (this process) broadcasts from GPU 1.
+    pytest.importorskip("vllm")
+    new_dir = _gpu_model(tmp_path / "new", seed=1)
+    engine = _engine(gpu_model_dir, eos_token_ids=())
+    torch.cuda.set_device(1)
+    trainer = _hf(new_dir, device="cuda:1")
+    sender = VLLMWeightSender(trainer, rank=0, workers_per_engine=[1], config=VLLMSyncConfig(bucket_mb=0.05))
+    try:
+        (info,) = sender.connect()
+        await engine.init_weight_sync(**info)
+
+        task = asyncio.create_task(engine.generate(_greedy("k", PROMPTS[1], 100)))
+        before = await engine.wait_for_tokens("k", 10)
+        await engine.pause("keep", clear_cache=False)
+        kw = sender.update_kwargs(version=1)
+        sent = {}
+        thread = threading.Thread(target=lambda: sent.update(sender.send(version=1)))
+        thread.start()
+        await engine.receive_weights(**kw)
+        thread.join(120)
+        assert sent["bytes"] == sum(p.numel() * p.element_size() for p in trainer.parameters())
+        await engine.resume()
+        kept = await task
+        assert engine.version == 1
+        v = kept.versions
+        assert (v[:before] == 0).all() and v[-1] == 1 and (np.diff(v) >= 0).all()
+
+        # after the sync the engine generates exactly what the new weights generate
+        res = await engine.generate(_greedy("n", PROMPTS[0], 24))
+        assert res.response_ids.tolist() == _hf_greedy(_hf(new_dir), PROMPTS[0], 24)
+        assert (res.versions == 1).all()
+    finally:
+        sender.close()
+        await engine.close()
+
+
+@gpu
+def test_geometry_matches_vllms_own_packer():
+    # vLLM's trainer-side pack_tensors, run on CPU tensors: same buckets, same bytes.
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    tensors = _tensors()
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    for bucket_bytes in (1, 100, 600, 16384, 10**9):
+        it, theirs = iter(tensors), []
+        while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
+            theirs.append(chunk.packed_tensor)
+        ours = []
+        broadcast_packed(iter(tensors), metas, bucket_bytes=bucket_bytes, broadcast=lambda b, s: ours.append(b.clone()),
+                         device=CPU, streams=[None])  # fmt: skip
+        assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
