@@ -432,7 +432,7 @@ class VLLMEngine:
     ) -> None:
         """Receive one full set of weights while paused, as the trainer's ``send`` broadcasts it.
 
-        The keywords are `VLLMWeightSender.update_kwargs` (empty lists reuse the metadata
+        The keywords are `VLLMWeightSender.weight_update_kwargs` (empty lists reuse the metadata
         of the last update). With ``version`` the update is committed here; without it, call
         `finish_weight_update(version)` next.
         """

@@ -22,15 +22,22 @@ the trainer's half of that protocol. The facts it relies on, read from vLLM 0.33
   ``packed_buffer_size_bytes`` (that tensor included), or at the end. One NCCL broadcast
   per bucket from rank 0. Both sides derive the same cut points from the same metadata.
 
-The coordinator drives it like this (all trainer ranks build the sender and call `send`)::
+The order of calls (all trainer ranks build the sender and call `send`)::
 
     sender = VLLMWeightSender(model, rank=trainer_rank, workers_per_engine=[tp * pp, ...])
     infos = sender.connect()                      # rank 0: one dict per engine, join in background
-    # once:       engine i: engine_actor.init_weight_sync(**infos[i])   (no need to await first)
+    # once:       engine i: engine_actor.init_weight_sync(**infos[i])
     # each sync:  every engine: pause(mode="keep", clear_cache=False)
-    #             kw = sender.update_kwargs(version=v + 1)              # rank 0
+    #             kw = sender.weight_update_kwargs(version=v + 1)       # rank 0
     #             concurrently: every engine receive_weights(**kw); every trainer rank send(version=v + 1)
     #             every engine: resume()
+
+`asyncrl.sync.coordinator.WeightSyncCoordinator` runs exactly this when a trainer rank's
+``init_weight_sync`` returns `connect`'s list, its ``send_weights`` calls `send`, and it
+exposes ``weight_update_kwargs``; `VLLMWeightSender.from_group_kwargs` builds the sender
+from the kwargs the coordinator passes. A failed transfer is not retried into a vLLM
+engine: vLLM's worker stays inside the failed update, so the engine stays paused and is
+reported (it never resumes on half-loaded weights; rebuild it).
 
 Leaves out: the unique-id (torch-free) rendezvous, CUDA-IPC (colocated) transfer, the
 sparse and m2n backends, and sending from more than one trainer rank. Nothing here can run
@@ -313,6 +320,28 @@ class VLLMWeightSender:
         self._announced: list[TensorMeta] | None = None
         self.stats = {"syncs": 0, "meta_sends": 0, "bytes_sent": 0, "peak_extra_bytes": 0, "last_send_s": 0.0}
 
+    @classmethod
+    def from_group_kwargs(
+        cls,
+        model: torch.nn.Module,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        bucket_mb: float = 1024.0,
+        timeout_s: float = 600.0,
+        workers_per_engine: int = 1,
+        **_unused,
+    ) -> VLLMWeightSender:
+        """Build from the kwargs `asyncrl.sync.coordinator` passes a trainer rank's ``init_weight_sync``
+        (``backend``/``group_name`` do not apply: vLLM always builds its own NCCL group)."""
+        engines, rest = divmod(world_size - 1, workers_per_engine)
+        if engines < 1 or rest:
+            raise ValueError(f"world_size={world_size} is not 1 + engines * workers_per_engine={workers_per_engine}")
+        config = VLLMSyncConfig(master_address=master_addr, master_port=master_port, bucket_mb=bucket_mb, timeout_s=timeout_s)
+        return cls(model, rank=rank, workers_per_engine=[workers_per_engine] * engines, config=config)
+
     @property
     def world_size(self) -> int:
         return 1 + sum(self.workers_per_engine)
@@ -379,7 +408,7 @@ class VLLMWeightSender:
 
     # -- one sync -----------------------------------------------------------------------------
 
-    def update_kwargs(self, *, version: int) -> dict:
+    def weight_update_kwargs(self, *, version: int) -> dict:
         """Rank 0: the ``receive_weights`` kwargs every vLLM engine gets for this sync.
 
         Names/dtypes/shapes go on the first sync after `connect` and whenever they change;
@@ -401,7 +430,7 @@ class VLLMWeightSender:
     @torch.no_grad()
     def send(self, *, version: int) -> dict:
         """Broadcast every parameter; all trainer ranks call it while the engines run
-        ``receive_weights(**update_kwargs(version=...))``. Returns stats."""
+        ``receive_weights(**weight_update_kwargs(version=...))``. Returns stats."""
         start = time.perf_counter()
         metas = self.metas()
         pairs = iter_full_tensors(self.model)
@@ -410,6 +439,8 @@ class VLLMWeightSender:
                 pass
             return {**self.stats, "version": version}
         comm = self._wait_joined()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # send may run in a thread other than connect's caller
         try:
             if self.config.packed:
                 sent, peak = broadcast_packed(

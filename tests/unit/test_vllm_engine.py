@@ -223,7 +223,7 @@ def test_sender_announces_metadata_once_and_broadcasts_all_bytes(tmp_path):
     sender._comm = SimpleNamespace(broadcast=lambda buf, src, stream: received.append(buf.clone()))
     sender.device, sender._streams = CPU, [None, None]
 
-    first = sender.update_kwargs(version=1)
+    first = sender.weight_update_kwargs(version=1)
     names = [n for n, _ in model.named_parameters()]
     assert first["names"] == names and first["version"] == 1
     stats = sender.send(version=1)
@@ -233,11 +233,11 @@ def test_sender_announces_metadata_once_and_broadcasts_all_bytes(tmp_path):
     expected = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
     assert torch.equal(flat, expected)
 
-    again = sender.update_kwargs(version=2)
+    again = sender.weight_update_kwargs(version=2)
     assert again == {"names": [], "dtype_names": [], "shapes": [], "version": 2}
     assert sender.stats["meta_sends"] == 1
     sender.forget_metadata()
-    assert sender.update_kwargs(version=3)["names"] == names
+    assert sender.weight_update_kwargs(version=3)["names"] == names
 
 
 def test_sender_on_other_ranks_only_iterates(tmp_path):
@@ -249,6 +249,14 @@ def test_sender_on_other_ranks_only_iterates(tmp_path):
     assert sender.send(version=1)["syncs"] == 0  # no communicator needed, nothing broadcast
     with pytest.raises(ValueError, match="workers_per_engine"):
         VLLMWeightSender(model, rank=0, workers_per_engine=[0])
+    # what asyncrl.sync.coordinator passes a trainer rank's init_weight_sync
+    built = VLLMWeightSender.from_group_kwargs(
+        model, rank=0, bucket_mb=8.0, master_addr="127.0.0.1", master_port=0, backend="nccl", timeout_s=30.0,
+        world_size=5, workers_per_engine=2, group_name="g1",
+    )  # fmt: skip
+    assert built.workers_per_engine == [2, 2] and built.world_size == 5 and built.config.bucket_bytes == 8 * 2**20
+    with pytest.raises(ValueError, match="world_size=4"):
+        VLLMWeightSender.from_group_kwargs(model, rank=0, world_size=4, workers_per_engine=2)
 
 
 # ----------------------------------------------------------------------- GPU: a real AsyncLLM
@@ -281,9 +289,13 @@ def _hf(path, device="cuda"):
 
 
 def _hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt):].tolist()
+    # argmax of a full forward, token by token: no generate() EOS/config semantics involved
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
 
 
 def _hf_logprobs(model, prompt, response):
@@ -373,7 +385,7 @@ async def test_vllm_nccl_weight_transfer_into_kept_request(tmp_path, gpu_model_d
         task = asyncio.create_task(engine.generate(_greedy("k", PROMPTS[1], 100)))
         before = await engine.wait_for_tokens("k", 10)
         await engine.pause("keep", clear_cache=False)
-        kw = sender.update_kwargs(version=1)
+        kw = sender.weight_update_kwargs(version=1)
         sent = {}
         thread = threading.Thread(target=lambda: sent.update(sender.send(version=1)))
         thread.start()
