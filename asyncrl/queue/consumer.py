@@ -37,6 +37,8 @@ from asyncrl.types import Group
 
 log = logging.getLogger("asyncrl.queue")
 
+_CLOSE_FLUSH_S = 1.0  # how long close() spends getting the last acks out
+
 
 @dataclass
 class ConsumerStats:
@@ -119,14 +121,22 @@ class StreamConsumer:
         log.info("stream consumer bound %s (session %s, window %d)", self.config.endpoint, self.session, self.config.window)
 
     async def close(self) -> None:
-        """Stop the I/O loop and close the socket; unacked groups stay with their producers."""
+        """Send the last acks, stop the I/O loop and close the socket.
+
+        Groups not acked stay with their producers, which re-send them to the next consumer.
+        """
         self._closed = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         if self._sock is not None:
-            self._sock.close(0)
+            if self._failure is None:
+                try:  # acks of committed steps should reach the producers, or they come back as duplicates
+                    await asyncio.wait_for(self._flush(), _CLOSE_FLUSH_S)
+                except (asyncio.TimeoutError, zmq.ZMQError):
+                    log.warning("stream consumer closed before its last acks were sent")
+            self._sock.close(linger=int(_CLOSE_FLUSH_S * 1000))
         self._wake_reader.set()
 
     async def __aenter__(self) -> StreamConsumer:
@@ -302,21 +312,23 @@ class StreamConsumer:
         self._wake_reader.set()
 
     async def _write_loop(self) -> None:
-        assert self._sock is not None
         while True:
             await self._wake_writer.wait()
             self._wake_writer.clear()
-            dirty, self._dirty = self._dirty, set()
-            for peer_id in dirty:
-                peer = self._peers.get(peer_id)
-                if peer is None:
-                    continue
-                acks, peer.acks = peer.acks, []
-                msg = P.envelope(
-                    P.CREDIT,
-                    {"session": self.session, "granted": peer.finished + self.config.window, "acks": acks},
-                )
-                await self._sock.send_multipart([peer_id, msg])
+            await self._flush()
+
+    async def _flush(self) -> None:
+        assert self._sock is not None
+        dirty, self._dirty = self._dirty, set()
+        for peer_id in dirty:
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                continue
+            acks, peer.acks = peer.acks, []
+            msg = P.envelope(
+                P.CREDIT, {"session": self.session, "granted": peer.finished + self.config.window, "acks": acks}
+            )
+            await self._sock.send_multipart([peer_id, msg])
 
     async def _heartbeat_loop(self) -> None:
         while True:
