@@ -1,0 +1,127 @@
+"""On-policy synchronous GRPO: generate, reward, train one step, load the weights, repeat.
+
+The reference point for the asynchronous system: ``staleness_threshold=0`` and
+``trigger_parameter_sync_step=1`` with no overlap between generation and training. Each step
+
+1. samples ``n`` responses per prompt with the built-in `TorchEngine` (temperature ``T``,
+   per-request seeds), scores them with the built-in arithmetic reward and forms `Group`s;
+2. runs one `Trainer.train_step` on them through a `MemorySource`;
+3. pushes the new weights into the engine with `DirectEngineSyncer`
+   (``pause("keep") -> load_weights -> finish_weight_update -> resume``).
+
+`DirectEngineSyncer` gathers the full state dict from rank 0 and copies it in-process: fine
+for one local engine and the tiny model; `asyncrl.sync` is the bucketed broadcast path for
+real engines. Run the full curve with ``python scripts/learn_sync.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncrl.tasks import arithmetic
+from asyncrl.trainer.config import TrainerConfig
+from asyncrl.trainer.ranks import RankGroup
+from asyncrl.trainer.trainer import MemorySource, Trainer
+from asyncrl.types import GenerateRequest, Group, SamplingParams, Trajectory, make_sample_id
+
+
+class DirectEngineSyncer:
+    """`WeightSyncer` for engines in this process: gather full weights from rank 0, load them."""
+
+    def __init__(self, ranks: RankGroup, engines, *, timeout_s: float = 600.0):
+        self.ranks = ranks
+        self.engines = list(engines)
+        self.timeout_s = timeout_s
+        self.version = max(e.version for e in self.engines)
+
+    async def sync(self) -> int:
+        full = (await self.ranks.call("full_state_dict", timeout=self.timeout_s, setting="timeout_s"))[0]
+        self.version += 1
+        for engine in self.engines:
+            names = {name for name, _, _ in engine.param_meta()}
+            await engine.pause("keep", clear_cache=False)
+            try:
+                await engine.load_weights([(k, v) for k, v in full.items() if k in names])
+                await engine.finish_weight_update(self.version)
+            finally:
+                await engine.resume()
+        return self.version
+
+
+@dataclass(kw_only=True)
+class SyncGRPOConfig:
+    """One on-policy GRPO run on the built-in arithmetic task."""
+
+    trainer: TrainerConfig
+    """Trainer settings; one step takes ``groups_per_batch * require_batches`` prompts."""
+    steps: int = 20
+    """Generate-then-train iterations."""
+    n: int = 8
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's ``algorithm.temperature`` must match it."""
+    seed: int = 0
+    """Seeds the prompts and every request's sampler."""
+    task: arithmetic.ArithmeticTaskConfig = field(default_factory=arithmetic.ArithmeticTaskConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.n < 2:
+            raise ValueError(f"need steps >= 1 and n >= 2 (GRPO compares siblings), got {self.steps=}, {self.n=}")
+        if self.trainer.worker.algorithm.temperature != self.temperature:
+            raise ValueError(f"trainer.worker.algorithm.temperature={self.trainer.worker.algorithm.temperature} must "
+                             f"equal temperature={self.temperature}, or the loss is off-policy by construction")
+
+
+async def rollout(engine, tokenizer, rows: list[dict], *, first_index: int, n: int, temperature: float,
+                  max_tokens: int, seed: int) -> list[Group]:
+    """``n`` scored responses for each prompt row, as groups ``sample_0_{first_index + i}``."""
+
+    async def one(sid: str, prompt_ids: np.ndarray, text: str, k: int) -> Trajectory:
+        rid = f"{sid}#{k}"
+        # crc32, not hash(): str hashes change between processes, seeds must not.
+        sampling = SamplingParams(temperature=temperature, seed=(seed * 1_000_003 + zlib.crc32(rid.encode())) % 2**31)
+        req = GenerateRequest(request_id=rid, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling)
+        res = await engine.generate(req)
+        r = arithmetic.reward(text, arithmetic.decode_response(tokenizer, res.response_ids))
+        return Trajectory(sample_id=sid, index=k, prompt_ids=prompt_ids, response_ids=res.response_ids,
+                          logprobs=res.logprobs, versions=res.versions, finish_reason=res.finish_reason, reward=r)
+
+    groups = []
+    calls = []
+    for i, row in enumerate(rows):
+        sid = make_sample_id(0, first_index + i)
+        ids = arithmetic.encode_prompt(tokenizer, row["prompt"])
+        calls.append((sid, [one(sid, ids, row["prompt"], k) for k in range(n)]))
+    results = await asyncio.gather(*[c for _, cs in calls for c in cs])
+    for i, (sid, _) in enumerate(calls):
+        groups.append(Group(sample_id=sid, trajectories=list(results[i * n:(i + 1) * n]), expected=n,
+                            meta={"prompt": rows[i]["prompt"]}))
+    return groups
+
+
+async def learn_sync(cfg: SyncGRPOConfig, ranks: RankGroup, engine, tokenizer, on_step=None) -> list[dict]:
+    """Run ``cfg.steps`` generate-then-train steps; returns (and passes to ``on_step``) each step's metrics."""
+    prompts_per_step = cfg.trainer.groups_per_batch * cfg.trainer.require_batches
+    data = arithmetic.generate_dataset(prompts_per_step * cfg.steps, seed=cfg.seed, config=cfg.task)
+    source = MemorySource()
+    trainer = Trainer(cfg.trainer, ranks, source, DirectEngineSyncer(ranks, [engine]))
+    history = []
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        rows = data[step * prompts_per_step:(step + 1) * prompts_per_step]
+        for g in await rollout(engine, tokenizer, rows, first_index=step * prompts_per_step, n=cfg.n,
+                               temperature=cfg.temperature, max_tokens=cfg.task.max_response_tokens, seed=cfg.seed):
+            source.put(g)
+        t1 = time.perf_counter()
+        result = await trainer.train_step()
+        metrics = dict(result.metrics, generate_s=t1 - t0, train_sync_s=time.perf_counter() - t1,
+                       engine_version=engine.version)
+        history.append(metrics)
+        if on_step is not None:
+            on_step(metrics)
+    return history
