@@ -1,0 +1,113 @@
+"""The Rollouter in-process: feed order, group assembly, rewards, the staleness gate, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
+from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.types import parse_sample_id
+
+
+class ListProducer:
+    """Collects sent groups in order (the real StreamProducer is covered in tests/integration)."""
+
+    def __init__(self):
+        self.groups = []
+
+    async def send(self, group):
+        self.groups.append(group)
+
+
+class BrokenEngine:
+    async def generate(self, request):
+        raise RuntimeError("engine out of memory")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def make_prompts(k=3):
+    return [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64)) for i in range(k)]
+
+
+async def until(predicate, timeout=60.0):
+    async def poll():
+        while not predicate():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(poll(), timeout)
+
+
+def length_reward(prompt_text, response_ids):
+    return float(len(response_ids))
+
+
+async def test_groups_in_feed_order_with_rewards_and_versions(model_path):
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        producer = ListProducer()
+        cfg = RolloutConfig(n=3, max_tokens=4, groups_per_sync=100, max_concurrent=2)
+        r = Rollouter(cfg, [engine], producer, make_prompts(3), length_reward, state=RolloutState(next_index=7))
+        await asyncio.wait_for(r.run(num_groups=5), 120)
+    finally:
+        await engine.close()
+    ids = sorted(producer.groups, key=lambda g: parse_sample_id(g.sample_id)[1])
+    # Feed index continues from the resumed state and never restarts at the epoch boundary.
+    assert [g.sample_id for g in ids] == ["sample_0_7", "sample_0_8", "sample_0_9", "sample_1_10", "sample_1_11"]
+    for g in producer.groups:
+        assert g.complete and g.expected == 3
+        assert sorted(t.index for t in g.trajectories) == [0, 1, 2]
+        for t in g.trajectories:
+            assert len(t.response_ids) == 4 and t.finish_reason == "length"
+            assert t.reward == 4.0
+            assert (t.versions == 0).all()
+    assert r.state.next_index == 12
+
+
+async def test_staleness_gate_admits_per_version(model_path):
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        producer = ListProducer()
+        cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=2, staleness_threshold=0.5, max_concurrent=8)
+        r = Rollouter(cfg, [engine], producer, make_prompts(4), length_reward)
+        task = asyncio.create_task(r.run(num_groups=10))
+        # version 0: (0 + 1 + 0.5) * 2 = 3 prompts may be admitted, then the gate holds.
+        await until(lambda: len(producer.groups) == 3)
+        await asyncio.sleep(0.3)
+        assert r.admitted == 3 and len(producer.groups) == 3
+        await r.on_sync(1)  # one sync later the budget is (1 + 1 + 0.5) * 2 = 5
+        await until(lambda: len(producer.groups) == 5)
+        await asyncio.sleep(0.3)
+        assert r.admitted == 5
+        await r.on_sync(4)  # budget (4 + 1 + 0.5) * 2 = 11 >= 10
+        await asyncio.wait_for(task, 60)
+        assert len(producer.groups) == 10
+    finally:
+        await engine.close()
+
+
+async def test_engine_failure_fails_the_group_with_the_error():
+    producer = ListProducer()
+    cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10)
+    r = Rollouter(cfg, [BrokenEngine()], producer, make_prompts(1), length_reward)
+    await asyncio.wait_for(r.run(num_groups=2), 30)
+    assert len(producer.groups) == 2
+    for g in producer.groups:
+        assert g.status == "failed" and not g.complete
+        assert "engine out of memory" in g.error and g.trajectories == []
+    assert r.failed == 2
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="RolloutConfig.n "):
+        RolloutConfig(n=0)
+    with pytest.raises(ValueError, match="staleness_threshold"):
+        RolloutConfig(staleness_threshold=-1)
