@@ -170,6 +170,7 @@ class Trainer:
         if self.syncer is not None and self.step % cfg.trigger_parameter_sync_step == 0:
             self.version = await self.syncer.sync()
         if cfg.checkpoint_dir is None:
+            self._durable.update(ids)  # without checkpoints a committed step is as durable as it gets
             self._ack_unacked()
         elif self.step % cfg.checkpoint_every == 0:
             await self.save_checkpoint()

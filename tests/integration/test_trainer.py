@@ -1,9 +1,9 @@
 """The trainer driver on real ranks: fail closed / drop / staleness policies with acks and syncs,
 and a SIGKILL between steps followed by a resume that loses no group and trains none twice.
 
-The SIGKILL test runs this file as the child process (``python test_trainer.py --child ...``):
-the child trains from `ReplaySource`, a deterministic source that, like the stream's producer,
-re-sends every group not yet acked (its acks persist in a file).
+The SIGKILL test runs this file as the trainer's child process (``python test_trainer.py ...``)
+fed by a real ZeroMQ `StreamProducer` in the test process, which keeps every unacked group and
+re-sends it when the restarted consumer appears.
 """
 
 import argparse
@@ -43,7 +43,7 @@ def make_group(i: int, n: int = 4, version: int = 0, **kw) -> Group:
 def trainer_config(model_path, **kw) -> TrainerConfig:
     return TrainerConfig(worker=WorkerConfig(model_path=str(model_path), micro_batch_size=4,
                                              optim=OptimConfig(lr=1e-2)),
-                         groups_per_batch=2, recv_timeout_s=5.0, **kw)
+                         **{"groups_per_batch": 2, "recv_timeout_s": 5.0, **kw})
 
 
 # --------------------------------------------------------------------------- policies on Ray ranks
@@ -132,6 +132,19 @@ async def test_drop_policy_counts_acks_and_continues(ray_ranks):
     assert results[1].metrics["staleness_max"] == 0.0  # trained at version 1 on version-1 tokens
 
 
+async def test_replayed_groups_are_acked_again_never_trained_twice(ray_ranks):
+    from asyncrl.trainer.trainer import MemorySource, Trainer
+
+    path, ranks = ray_ranks
+    # A producer that lost its acks replays sample_0_0 and sample_0_1 after they were trained.
+    source = MemorySource([make_group(0), make_group(1), make_group(0), make_group(2), make_group(1), make_group(3)])
+    trainer = Trainer(trainer_config(path), ranks, source)
+    results = await trainer.run(2)
+    assert [r.sample_ids for r in results] == [["sample_0_0", "sample_0_1"], ["sample_0_2", "sample_0_3"]]
+    assert [sid for sid, _ in source.acks] == ["sample_0_0", "sample_0_1", "sample_0_0", "sample_0_1",
+                                               "sample_0_2", "sample_0_3"]
+
+
 async def test_recomputed_logprobs_match_engine_behaviour_logprobs(ray_ranks):
     # Same weights in the engine and the trainer: the trainer's recomputed log-prob of every
     # response token must equal the engine's behaviour log-prob (this catches any off-by-one
@@ -141,9 +154,13 @@ async def test_recomputed_logprobs_match_engine_behaviour_logprobs(ray_ranks):
     from asyncrl.trainer.batch import assemble
     from asyncrl.types import GenerateRequest, SamplingParams
 
+    from asyncrl.trainer.sync_loop import DirectEngineSyncer
+
     path, ranks = ray_ranks
     tok = build_tokenizer()
     engine = TorchEngine(str(path), max_running=8)
+    # Earlier tests trained the ranks: load their weights into the engine (pause, load, resume).
+    assert await DirectEngineSyncer(ranks, [engine]).sync() == 1 and engine.version == 1
     prompts = ["1+2=", "13+29=", "7*(3+4)=?", "a"]
     groups = []
     try:
@@ -163,6 +180,7 @@ async def test_recomputed_logprobs_match_engine_behaviour_logprobs(ray_ranks):
     batch = assemble(groups)
     mask = batch["response_mask"].bool()
     assert mask.sum() >= 20 and len(set(mask.sum(-1).tolist())) > 1  # mixed response lengths
+    assert batch["versions"][mask].eq(1).all()  # every token sampled after the weight load
     recomputed = (await ranks.call("compute_logprobs", [(batch,)], timeout=T))[0]
     diff = (recomputed - batch["old_logprobs"])[mask].abs().max().item()
     assert diff <= 1e-4, f"max abs logprob diff {diff}"
@@ -173,123 +191,140 @@ async def test_recomputed_logprobs_match_engine_behaviour_logprobs(ray_ranks):
 
 # --------------------------------------------------------------------------- SIGKILL and resume
 
-N_GROUPS, STEPS = 16, 4  # 4 groups per step (2 mini-batches of 2 groups)
+N_GROUPS, STEPS = 16, 4  # 4 groups per step (2 mini-batches of 2 groups); checkpoint every 2 steps
 
 
-class ReplaySource:
-    """Groups 0..count-1 in order, minus those acked in ``ack_log`` (or all of them with
-    ``replay_all``, as a producer would after losing its ack state); acks append to the log."""
+def stream_config(endpoint: str):
+    from asyncrl.queue import StreamConfig
 
-    def __init__(self, count: int, ack_log: Path, replay_all: bool = False):
-        acked = set(ack_log.read_text().split()) if ack_log.exists() else set()
-        self.pending = [i for i in range(count) if replay_all or f"sample_0_{i}" not in acked]
-        self.ack_log = ack_log
-
-    async def recv(self, timeout=None) -> Group:
-        if not self.pending:
-            raise TimeoutError("ReplaySource is empty")
-        return make_group(self.pending.pop(0))
-
-    def ack(self, sample_ids, reason=None) -> None:
-        with open(self.ack_log, "a") as f:
-            f.writelines(f"{sid}\n" for sid in sample_ids)
-            f.flush()
-            os.fsync(f.fileno())
+    return StreamConfig(endpoint=endpoint, window=N_GROUPS, heartbeat_s=0.1, peer_timeout_s=1.0)
 
 
 async def child_main(args) -> None:
+    """The trainer process: resumes from --ckpt if it can, consumes the stream (or, with
+    --memory, groups 0..N-1 in order), prints each step, optionally waits on stdin between steps."""
     import torch
     from safetensors.torch import save_file
 
+    from asyncrl.queue import StreamConsumer
     from asyncrl.trainer.ranks import RankGroup
-    from asyncrl.trainer.trainer import Trainer
+    from asyncrl.trainer.trainer import MemorySource, Trainer
 
     torch.set_num_threads(1)
-    cfg = trainer_config(args.model, require_batches=2, checkpoint_dir=args.ckpt, checkpoint_every=2)
+    cfg = trainer_config(args.model, require_batches=2, checkpoint_dir=args.ckpt, checkpoint_every=2,
+                         recv_timeout_s=60.0)
     ranks = RankGroup.start_local(cfg)
-    trainer = Trainer(cfg, ranks, ReplaySource(N_GROUPS, Path(args.acks), replay_all=args.replay_all))
+    trainer = Trainer(cfg, ranks, MemorySource())
     restored = await trainer.restore()
+    if args.memory:
+        source = MemorySource(make_group(i) for i in range(N_GROUPS))
+    else:
+        # The consumer starts from the checkpoint's committed set: replays of those are acked, not delivered.
+        source = StreamConsumer(stream_config(args.endpoint), committed=trainer.committed)
+        await source.start()
+    trainer.source = source
     print(json.dumps({"restored": restored, "step": trainer.step}), flush=True)
     while trainer.step < STEPS:
         result = await trainer.train_step()
         print(json.dumps({"step": result.step, "ids": result.sample_ids}), flush=True)
         if args.pause:
-            sys.stdin.readline()  # the parent kills us here: between two steps
-    await trainer.save_checkpoint()
+            await asyncio.to_thread(sys.stdin.readline)  # the parent kills us here: between two steps
     params = (await ranks.call("full_state_dict", timeout=T))[0]
     save_file({k: v.clone() for k, v in params.items()}, args.out)
+    if not args.memory:
+        await source.close()
     ranks.close()
 
 
-def spawn_child(model, ckpt, acks, out, *extra):
-    cmd = [sys.executable, __file__, "--child", "--model", str(model), "--ckpt", str(ckpt), "--acks", str(acks),
-           "--out", str(out), *extra]
+async def spawn_child(model, ckpt, out, *extra):
+    cmd = [sys.executable, __file__, "--model", str(model), "--ckpt", str(ckpt), "--out", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                            cwd=Path(__file__).resolve().parents[2])
+    return await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                                cwd=Path(__file__).resolve().parents[2])
 
 
-def read_steps(proc) -> list[dict]:
-    lines = [json.loads(line) for line in proc.stdout]
-    assert proc.wait(timeout=T) == 0
+async def read_line(proc) -> dict:
+    line = await asyncio.wait_for(proc.stdout.readline(), T)
+    assert line, f"child {proc.pid} exited with {await proc.wait()}"
+    return json.loads(line)
+
+
+async def read_all(proc) -> list[dict]:
+    lines = [json.loads(line) for line in (await asyncio.wait_for(proc.communicate(), T))[0].splitlines()]
+    assert proc.returncode == 0
     return lines
 
 
-def test_sigkill_between_steps_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
+async def test_sigkill_between_steps_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
     from safetensors.torch import load_file
 
     from asyncrl.models.tiny import build_tiny_model
+    from asyncrl.queue import StreamProducer
+    from asyncrl.trainer.ranks import free_port
 
     model = build_tiny_model(tmp_path / "model")
-    # Run 1: checkpoint every 2 steps; killed after step 3, i.e. with step 3 trained but not durable.
-    acks = tmp_path / "acks.txt"
-    proc = spawn_child(model, tmp_path / "ckpt", acks, tmp_path / "unused.safetensors", "--pause")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    producer = StreamProducer(stream_config(endpoint), producer_id="rollouter")
+    await producer.start()
+    sending = asyncio.create_task(_send_all(producer))
     try:
-        assert json.loads(proc.stdout.readline()) == {"restored": False, "step": 0}
-        run1 = []
-        while len(run1) < 3:
-            run1.append(json.loads(proc.stdout.readline()))
-            if len(run1) < 3:
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=T)
-    assert proc.returncode == -signal.SIGKILL
-    committed_run1 = [sid for rec in run1[:2] for sid in rec["ids"]]  # steps 1-2 were checkpointed
-    assert sorted(acks.read_text().split()) == sorted(committed_run1)  # step 3 was trained, never acked
+        # Run 1: killed after step 3, i.e. with step 3 trained but not yet checkpointed nor acked.
+        proc = await spawn_child(model, tmp_path / "ckpt", tmp_path / "unused.safetensors", "--endpoint", endpoint,
+                                 "--pause")
+        try:
+            assert await read_line(proc) == {"restored": False, "step": 0}
+            run1 = [await read_line(proc)]
+            for _ in range(2):
+                proc.stdin.write(b"go\n")
+                await proc.stdin.drain()
+                run1.append(await read_line(proc))
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+        await asyncio.wait_for(sending, T)  # the window holds all groups: every one was sent
+        committed_run1 = [sid for rec in run1[:2] for sid in rec["ids"]]  # steps 1-2 were checkpointed
+        # The producer still holds exactly what is not durable: step 3's groups and the rest.
+        assert {g.sample_id for g in producer.unacked} == {f"sample_0_{i}" for i in range(N_GROUPS)} - set(
+            committed_run1)
 
-    # Run 2: resume; the source re-sends everything (worst case), the trainer must skip what is committed.
-    proc = spawn_child(model, tmp_path / "ckpt", acks, tmp_path / "resumed.safetensors", "--replay-all")
-    first, *run2 = read_steps(proc)
-    assert first == {"restored": True, "step": 2}
+        # Run 2: resume; the producer re-sends its unacked groups to the new consumer session.
+        proc = await spawn_child(model, tmp_path / "ckpt", tmp_path / "resumed.safetensors", "--endpoint", endpoint)
+        first, *run2 = await read_all(proc)
+        assert first == {"restored": True, "step": 2}
+        await producer.wait_acked(timeout=T)  # every group acked: none lost
+    finally:
+        sending.cancel()
+        await producer.close()
     trained_after = [sid for rec in run2 for sid in rec["ids"]]
     assert not set(trained_after) & set(committed_run1), "a committed group was trained again"
     assert [rec["step"] for rec in run2] == [3, 4]
     assert run2[0]["ids"] == run1[2]["ids"]  # the lost step 3 is redone with the same groups
 
-    # Run 3: uninterrupted, same groups.
-    proc = spawn_child(model, tmp_path / "ckpt_ref", tmp_path / "acks_ref.txt", tmp_path / "ref.safetensors")
-    first, *run3 = read_steps(proc)
-    assert first == {"restored": False, "step": 0}
+    # Run 3: uninterrupted, fed the same groups in the same order.
+    proc = await spawn_child(model, tmp_path / "ckpt_ref", tmp_path / "ref.safetensors", "--memory")
+    first, *run3 = await read_all(proc)
     reference = [sid for rec in run3 for sid in rec["ids"]]
     assert committed_run1 + trained_after == reference == [f"sample_0_{i}" for i in range(N_GROUPS)]
-    # Every group acked, none lost (duplicates are re-acks of replayed, already durable groups).
-    assert set(acks.read_text().split()) == set(reference)
     resumed, ref = load_file(tmp_path / "resumed.safetensors"), load_file(tmp_path / "ref.safetensors")
     assert resumed.keys() == ref.keys()
     for k in ref:
         assert (resumed[k] - ref[k]).abs().max().item() <= 1e-6, k
 
 
+async def _send_all(producer) -> None:
+    for i in range(N_GROUPS):
+        await producer.send(make_group(i))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--child", action="store_true")
     parser.add_argument("--model")
     parser.add_argument("--ckpt")
-    parser.add_argument("--acks")
     parser.add_argument("--out")
+    parser.add_argument("--endpoint")
+    parser.add_argument("--memory", action="store_true")
     parser.add_argument("--pause", action="store_true")
-    parser.add_argument("--replay-all", action="store_true")
     asyncio.run(child_main(parser.parse_args()))
