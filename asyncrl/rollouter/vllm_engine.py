@@ -419,6 +419,7 @@ class VLLMEngine:
         if missing:
             raise ValueError(f"init_weight_sync is missing {missing}: pass this engine's entry of VLLMWeightSender.connect()")
         self._check_open()
+        self._check_no_open_update("init_weight_sync")
         request = WeightTransferInitRequest(init_info=dict(init_info))
         await self._deadline(self._llm.init_weight_transfer_engine(request), "init_weight_transfer_engine")
 
@@ -441,6 +442,7 @@ class VLLMEngine:
         self._check_open()
         if self._paused is None:
             raise EngineError("receive_weights while serving: pause(mode='keep') first")
+        self._check_no_open_update("receive_weights")
         if not len(names) == len(dtype_names) == len(shapes):
             raise ValueError(
                 f"receive_weights: names, dtype_names and shapes differ in length "
@@ -479,6 +481,11 @@ class VLLMEngine:
             return
         self._closed = True
         self._llm.shutdown()
+
+    def _check_no_open_update(self, what: str) -> None:
+        # vLLM's worker is still inside the unfinished update (maybe blocked in NCCL): fail fast.
+        if self._update_open:
+            raise EngineError(f"{what}: an earlier weight update never finished; this engine must be rebuilt")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -343,6 +343,7 @@ async def test_vllm_pause_keep_abort_and_partial_resubmit(gpu_model_dir):
         ref = await engine.generate(_greedy("ref", PROMPTS[1], 120))
         # keep: freeze mid-generation, resume, same tokens as the uninterrupted run
         task = asyncio.create_task(engine.generate(_greedy("k", PROMPTS[1], 120)))
+        await asyncio.sleep(0)  # let generate() register the request
         assert await engine.wait_for_tokens("k", 10) >= 10
         await engine.pause("keep", clear_cache=False)
         await engine.resume()
@@ -350,6 +351,7 @@ async def test_vllm_pause_keep_abort_and_partial_resubmit(gpu_model_dir):
         assert kept.response_ids.tolist() == ref.response_ids.tolist() and kept.finish_reason == "length"
         # abort one request: partial output; prompt + partial completes to the reference
         task = asyncio.create_task(engine.generate(_greedy("a", PROMPTS[1], 120)))
+        await asyncio.sleep(0)  # let generate() register the request
         await engine.wait_for_tokens("a", 10)
         await engine.abort(["a"])
         part = await task
@@ -383,6 +385,8 @@ async def test_vllm_nccl_weight_transfer_into_kept_request(tmp_path, gpu_model_d
         await engine.init_weight_sync(**info)
 
         task = asyncio.create_task(engine.generate(_greedy("k", PROMPTS[1], 100)))
+
+        await asyncio.sleep(0)  # let generate() register the request
         before = await engine.wait_for_tokens("k", 10)
         await engine.pause("keep", clear_cache=False)
         kw = sender.weight_update_kwargs(version=1)
@@ -423,3 +427,191 @@ def test_geometry_matches_vllms_own_packer():
         broadcast_packed(iter(tensors), metas, bucket_bytes=bucket_bytes, broadcast=lambda b, s: ours.append(b.clone()),
                          device=CPU, streams=[None])  # fmt: skip
         assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+# ----------------------------------------------------------------------- glue, on a stand-in AsyncLLM
+#
+# vLLM cannot be installed here, so these run VLLMEngine's own code against a small stand-in
+# for ``AsyncLLM`` that follows vLLM 0.33's contract as read from its source: DELTA outputs
+# (new token ids + their logprobs per step), a final output with finish_reason and
+# ``weight_versions`` spans, pause keep/abort/wait, abort(ids), the weight-update calls, and
+# the engine's weight-version label ("default" until finish_weight_update sets one).
+
+
+class _FakeAsyncLLM:
+    def __init__(self, engine_args):
+        self.engine_args = engine_args
+        self.label = "default"
+        self.paused: str | None = None
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.aborted: set[str] = set()
+        self.calls: list = []
+        self.step = asyncio.Event()
+
+    async def generate(self, prompt, params, request_id):
+        if self.paused in ("abort", "wait"):
+            raise _FakeRetryable("Generation is paused. Please retry after it resumes.")
+        ids, spans = list(prompt["prompt_token_ids"]), []
+        n = 0
+        while True:
+            await self.resumed.wait()
+            await asyncio.sleep(0)
+            if request_id in self.aborted or self.paused == "abort":
+                yield _out([], [], "abort", spans)
+                return
+            tok = (ids[-1] * 7 + 3) % 50
+            ids.append(tok)
+            if not spans or spans[-1].version != self.label:
+                spans.append(SimpleNamespace(version=self.label, start=n, end=n))
+            n += 1
+            spans[-1].end = n
+            done = "stop" if tok in params.kw["stop_token_ids"] else "length" if n >= params.kw["max_tokens"] else None
+            yield _out([tok], [{tok: SimpleNamespace(logprob=-tok / 100)}], done, spans if done else None)
+            if done:
+                return
+
+    async def pause_generation(self, *, mode, clear_cache):
+        self.calls.append(("pause", mode, clear_cache))
+        self.paused = mode
+        if mode == "keep":
+            self.resumed.clear()
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+        self.paused = None
+        self.resumed.set()
+
+    async def abort(self, request_ids):
+        self.aborted.update(request_ids)
+
+    async def init_weight_transfer_engine(self, request):
+        self.calls.append(("init", request.init_info))
+
+    async def start_weight_update(self):
+        self.calls.append(("start",))
+
+    async def update_weights(self, request):
+        self.calls.append(("update", request.update_info))
+        if request.update_info.get("names") == ["boom"]:
+            raise RuntimeError("NCCL error: remote peer died")
+
+    async def finish_weight_update(self, weight_version=None):
+        self.calls.append(("finish", weight_version))
+        self.label = weight_version
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+class _FakeRetryable(Exception):
+    pass
+
+
+def _out(token_ids, logprobs, finish, spans):
+    return SimpleNamespace(
+        outputs=[SimpleNamespace(token_ids=token_ids, logprobs=logprobs, finish_reason=finish, weight_versions=spans)]
+    )
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import types
+
+    def module(name, **attrs):
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    params = lambda **kw: SimpleNamespace(kw=kw)  # noqa: E731
+    module("vllm", SamplingParams=params)
+    module("vllm.exceptions", RetryableRequestError=_FakeRetryable)
+    module("vllm.sampling_params", RequestOutputKind=SimpleNamespace(DELTA="DELTA"))
+    module("vllm.engine")
+    module("vllm.engine.arg_utils", AsyncEngineArgs=lambda **kw: kw)
+    module("vllm.v1")
+    module("vllm.v1.engine")
+    module("vllm.v1.engine.exceptions", EngineDeadError=type("EngineDeadError", (Exception,), {}))
+    module("vllm.v1.engine.async_llm", AsyncLLM=SimpleNamespace(from_engine_args=_FakeAsyncLLM))
+    module("vllm.distributed")
+    module("vllm.distributed.weight_transfer")
+    module(
+        "vllm.distributed.weight_transfer.base",
+        WeightTransferInitRequest=lambda init_info: SimpleNamespace(init_info=init_info),
+        WeightTransferUpdateRequest=lambda update_info: SimpleNamespace(update_info=update_info),
+    )
+
+
+def _fake_engine(tmp_path):
+    from asyncrl.rollouter.vllm_engine import VLLMEngine
+
+    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
+    return VLLMEngine(tmp_path, dtype="float32")
+
+
+async def test_glue_generate_keep_update_versions(fake_vllm, tmp_path):
+    engine = _fake_engine(tmp_path)
+    llm = engine._llm
+    assert llm.engine_args["logprobs_mode"] == "processed_logprobs"
+    res = await engine.generate(_greedy("a", [1, 4], 6))
+    assert res.finish_reason == "length" and len(res.response_ids) == 6
+    np.testing.assert_allclose(res.logprobs, -res.response_ids / 100, rtol=1e-6)
+    assert res.versions.tolist() == [0] * 6  # vLLM's "default" label = initial version
+
+    await engine.init_weight_sync(master_address="127.0.0.1", master_port=1234, rank_offset=1, world_size=2)
+    task = asyncio.create_task(engine.generate(_greedy("k", [1, 4], 12)))
+    await asyncio.sleep(0)  # let generate() register the request
+    assert await engine.wait_for_tokens("k", 4) >= 4
+    await engine.pause("keep")
+    frozen = engine._live["k"][0]
+    with pytest.raises(EngineError, match="resume\\(\\) during a weight update"):
+        await engine.receive_weights(names=["w"], dtype_names=["float32"], shapes=[[2]])
+        await engine.resume()
+    await engine.finish_weight_update(1)
+    await engine.resume()
+    kept = await task
+    k = int((kept.versions == 0).sum())  # a step already running when pause() came may finish on v0
+    assert frozen <= k < 12 and kept.versions.tolist() == [0] * k + [1] * (12 - k)
+    assert engine.version == 1
+    ops = [c[0] for c in llm.calls]
+    assert ops == ["init", "pause", "start", "update", "finish", "resume"]
+    assert ("pause", "keep", False) in llm.calls and ("finish", "1") in llm.calls
+
+
+async def test_glue_abort_pause_modes_and_refusals(fake_vllm, tmp_path):
+    from asyncrl.rollouter.engine import EngineClosedError, EnginePausedError
+
+    engine = _fake_engine(tmp_path)
+    task = asyncio.create_task(engine.generate(_greedy("a", [1, 4], 50)))
+    await asyncio.sleep(0)  # let generate() register the request
+    await engine.wait_for_tokens("a", 3)
+    await engine.abort(["a", "unknown"])
+    part = await task
+    assert part.finish_reason == "abort" and 3 <= len(part.response_ids) < 50
+    assert len(part.logprobs) == len(part.versions) == len(part.response_ids)
+    assert await engine.wait_for_tokens("a", 5) == 0  # no longer in flight
+
+    await engine.pause("abort")
+    with pytest.raises(EnginePausedError, match="mode='abort'"):
+        await engine.generate(_greedy("b", [1], 3))
+    await engine.resume()
+    stop = await engine.generate(GenerateRequest("s", np.array([1, 4]), 20, SamplingParams(greedy=True, stop_token_ids=(1,))))
+    assert stop.finish_reason in ("stop", "length")
+    with pytest.raises(EngineError, match="pause\\(mode='keep'\\) first"):
+        await engine.receive_weights(version=1)
+    await engine.close()
+    with pytest.raises(EngineClosedError):
+        await engine.generate(_greedy("c", [1], 3))
+
+
+async def test_glue_failed_update_never_resumes(fake_vllm, tmp_path):
+    engine = _fake_engine(tmp_path)
+    await engine.pause("keep")
+    with pytest.raises(RuntimeError, match="remote peer died"):
+        await engine.receive_weights(names=["boom"], dtype_names=["float32"], shapes=[[1]], version=1)
+    assert engine.version == 0
+    with pytest.raises(EngineError):
+        await engine.resume()
+    with pytest.raises(EngineError, match="must be rebuilt"):
+        await engine.receive_weights(names=["w"], dtype_names=["float32"], shapes=[[1]], version=1)
+    assert ("resume",) not in engine._llm.calls
