@@ -50,11 +50,11 @@ def sample_tokens(
         [1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=logits.device
     )
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    # Greedy rows: one batched argmax (the common case needs no per-row Python work).
+    tokens = torch.argmax(logits, dim=-1)
     shared_rows, shared_probs = [], []
     for i, p in enumerate(params):
         if p.greedy:
-            tokens[i] = torch.argmax(logits[i])
             continue
         probs = _truncate(logp[i], p.top_k, p.top_p).softmax(-1)
         if generators[i] is None:
