@@ -1,0 +1,192 @@
+"""Weight sync end to end: 2 FSDP2 trainer ranks (Ray actors, gloo world) -> 2 EngineActors
+(TorchEngine) over the weight-sync group, driven by `WeightSyncCoordinator`.
+
+Real processes throughout; trainer weights are changed between syncs by adding seeded noise
+to each rank's local shard (``__ray_call__``), and read back with ``full_state_dict``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import numpy as np
+import psutil
+import pytest
+import ray
+import torch
+
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.rollouter.actor import remote_engine_actor
+from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
+from asyncrl.sync.sender import WeightSyncError
+from asyncrl.trainer.config import TrainerConfig, WorkerConfig
+from asyncrl.trainer.ranks import RankGroup
+from asyncrl.types import GenerateRequest, SamplingParams
+
+# the helpers below run inside the actors: ship them by value (the test module is not importable there)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CFG = WeightSyncConfig(bucket_mb=0.02, connect_timeout_s=60, pause_timeout_s=30, transfer_timeout_s=60,
+                       resume_timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trainer(ray_cluster, model_path):
+    cfg = TrainerConfig(worker=WorkerConfig(model_path=str(model_path), device="cpu"), world_size=2,
+                        cpus_per_rank=0.5, rank_start_timeout_s=120)
+    group = RankGroup.start_ray(cfg)
+    yield group
+    group.close()
+
+
+@pytest.fixture
+def engines(ray_cluster, model_path):
+    cls = remote_engine_actor(num_cpus=0.5)
+    handles = [cls.remote(kind="torch", model_path=str(model_path), max_running=8, eos_token_ids=(), num_threads=1)
+               for _ in range(2)]
+    ray.get([h.ready.remote() for h in handles], timeout=120)
+    yield handles
+    for h in handles:
+        try:
+            ray.get(h.close.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        ray.kill(h)
+
+
+def _perturb(worker, seed):
+    # every rank adds its own seeded noise to its local shard of every parameter
+    g = torch.Generator().manual_seed(seed * 100 + worker.rank)
+    with torch.no_grad():
+        for p in worker.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(torch.randn(local.shape, generator=g) * 0.05)
+
+
+async def _trainer_params(trainer) -> dict[str, torch.Tensor]:
+    states = await trainer.call("full_state_dict", timeout=60)
+    return states[0]
+
+
+async def _engine_params(h) -> dict[str, torch.Tensor]:
+    fn = lambda self: {n: p.detach().clone() for n, p in self.engine.model.named_parameters(remove_duplicate=False)}  # noqa: E731
+    return await h.__ray_call__.remote(fn)
+
+
+async def _assert_equal(trainer, engines):
+    want = await _trainer_params(trainer)
+    for i, h in enumerate(engines):
+        got = await _engine_params(h)
+        assert set(got) <= set(want) | {"lm_head.weight"}
+        for name, t in got.items():
+            src = want[name] if name in want else want["model.embed_tokens.weight"]
+            assert torch.equal(t, src), f"engine[{i}] {name} is not the trainer's"
+    return want
+
+
+async def test_three_syncs_land_bitwise_and_metadata_goes_once(trainer, engines):
+    coord = WeightSyncCoordinator(trainer.workers, engines, CFG)
+    before = await _trainer_params(trainer)
+    for step in (1, 2, 3):
+        await trainer.call("__ray_call__", [(_perturb, step), (_perturb, step)], timeout=60)
+        assert await coord.sync() == step
+        want = await _assert_equal(trainer, engines)
+        assert not torch.equal(want["model.norm.weight"], before["model.norm.weight"])
+        before = want
+        assert [await h.version.remote() for h in engines] == [step, step]
+    sender_stats = await trainer.workers[0].__ray_call__.remote(lambda self: dict(self._sender.stats))
+    assert sender_stats["meta_sends"] == 1 and sender_stats["syncs"] == 3
+    assert sender_stats["peak_extra_bytes"] > 0
+    for h in engines:
+        stats = await h.__ray_call__.remote(lambda self: dict(self._receiver.stats))
+        assert stats["meta_received"] == 1 and stats["syncs"] == 3
+    assert coord.last.attempts == 1 and coord.last.failed == {}
+
+
+async def test_sync_with_requests_in_flight_freezes_and_continues_on_new_version(trainer, engines):
+    coord = WeightSyncCoordinator(trainer.workers, engines, CFG)
+    await coord.sync()  # version 1, so the group is up before requests start
+    rng = np.random.default_rng(0)
+    reqs = [GenerateRequest(f"r{i}", rng.integers(3, 40, size=6), max_tokens=120,
+                            sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(4)]
+    refs = [engines[i % 2].generate.remote(r) for i, r in enumerate(reqs)]
+    for i, r in enumerate(reqs):
+        assert await engines[i % 2].wait_for_tokens.remote(r.request_id, 3) >= 3
+    await trainer.call("__ray_call__", [(_perturb, 7), (_perturb, 7)], timeout=60)
+    assert await coord.sync() == 2
+    results = await asyncio.wait_for(asyncio.gather(*refs), 120)
+    for r in results:
+        assert len(r.response_ids) == 120 and r.finish_reason == "length"
+        v = r.versions.tolist()
+        assert v == sorted(v) and set(v) == {1, 2}, f"{r.request_id}: versions {v}"
+        assert v.count(1) >= 3
+    for h in engines:
+        stats = await h.stats.remote()
+        assert stats["reprefill_tokens"] == 0
+        assert stats["version"] == 2
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class _KillAfterPause:
+    """Engine handle proxy: the engine process is SIGKILLed right after its pause returns."""
+
+    def __init__(self, handle, pid):
+        self._h, self._pid = handle, pid
+        self.pause = self
+        self.killed = False
+
+    def remote(self, *args):
+        async def pause_then_kill():
+            await self._h.pause.remote(*args)
+            os.kill(self._pid, signal.SIGKILL)
+            psutil.Process(self._pid).wait(30)  # reaped by Ray's raylet; gone before we go on
+            self.killed = True
+
+        return pause_then_kill()
+
+    def __getattr__(self, name):
+        return getattr(self._h, name)
+
+
+async def test_engine_killed_during_sync_is_named_and_the_other_serves_new_version(trainer, engines):
+    coord = WeightSyncCoordinator(trainer.workers, {"engine-a": engines[0], "engine-b": engines[1]}, CFG)
+    assert await coord.sync() == 1  # the group is formed; now lose a member of it
+    pid = await engines[1].__ray_call__.remote(lambda self: os.getpid())
+    proxy = _KillAfterPause(engines[1], pid)
+    coord.engines["engine-b"] = proxy
+    await trainer.call("__ray_call__", [(_perturb, 11), (_perturb, 11)], timeout=60)
+    with pytest.raises(WeightSyncError, match=r"version 2 failed for engine-b .*resumed on version 2: engine-a"):
+        await asyncio.wait_for(coord.sync(), CFG.pause_timeout_s + 2 * CFG.transfer_timeout_s)
+    assert proxy.killed and not _running(pid)
+    assert list(coord.engines) == ["engine-a"] and "engine-b" in coord.dead
+    assert coord.version == 2 and coord.last.attempts == 2
+    # the survivor holds the full new set and serves it
+    await _assert_equal(trainer, engines[:1])
+    res = await engines[0].generate.remote(GenerateRequest("after", np.array([5, 6, 7]), max_tokens=4))
+    assert res.versions.tolist() == [2, 2, 2, 2]
+    # nothing hangs: the trainer ranks still answer collectives, and a later sync reaches the survivor
+    await trainer.call("__ray_call__", [(_perturb, 12), (_perturb, 12)], timeout=60)
+    assert await coord.sync() == 3
+    await _assert_equal(trainer, engines[:1])
