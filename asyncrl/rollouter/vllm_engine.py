@@ -68,8 +68,8 @@ class VLLMEngineConfig:
 
     model_path: str | Path
     """Local Hugging Face model directory (config.json + safetensors), as for the built-in engine."""
-    dtype: str = "auto"
-    """vLLM ``dtype``: auto | bfloat16 | float16 | float32."""
+    dtype: str | torch.dtype = "auto"
+    """vLLM ``dtype``: auto | bfloat16 | float16 | float32 (a torch.dtype is taken by name)."""
     seed: int = 0
     """vLLM's engine seed (requests without a seed draw from it)."""
     gpu_memory_utilization: float = 0.5
@@ -94,6 +94,8 @@ class VLLMEngineConfig:
     """Other ``AsyncEngineArgs`` fields, passed as given."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.dtype, torch.dtype):
+            self.dtype = str(self.dtype).removeprefix("torch.")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"VLLMEngineConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

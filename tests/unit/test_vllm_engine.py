@@ -120,6 +120,7 @@ def test_engine_config_validates_and_builds_engine_args(tmp_path):
     assert args["model"] == str(tmp_path) and args["logprobs_mode"] == "processed_logprobs"
     assert args["weight_transfer_config"] == {"backend": "nccl"} and args["skip_tokenizer_init"] is True
     assert args["max_model_len"] == 128 and args["max_num_batched_tokens"] == 512
+    assert VLLMEngineConfig(model_path=tmp_path, dtype=torch.bfloat16).engine_args()["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="logprobs_mode"):
         VLLMEngineConfig(model_path=tmp_path, logprobs_mode="sampled")
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
