@@ -80,6 +80,7 @@ class RolloutWorker:
         self.cfg, self.engines, self.prompts, self.reward_fn = cfg, engines, prompts, reward_fn
         self.endpoint, self.window = endpoint, window
         self.state = RolloutState(**(state or {}))
+        self.version = 0
         self.rollouter: Rollouter | None = None
 
     async def run(self, num_groups: int | None = None) -> dict:
@@ -88,6 +89,7 @@ class RolloutWorker:
         producer = StreamProducer(StreamConfig(endpoint=self.endpoint, window=self.window), producer_id="rollouter-0")
         await producer.start()
         self.rollouter = Rollouter(self.cfg, self.engines, producer, self.prompts, self.reward_fn, state=self.state)
+        await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
         try:
             await self.rollouter.run(num_groups)
         finally:
@@ -95,6 +97,7 @@ class RolloutWorker:
         return self.progress()
 
     async def on_sync(self, version: int) -> None:
+        self.version = version
         if self.rollouter is not None:
             await self.rollouter.on_sync(version)
 
@@ -147,7 +150,7 @@ async def _run(args: argparse.Namespace) -> int:
         # Every actor reserves one CPU; on a laptop they share the cores (torch uses 1 thread each).
         ray.init(num_cpus=n_engines + n_ranks + 2, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    ranks = consumer = rollout_ref = None
+    ranks = consumer = rollouter = None
     engines: list = []
     try:
         print(f"asyncrl: run dir {run_dir}; model {model_path}; {n_engines} engine(s), {n_ranks} trainer rank(s)",
@@ -190,8 +193,8 @@ async def _run(args: argparse.Namespace) -> int:
         await _train(trainer, args.steps, run_dir, rollout_ref)
         return 0
     finally:
-        if rollout_ref is not None:
-            ray.cancel(rollout_ref, force=True)
+        if rollouter is not None:
+            ray.kill(rollouter)
         if consumer is not None:
             await consumer.close()
         if ranks is not None:
