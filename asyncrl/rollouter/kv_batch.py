@@ -59,36 +59,33 @@ class PaddedKVBatch:
 
     @staticmethod
     def _stack(config, old: PaddedKVBatch | None, keep_ids: list[str], new_rows: dict[str, LayerKV]):
-        device = None
-        parts_k: list[list[torch.Tensor]] = []
-        parts_v: list[list[torch.Tensor]] = []
-        masks: list[torch.Tensor] = []
-        new_lens = [kv[0][0].shape[2] for kv in new_rows.values()]
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-        keep_mask = None
+        # Rows to keep: a few index_selects per layer; no per-row copies.
+        kept_layers: LayerKV = []
+        kept_mask = None
         if old is not None and keep_ids:
             pos = {rid: i for i, rid in enumerate(old.ids)}
             idx = torch.tensor([pos[r] for r in keep_ids], device=old.mask.device)
-            keep_mask = old.mask.index_select(0, idx)
-            kept = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in cache_layers(old.cache)]
-            device = old.mask.device
-        keep_len = int(keep_mask.sum(1).max()) if keep_mask is not None else 0
-        T = max([keep_len, *new_lens])
-        n_layers = len(kept) if kept else len(next(iter(new_rows.values())))
-        if keep_mask is not None:
-            masks.append(_fit_left(keep_mask, T, dim=1))
-            parts_k = [[_fit_left(k, T, dim=2)] for k, _ in kept]
-            parts_v = [[_fit_left(v, T, dim=2)] for _, v in kept]
-        else:
-            parts_k = [[] for _ in range(n_layers)]
-            parts_v = [[] for _ in range(n_layers)]
+            kept_mask = old.mask.index_select(0, idx)
+            kept_layers = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in cache_layers(old.cache)]
+        new_lens = [kv[0][0].shape[2] for kv in new_rows.values()]
+        kept_len = int(kept_mask.sum(1).max()) if kept_mask is not None else 0
+        # The new width: the longest row. Columns that are padding in every row are dropped.
+        width = max([kept_len, *new_lens])
+        n_layers = len(kept_layers) or len(next(iter(new_rows.values())))
+        keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+        values: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+        masks: list[torch.Tensor] = []
+        if kept_mask is not None:
+            masks.append(_fit_left(kept_mask, width, dim=1))
+            for layer, (k, v) in enumerate(kept_layers):
+                keys[layer].append(_fit_left(k, width, dim=2))
+                values[layer].append(_fit_left(v, width, dim=2))
         for kv, n in zip(new_rows.values(), new_lens):
-            device = kv[0][0].device
-            masks.append(_fit_left(torch.ones(1, n, dtype=torch.long, device=device), T, dim=1))
+            masks.append(_fit_left(torch.ones(1, n, dtype=torch.long, device=kv[0][0].device), width, dim=1))
             for layer, (k, v) in enumerate(kv):
-                parts_k[layer].append(_fit_left(k, T, dim=2))
-                parts_v[layer].append(_fit_left(v, T, dim=2))
-        layers = [(torch.cat(ks, 0), torch.cat(vs, 0)) for ks, vs in zip(parts_k, parts_v)]
+                keys[layer].append(_fit_left(k, width, dim=2))
+                values[layer].append(_fit_left(v, width, dim=2))
+        layers = [(torch.cat(ks, 0), torch.cat(vs, 0)) for ks, vs in zip(keys, values)]
         return PaddedKVBatch(config, layers, torch.cat(masks, 0), [*keep_ids, *new_rows])
 
 

@@ -7,7 +7,8 @@ One scheduler task, owned by the engine, repeats a *step* under the engine's loc
 2. prefill each newly admitted request on its own (no padding, so its prompt forward is
    exactly the forward of ``model.generate``) and sample its first token;
 3. decode every other running request in ONE batched forward: their KV caches are stacked
-   left-padded (`asyncrl.rollouter.kv_batch`), position ids are per row;
+   left-padded (`asyncrl.rollouter.kv_batch`), position ids are per row (steps 2-3 are
+   `asyncrl.rollouter.model_runner`);
 4. append tokens, finish requests on a stop token / ``max_tokens`` / the context limit, and
    hand results back. Requests join and leave between steps: continuous batching.
 
@@ -33,10 +34,9 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from asyncrl.rollouter.engine import (
@@ -46,8 +46,7 @@ from asyncrl.rollouter.engine import (
     EnginePausedError,
     PauseMode,
 )
-from asyncrl.rollouter.kv_batch import LayerKV, PaddedKVBatch, cache_layers
-from asyncrl.rollouter.sampling import sample_tokens
+from asyncrl.rollouter.model_runner import ModelRunner, Sequence
 from asyncrl.types import GenerateRequest, GenerateResult
 
 
@@ -83,41 +82,6 @@ class TorchEngineConfig:
             raise ValueError(f"pause_timeout_s must be > 0, got {self.pause_timeout_s}")
 
 
-@dataclass(eq=False)
-class _Seq:
-    """One request inside the engine."""
-
-    request: GenerateRequest
-    future: asyncio.Future
-    tokens: list[int]
-    """Prompt + generated tokens; in decode state the last one is not in the KV cache yet."""
-    generator: torch.Generator | None
-    stop_ids: frozenset[int]
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    kv: LayerKV | None = None
-    """Own cache after a prefill, until the request joins the batched decode cache."""
-    needs_prefill: bool = True
-
-    @property
-    def rid(self) -> str:
-        return self.request.request_id
-
-    @property
-    def n_generated(self) -> int:
-        return len(self.logprobs)
-
-    def result(self, finish_reason: str) -> GenerateResult:
-        n = self.n_generated
-        return GenerateResult(
-            request_id=self.rid,
-            response_ids=np.asarray(self.tokens[len(self.tokens) - n :], dtype=np.int64),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            versions=np.asarray(self.versions, dtype=np.int64),
-            finish_reason=finish_reason,
-        )
-
-
 class TorchEngine:
     """Continuous-batching engine over a Hugging Face causal LM (see the module docstring)."""
 
@@ -143,11 +107,10 @@ class TorchEngine:
             eos = mcfg.eos_token_id
             self._eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._generator = torch.Generator().manual_seed(config.seed)
+        self._runner = ModelRunner(self.model, config.device, config.seed)
         self._version = 0
-        self._queued: deque[_Seq] = deque()
-        self._running: dict[str, _Seq] = {}
-        self._batch: PaddedKVBatch | None = None
+        self._queued: deque[Sequence] = deque()
+        self._running: dict[str, Sequence] = {}
         self._paused: PauseMode | None = None
         self._closed = False
         self._failure: BaseException | None = None
@@ -175,7 +138,7 @@ class TorchEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._fail_all(EngineClosedError("the engine was closed"))
-        self._batch = None
+        self._runner.drop_kv()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -209,7 +172,7 @@ class TorchEngine:
             if request.request_id in self._running or any(s.rid == request.request_id for s in self._queued):
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
             seed = request.sampling.seed
-            seq = _Seq(
+            seq = Sequence(
                 request=request,
                 future=asyncio.get_running_loop().create_future(),
                 tokens=prompt,
@@ -298,7 +261,7 @@ class TorchEngine:
 
     def _drop_kv(self) -> None:
         """Forget every KV cache; the running requests re-prefill prompt + generated on resume."""
-        self._batch = None
+        self._runner.drop_kv()
         for seq in self._running.values():
             if not seq.needs_prefill:
                 seq.needs_prefill = True
@@ -373,10 +336,10 @@ class TorchEngine:
                     cond.notify_all()
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # forwarded to every waiting caller, then re-raised
+        except Exception as exc:
+            # Forwarded to every waiting caller; later calls re-raise it from _check_open.
             self._failure = exc
             self._fail_all(EngineError(f"the engine's scheduler failed: {exc!r}"))
-            raise
 
     def _admit(self) -> None:
         while self._queued and len(self._running) < self.config.max_running:
@@ -391,8 +354,8 @@ class TorchEngine:
         decode = [s for s in self._running.values() if not s.needs_prefill]
         if not prefill and not decode:
             return
-        self._sync_batch(decode)
-        tokens, logprobs = await asyncio.to_thread(self._forward, prefill, decode)
+        self._runner.sync_batch(decode)
+        tokens, logprobs = await asyncio.to_thread(self._runner.forward, prefill, decode)
         version = self._version
         self._counters["steps"] += 1
         for seq, tok, lp in zip([*prefill, *decode], tokens.tolist(), logprobs.tolist()):
@@ -408,63 +371,7 @@ class TorchEngine:
             elif seq.n_generated >= seq.request.max_tokens or len(seq.tokens) >= self.max_model_len:
                 self._finish(seq, "length")
 
-    def _sync_batch(self, decode: list[_Seq]) -> None:
-        """Make the stacked decode cache hold exactly ``decode`` (in that order)."""
-        ids = [s.rid for s in decode]
-        if self._batch is not None and self._batch.ids == ids:
-            return
-        if not decode:
-            self._batch = None
-            return
-        old_ids = set(self._batch.ids) if self._batch is not None else set()
-        keep = [s.rid for s in decode if s.rid in old_ids]
-        new = {s.rid: s.kv for s in decode if s.rid not in old_ids}
-        for s in decode:
-            s.kv = None  # the batch owns it now
-        if self._batch is None or not keep:
-            self._batch = PaddedKVBatch.build(self.model.config, new)
-        else:
-            self._batch = self._batch.rebuilt(keep, new)
-        # Reorder the decode list to the batch's row order.
-        order = {rid: i for i, rid in enumerate(self._batch.ids)}
-        decode.sort(key=lambda s: order[s.rid])
-
-    @torch.no_grad()
-    def _forward(self, prefill: list[_Seq], decode: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill each new request, decode the batch; sample one token per request."""
-        from transformers import DynamicCache
-
-        device = self.config.device
-        rows = []
-        for seq in prefill:
-            cache = DynamicCache(config=self.model.config)
-            ids = torch.tensor([seq.tokens], dtype=torch.long, device=device)
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            seq.kv = cache_layers(cache)
-            rows.append(out.logits[0, -1])
-        if decode:
-            batch = self._batch
-            pending = torch.tensor([[s.tokens[-1]] for s in decode], dtype=torch.long, device=device)
-            positions = torch.tensor([[len(s.tokens) - 1] for s in decode], dtype=torch.long, device=device)
-            mask = batch.step_inputs()
-            out = self.model(
-                input_ids=pending,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=batch.cache,
-                use_cache=True,
-            )
-            batch.advanced(mask)
-            rows.extend(out.logits[:, -1])
-        seqs = [*prefill, *decode]
-        return sample_tokens(
-            torch.stack(rows),
-            [s.request.sampling for s in seqs],
-            [s.generator for s in seqs],
-            self._generator,
-        )
-
-    def _finish(self, seq: _Seq, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> None:
         self._running.pop(seq.rid, None)
         seq.kv = None
         _resolve(seq, seq.result(reason))
@@ -477,6 +384,6 @@ class TorchEngine:
         self._running.clear()
 
 
-def _resolve(seq: _Seq, result: GenerateResult) -> None:
+def _resolve(seq: Sequence, result: GenerateResult) -> None:
     if not seq.future.done():
         seq.future.set_result(result)

@@ -305,3 +305,33 @@ def test_config_errors_name_the_field(model_path):
         TorchEngineConfig(model_path=model_path, max_running=0)
     with pytest.raises(ValueError, match="pause_timeout_s"):
         TorchEngineConfig(model_path=model_path, pause_timeout_s=0)
+
+
+async def test_scheduler_failure_reaches_callers(model_path):
+    engine = TorchEngine(model_path, eos_token_ids=())
+
+    def broken_forward(prefill, decode):
+        raise RuntimeError("device lost")
+
+    engine._runner.forward = broken_forward  # a fault inside the worker thread
+    try:
+        with pytest.raises(EngineError, match="device lost"):
+            await engine.generate(req("a", prompts([4])[0]))
+        with pytest.raises(EngineError, match="scheduler failed"):
+            await engine.generate(req("b", prompts([4])[0]))
+    finally:
+        await engine.close()
+
+
+async def test_cancelled_caller_frees_its_slot(model_path, ref):
+    p = prompts([5], seed=9)[0]
+    engine = TorchEngine(model_path, max_running=1, eos_token_ids=())
+    try:
+        (hog,) = await _start(engine, [req("hog", p, 500)], "hog", 2)
+        hog.cancel()
+        # With the only slot freed, the next request runs to completion.
+        done = await engine.generate(req("next", p, 10))
+    finally:
+        await engine.close()
+    np.testing.assert_array_equal(done.response_ids, hf_greedy(ref, p, 10))
+    assert engine.stats()["running"] == 0
