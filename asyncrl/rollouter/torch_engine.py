@@ -13,7 +13,12 @@ One scheduler task, owned by the engine, repeats a *step* under the engine's loc
    hand results back. Requests join and leave between steps: continuous batching.
 
 The forward runs in a worker thread so the event loop stays responsive; everything else
-(pause, abort, weight loads) takes the same lock, so it happens between two steps.
+(pause, abort, weight loads) takes the same lock, so it happens between two steps. An engine
+lives on the event loop of its first call (its scheduler task is created there).
+
+Why not transformers' own continuous-batching manager: it has no pause that keeps requests
+with their KV cache, no in-place weight update between steps with per-token versions, and
+returns no sampled-token log-probs; the scheduler here is small enough to read in one go.
 
 Log-probs: ``log_softmax(logits / T)[token]`` of the sampled token under the weights that
 produced it, after temperature and before top-k/top-p (greedy: ``T = 1``). This equals vLLM

@@ -335,3 +335,23 @@ async def test_cancelled_caller_frees_its_slot(model_path, ref):
         await engine.close()
     np.testing.assert_array_equal(done.response_ids, hf_greedy(ref, p, 10))
     assert engine.stats()["running"] == 0
+
+
+@pytest.mark.gpu
+async def test_cuda_greedy_and_logprobs_match_transformers(model_path):
+    ref_cuda = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to("cuda").eval()
+    ps = prompts([3, 9, 14], seed=10)
+    engine = TorchEngine(model_path, device="cuda", max_running=2, eos_token_ids=())
+    try:
+        results = await asyncio.gather(*(engine.generate(req(f"r{i}", p, 24)) for i, p in enumerate(ps)))
+    finally:
+        await engine.close()
+    for p, r in zip(ps, results):
+        x = torch.as_tensor(p, device="cuda")[None]
+        out = ref_cuda.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, eos_token_id=None)
+        np.testing.assert_array_equal(r.response_ids, out[0, len(p) :].cpu().numpy())
+        with torch.no_grad():
+            ids = out[:, :]
+            logp = torch.log_softmax(ref_cuda(ids).logits[0].float(), -1)
+            expected = logp[len(p) - 1 : -1].gather(1, ids[0, len(p) :, None])[:, 0].cpu().numpy()
+        assert np.abs(expected - r.logprobs).max() <= 1e-3  # TF32 matmuls on GPU
