@@ -1,0 +1,41 @@
+"""Trainer: FSDP2 ranks on Ray, fail-closed batch assembly, GRPO/PPO losses, acks, checkpoints.
+
+- `config`: `TrainerConfig` (driver loop), `WorkerConfig` (one rank), `AlgorithmConfig`, `OptimConfig`;
+- `algorithm`: advantages and the policy loss; `batch`: Groups -> TensorDict, fail closed;
+- `fsdp`: ``parallelize(model, mesh)``; `worker`: `TrainerWorker` (one rank); `ranks`: `RankGroup`;
+- `trainer`: `Trainer` (the driver loop), `GroupSource`, `WeightSyncer`, `MemorySource`;
+- `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: on-policy synchronous GRPO.
+
+Names are imported lazily so ``import asyncrl.trainer`` stays cheap (no torch until used).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "AlgorithmConfig": "asyncrl.trainer.config",
+    "OptimConfig": "asyncrl.trainer.config",
+    "TrainerConfig": "asyncrl.trainer.config",
+    "WorkerConfig": "asyncrl.trainer.config",
+    "IncompleteGroupError": "asyncrl.trainer.batch",
+    "assemble": "asyncrl.trainer.batch",
+    "parallelize": "asyncrl.trainer.fsdp",
+    "TrainerWorker": "asyncrl.trainer.worker",
+    "RankGroup": "asyncrl.trainer.ranks",
+    "Trainer": "asyncrl.trainer.trainer",
+    "GroupSource": "asyncrl.trainer.trainer",
+    "WeightSyncer": "asyncrl.trainer.trainer",
+    "MemorySource": "asyncrl.trainer.trainer",
+    "StepResult": "asyncrl.trainer.trainer",
+    "TrainerState": "asyncrl.trainer.checkpoint",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncrl.trainer' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
