@@ -138,7 +138,8 @@ class TrainerConfig:
     checkpoint_dir: str | None = None
     """Where checkpoints go; None disables them (groups are then acked right after their step)."""
     checkpoint_every: int = 1
-    """Train steps between checkpoints; acks wait for the checkpoint that makes a step durable."""
+    """Train steps between checkpoints; acks wait for the checkpoint that makes a step durable,
+    so the stream's window must exceed ``groups_per_batch * require_batches * checkpoint_every``."""
     rank_start_timeout_s: float = 300.0
     """Deadline for every rank to load the model and join the process group."""
     step_timeout_s: float = 1800.0

@@ -18,7 +18,8 @@ or `MemorySource` in tests. Leaves out: the metrics pipeline (each step returns 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+import inspect
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -28,6 +29,7 @@ from asyncrl.trainer import checkpoint
 from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.ranks import RankGroup
+from asyncrl.trainer.worker import merge_stats
 from asyncrl.types import Group
 
 
@@ -89,7 +91,10 @@ class Trainer:
     """Drives the ranks from a group source. Owns neither: the caller starts and closes them."""
 
     def __init__(self, cfg: TrainerConfig, ranks: RankGroup, source: GroupSource,
-                 syncer: WeightSyncer | None = None, *, rollouter_state: Callable[[], dict] | None = None):
+                 syncer: WeightSyncer | None = None, *,
+                 rollouter_state: Callable[[], dict | Awaitable[dict]] | None = None):
+        """``rollouter_state`` is called at each checkpoint; what it returns (a JSON-able dict)
+        is stored in the sidecar's ``rollouter_state`` slot."""
         if ranks.world_size != cfg.world_size:
             raise ValueError(f"world_size={cfg.world_size} but {ranks.world_size} ranks were given")
         self.cfg = cfg
@@ -106,7 +111,13 @@ class Trainer:
         self.restored_rollouter_state: dict = {}
 
     async def restore(self) -> bool:
-        """Load the latest checkpoint under ``checkpoint_dir`` if there is one; True if it did."""
+        """Load the latest checkpoint under ``checkpoint_dir`` if there is one; True if it did.
+
+        Restores the ranks' model and optimizer, ``step``, ``version`` and ``committed``; give
+        ``committed`` to the stream (``StreamConsumer(cfg, committed=trainer.committed)``) so
+        replays of committed groups are acked, not delivered. The Rollouter's saved state is in
+        ``restored_rollouter_state``.
+        """
         found = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
         if found is None:
             return False
@@ -183,15 +194,9 @@ class Trainer:
         denom = float(batch["response_mask"].sum()) if mode == "token-mean" else float(batch.batch_size[0])
         shards = [(shard_rows(batch, self.ranks.world_size, r), denom) for r in range(self.ranks.world_size)]
         per_rank = await self.ranks.call("train_minibatch", shards, timeout=self.cfg.step_timeout_s)
-        out = dict(per_rank[0])
+        out = dict(per_rank[0])  # grad_norm and lr are global: every rank reports the same value
         for other in per_rank[1:]:
-            for k, v in other.items():
-                if k.endswith("_max"):
-                    out[k] = max(out[k], v)
-                elif k.endswith("_min"):
-                    out[k] = min(out[k], v)
-                elif k not in ("grad_norm", "lr"):
-                    out[k] += v
+            merge_stats(out, {k: v for k, v in other.items() if k not in ("grad_norm", "lr")})
         out["_batch_version"] = self.version  # the version trained on, for staleness
         return out
 
@@ -202,7 +207,7 @@ class Trainer:
         await self.ranks.call("save_checkpoint", timeout=self.cfg.step_timeout_s, path=str(staged))
         state = checkpoint.TrainerState(
             step=self.step, version=self.version, committed=sorted(self.committed),
-            rollouter_state=self.rollouter_state() if self.rollouter_state else {},
+            rollouter_state=await _maybe_await(self.rollouter_state()) if self.rollouter_state else {},
         )
         checkpoint.publish(root, staged, state)
         self._durable = set(self.committed)
@@ -212,6 +217,10 @@ class Trainer:
         if self._unacked:
             self.source.ack(self._unacked)
             self._unacked = []
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
 
 
 def _step_metrics(per_batch: list[dict], batches: list, dropped: list[tuple[str, str]]) -> dict:

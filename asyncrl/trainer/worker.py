@@ -38,6 +38,17 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def merge_stats(into: dict[str, float], stats: dict[str, float]) -> None:
+    """Fold ``stats`` into ``into``: ``*_max``/``*_min`` keep the extreme, everything else adds up."""
+    for k, v in stats.items():
+        if k.endswith("_max"):
+            into[k] = max(into.get(k, -math.inf), v)
+        elif k.endswith("_min"):
+            into[k] = min(into.get(k, math.inf), v)
+        else:
+            into[k] = into.get(k, 0.0) + v
+
+
 class TrainerWorker:
     """One rank of the trainer's torch.distributed world."""
 
@@ -132,14 +143,7 @@ class TrainerWorker:
                 ent = algorithm.token_entropy(logits.detach(), acfg.temperature)
                 totals["entropy_sum"] += float((ent * mb["response_mask"]).sum())
             totals["loss"] += float(loss.detach())
-            for k, v in stats.items():
-                v = float(v)
-                if k.endswith("_max"):
-                    totals[k] = max(totals.get(k, -math.inf), v)
-                elif k.endswith("_min"):
-                    totals[k] = min(totals.get(k, math.inf), v)
-                else:
-                    totals[k] = totals.get(k, 0.0) + v
+            merge_stats(totals, {k: float(v) for k, v in stats.items()})
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

@@ -35,7 +35,8 @@ def make_groups(seed, count=2, n=4):
         trajs = []
         for k in range(n):
             r = rng.integers(3, 40, size=int(rng.integers(1, 7)))
-            trajs.append(Trajectory(sample_id=sid, index=k, prompt_ids=rng.integers(3, 40, size=int(rng.integers(2, 6))),
+            prompt = rng.integers(3, 40, size=int(rng.integers(2, 6)))
+            trajs.append(Trajectory(sample_id=sid, index=k, prompt_ids=prompt,
                                     response_ids=r, logprobs=rng.uniform(-5, -2, size=len(r)).astype(np.float32),
                                     versions=np.zeros(len(r), np.int64), finish_reason="stop",
                                     reward=float(rng.integers(0, 2))))

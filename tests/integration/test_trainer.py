@@ -214,7 +214,7 @@ async def child_main(args) -> None:
     cfg = trainer_config(args.model, require_batches=2, checkpoint_dir=args.ckpt, checkpoint_every=2,
                          recv_timeout_s=60.0)
     ranks = RankGroup.start_local(cfg)
-    trainer = Trainer(cfg, ranks, MemorySource())
+    trainer = Trainer(cfg, ranks, MemorySource(), rollouter_state=lambda: {"feed_index": 4 * trainer.step})
     restored = await trainer.restore()
     if args.memory:
         source = MemorySource(make_group(i) for i in range(N_GROUPS))
@@ -223,7 +223,7 @@ async def child_main(args) -> None:
         source = StreamConsumer(stream_config(args.endpoint), committed=trainer.committed)
         await source.start()
     trainer.source = source
-    print(json.dumps({"restored": restored, "step": trainer.step}), flush=True)
+    print(json.dumps({"restored": restored, "step": trainer.step, **trainer.restored_rollouter_state}), flush=True)
     while trainer.step < STEPS:
         result = await trainer.train_step()
         print(json.dumps({"step": result.step, "ids": result.sample_ids}), flush=True)
@@ -293,7 +293,7 @@ async def test_sigkill_between_steps_then_resume_loses_nothing_and_trains_nothin
         # Run 2: resume; the producer re-sends its unacked groups to the new consumer session.
         proc = await spawn_child(model, tmp_path / "ckpt", tmp_path / "resumed.safetensors", "--endpoint", endpoint)
         first, *run2 = await read_all(proc)
-        assert first == {"restored": True, "step": 2}
+        assert first == {"restored": True, "step": 2, "feed_index": 8}  # the Rollouter's slot came back
         await producer.wait_acked(timeout=T)  # every group acked: none lost
     finally:
         sending.cancel()
@@ -306,6 +306,7 @@ async def test_sigkill_between_steps_then_resume_loses_nothing_and_trains_nothin
     # Run 3: uninterrupted, fed the same groups in the same order.
     proc = await spawn_child(model, tmp_path / "ckpt_ref", tmp_path / "ref.safetensors", "--memory")
     first, *run3 = await read_all(proc)
+    assert first == {"restored": False, "step": 0}
     reference = [sid for rec in run3 for sid in rec["ids"]]
     assert committed_run1 + trained_after == reference == [f"sample_0_{i}" for i in range(N_GROUPS)]
     resumed, ref = load_file(tmp_path / "resumed.safetensors"), load_file(tmp_path / "ref.safetensors")

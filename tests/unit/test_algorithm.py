@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from asyncrl.trainer.algorithm import aggregate, grpo_advantages, policy_loss, token_entropy, token_logprobs
-from asyncrl.trainer.config import AlgorithmConfig
+from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
+from asyncrl.trainer.worker import lr_at
 
 
 def test_grpo_advantages_std_and_no_std():
@@ -157,3 +158,26 @@ def test_config_errors_name_the_field():
         AlgorithmConfig(loss_agg_mode="sum")
     with pytest.raises(ValueError, match="clip_ratio_low"):
         AlgorithmConfig(clip_ratio_low=1.0)
+
+
+def test_lr_warmup_then_cosine():
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine", total_steps=14, min_lr_ratio=0.1)
+    assert [lr_at(cfg, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(cfg, 4) == pytest.approx(1.0)
+    assert lr_at(cfg, 9) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway down the cosine
+    assert lr_at(cfg, 14) == pytest.approx(0.1) and lr_at(cfg, 100) == pytest.approx(0.1)
+    assert lr_at(OptimConfig(lr=0.3), 50) == 0.3
+    with pytest.raises(ValueError, match="total_steps"):
+        OptimConfig(schedule="cosine", warmup_steps=5, total_steps=5)
+
+
+def test_trainer_config_errors_name_the_field():
+    worker = WorkerConfig(model_path="/tmp/m")
+    with pytest.raises(ValueError, match="on_incomplete_group"):
+        TrainerConfig(worker=worker, on_incomplete_group="skip")
+    with pytest.raises(ValueError, match="trigger_parameter_sync_step"):
+        TrainerConfig(worker=worker, trigger_parameter_sync_step=0)
+    with pytest.raises(ValueError, match="max_version_gap"):
+        TrainerConfig(worker=worker, max_version_gap=-1)
+    with pytest.raises(ValueError, match="model_path"):
+        WorkerConfig(model_path="")
