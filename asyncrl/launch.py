@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--reward", default=None,
                       help="reward as module:function(prompt_text, response_text) -> float (default: built-in task)")
     algo = p.add_argument_group("algorithm")
-    algo.add_argument("--steps", type=int, default=40, help="train steps to run")
+    algo.add_argument("--steps", type=int, default=100, help="train steps to run")
     algo.add_argument("--n", type=int, default=8, help="responses per prompt (group size)")
     algo.add_argument("--groups-per-step", type=int, default=8, help="groups per train step")
     algo.add_argument("--sync-every", type=int, default=1, help="train steps per weight sync (trigger_parameter_sync_step)")

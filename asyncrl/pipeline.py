@@ -210,10 +210,12 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> N
 
     rewards: list[float] = []
     t0 = time.monotonic()
+    rollout_task = asyncio.wrap_future(rollout_ref.future())
+    # The Rollouter is killed at shutdown; its run() then ends with ActorDiedError, expected.
+    rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())
     with open(run_dir / "metrics.jsonl", "a") as out:
         for _ in range(steps):
             step_task = asyncio.ensure_future(trainer.train_step())
-            rollout_task = asyncio.wrap_future(rollout_ref.future())
             done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
             if step_task not in done:
                 step_task.cancel()
