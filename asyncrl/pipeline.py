@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import json
 import os
@@ -100,6 +101,10 @@ class RolloutWorker:
         self.version = version
         if self.rollouter is not None:
             await self.rollouter.on_sync(version)
+
+    def feed_state(self) -> dict:
+        """The feed position, for the Trainer's checkpoint (``rollouter_state`` slot)."""
+        return dataclasses.asdict(self.state)
 
     def progress(self) -> dict:
         r = self.rollouter
@@ -189,7 +194,7 @@ async def _run(args: argparse.Namespace) -> int:
 
         coordinator = WeightSyncCoordinator(ranks.workers, engines, WeightSyncConfig())
         trainer = Trainer(cfg, ranks, consumer, NotifyingSyncer(coordinator, rollouter),
-                          rollouter_state=lambda: {})
+                          rollouter_state=lambda: rollouter.feed_state.remote())
         await _train(trainer, args.steps, run_dir, rollout_ref)
         return 0
     finally:

@@ -59,4 +59,8 @@ def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
     assert all(r["groups"] == 3 for r in rows)
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
     assert "step   4/4" in out and "mean reward" in out
-    assert any((run_dir / "checkpoints").iterdir())
+    ckpts = sorted((run_dir / "checkpoints").iterdir())
+    assert ckpts
+    sidecars = [json.loads(p.read_text()) for p in (run_dir / "checkpoints").rglob("*.json")]
+    feed = [s["rollouter_state"] for s in sidecars if s.get("rollouter_state")]
+    assert feed and all(f["next_index"] >= 12 for f in feed), sidecars
