@@ -221,3 +221,31 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         (s.name, buf[s.offset : s.offset + s.nbytes].view(dtype_from_name(s.dtype)).view(s.shape))
         for s in bucket.slots
     ]
+
+
+class BufferPair:
+    """The two alternating bucket buffers of one side of a sync, kept between syncs.
+
+    Fresh host memory costs a page fault per page on first touch (on the wire that halves
+    loopback throughput), so the buffers live as long as their owner unless `release`d.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._bufs: list[torch.Tensor] = []
+
+    def get(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Buffer ``slot`` (0 or 1), at least ``nbytes`` long (grown when needed)."""
+        while len(self._bufs) <= slot:
+            self._bufs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._bufs[slot].numel() < nbytes:
+            self._bufs[slot] = torch.empty(0, dtype=torch.uint8, device=self.device)  # free before growing
+            self._bufs[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._bufs[slot]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs)
+
+    def release(self) -> None:
+        self._bufs = []

@@ -53,8 +53,9 @@ class WeightSyncer(Protocol):
 class WeightSyncConfig:
     """Settings of the weight sync."""
 
-    bucket_mb: float = 64.0
-    """Size of one packed bucket in MiB (a larger tensor travels alone in its own bucket)."""
+    bucket_mb: float = 16.0
+    """Size of one packed bucket in MiB (a larger tensor travels alone, from its own memory).
+    16 beat 64 on the 2-core CPU bench (less copying in flight, better overlap)."""
     backend: str = "auto"
     """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is available)."""
     master_addr: str = "127.0.0.1"

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from asyncrl.sync.buckets import BucketLayout, unpack
+from asyncrl.sync.buckets import BucketLayout, BufferPair, unpack
 from asyncrl.sync.group import SyncGroupConfig, WeightSyncGroup
 from asyncrl.sync.sender import HEADER_LEN, MAGIC, WeightSyncError
 
@@ -41,6 +41,7 @@ class WeightReceiver:
         self._group = WeightSyncGroup(self.group_config, rank=rank_offset)
         self._layout: BucketLayout | None = None
         self._plan: dict | None = None
+        self._bufs = BufferPair(self._group.device)
         self.incomplete = False
         """True from the first loaded bucket of a sync until its ``finish_weight_update``."""
         self.stats = {"syncs": 0, "meta_received": 0, "bytes_received": 0, "last_receive_s": 0.0}
@@ -84,19 +85,25 @@ class WeightReceiver:
         if num_buckets != len(layout.buckets):
             raise WeightSyncError(f"rank {self.rank}: header says {num_buckets} buckets, layout has {len(layout.buckets)}")
 
-        bufs = [torch.empty(layout.max_bucket_bytes, dtype=torch.uint8, device=group.device) for _ in range(min(2, num_buckets))]
+        bufs = [self._bufs.get(slot, layout.max_bucket_bytes) for slot in range(min(2, num_buckets))]
         works = {}
         if num_buckets:
             works[0] = group.broadcast(bufs[0][: layout.buckets[0].nbytes])
         self.incomplete = True
+        wire = load = 0.0
         for i, bucket in enumerate(layout.buckets):
+            t = time.perf_counter()
             await self._wait(works.pop(i), f"receiving bucket {i} of {num_buckets}")
+            wire += time.perf_counter() - t
             if i + 1 < num_buckets:
                 # post the next receive before loading this bucket, so the wire never idles
                 nxt = layout.buckets[i + 1]
                 works[i + 1] = group.broadcast(bufs[(i + 1) % 2][: nxt.nbytes])
+            t = time.perf_counter()
             await self.engine.load_weights(self._named(bucket, bufs[i % 2]))
+            load += time.perf_counter() - t
         await self.engine.finish_weight_update(version)
+        self.stats.update(wire_wait_s=wire, load_s=load)
         self.incomplete = False
         return {"version": version, "buckets": num_buckets, "bytes": layout.total_bytes, "meta": bool(meta_nbytes)}
 
@@ -149,5 +156,6 @@ class WeightReceiver:
             raise WeightSyncError(f"rank {self.rank}: {what} failed: {exc}") from exc
 
     def close(self) -> None:
-        """Leave the group; safe to call twice."""
+        """Leave the group and free the buffers; safe to call twice."""
         self._group.close()
+        self._bufs.release()

@@ -12,8 +12,11 @@ Wire protocol on the group, per sync (all from rank 0):
 3. one packed uint8 tensor per bucket.
 
 Two bucket buffers alternate: bucket ``i + 1`` is gathered and packed while bucket ``i``
-is on the wire. So rank 0's extra memory is two buffers of ``max(bucket_mb, largest
-tensor)`` plus one bucket of gathered full tensors (none for an unsharded model).
+is on the wire. A bucket holding a single tensor (one at least as large as ``bucket_mb``)
+is byte-identical to that tensor, so it is sent from the tensor's own memory, unpacked.
+Rank 0's extra memory is at most two buffers of ``bucket_mb`` (kept between syncs unless
+``keep_buffers=False``) plus two buckets of gathered full tensors in flight (none for an
+unsharded model).
 
 If the broadcast fails (a receiver died), rank 0 aborts the group, so the other receivers
 fail fast instead of waiting out the timeout, but keeps gathering to the end so the other
@@ -29,7 +32,7 @@ from dataclasses import asdict
 
 import torch
 
-from asyncrl.sync.buckets import BucketLayout, model_param_metas, pack, plan_buckets
+from asyncrl.sync.buckets import BucketLayout, BufferPair, model_param_metas, pack, plan_buckets
 from asyncrl.sync.group import SyncGroupConfig, WeightSyncGroup
 
 MAGIC = 0x57535943  # "WSYC"
@@ -50,12 +53,16 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 class WeightSender:
     """Send a model's parameters to every engine of the weight-sync group (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, *, rank: int, bucket_mb: float = 64.0, **group) -> None:
+    def __init__(self, model: torch.nn.Module, *, rank: int, bucket_mb: float = 64.0, keep_buffers: bool = True,
+                 **group) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.model = model
         self.rank = rank
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self.keep_buffers = keep_buffers
+        """Keep the two bucket buffers between syncs (no page faults next time; 2 buckets stay resident)."""
+        self._bufs: BufferPair | None = None
         self.group_config = SyncGroupConfig(**group)
         self._group: WeightSyncGroup | None = None
         self._join_thread: threading.Thread | None = None
@@ -124,40 +131,38 @@ class WeightSender:
             except Exception as exc:  # noqa: BLE001 - keep gathering, raise at the end
                 failure = exc
                 group.close()
-        bufs: list[torch.Tensor] = []
-        pending: list = [None, None]
+        bufs = self._buffers(group)
+        inflight: list[tuple | None] = [None, None]  # per buffer slot: (work, tensors kept alive, their bytes)
         peak = 0
+        timing = {"gather_s": 0.0, "pack_s": 0.0, "wire_wait_s": 0.0}
         for i, bucket in enumerate(layout.buckets):
+            t = time.perf_counter()
             tensors = [_full(params[s.name]) for s in bucket.slots]
+            timing["gather_s"] += time.perf_counter() - t
             if group is None or failure is not None:
                 continue
-            # full tensors gathered from shards are new memory; a local parameter is packed in place
+            # full tensors gathered from shards are new memory; a local parameter costs nothing
             gathered = sum(t.nbytes for s, t in zip(bucket.slots, tensors) if hasattr(params[s.name], "full_tensor"))
             try:
                 slot = i % 2
-                if pending[slot] is not None:
-                    pending[slot].wait()
-                    pending[slot] = None
-                if len(bufs) <= slot:
-                    bufs.append(torch.empty(layout.max_bucket_bytes, dtype=torch.uint8, device=group.device))
-                peak = max(peak, sum(b.nbytes for b in bufs) + gathered)
-                packed = pack(bucket, tensors, bufs[slot])
-                if packed.is_cuda:
-                    torch.cuda.current_stream().synchronize()
-                pending[slot] = group.broadcast(packed)
+                self._drain(inflight, slot, timing)
+                payload, keep = self._payload(bucket, tensors, lambda: bufs.get(slot, layout.max_bucket_bytes), timing)
+                inflight[slot] = (group.broadcast(payload), keep, gathered if keep else 0)
+                peak = max(peak, bufs.nbytes + gathered + sum(x[2] for x in inflight if x))
             except Exception as exc:  # noqa: BLE001 - keep gathering, raise at the end
                 failure = exc
                 group.close()
             del tensors
         if group is not None and failure is None:
             try:
-                for work in pending:
-                    if work is not None:
-                        work.wait()
+                self._drain(inflight, 0, timing)
+                self._drain(inflight, 1, timing)
             except Exception as exc:  # noqa: BLE001
                 failure = exc
                 group.close()
-        del bufs, pending
+        del inflight
+        if not self.keep_buffers and bufs is not None:
+            bufs.release()
         if failure is not None:
             self._sent_fingerprint = None
             raise WeightSyncError(f"broadcast of weights version {version} failed: {failure}") from failure
@@ -166,7 +171,34 @@ class WeightSender:
         self.stats["bytes_sent"] += layout.total_bytes if self.rank == 0 else 0
         self.stats["peak_extra_bytes"] = max(self.stats["peak_extra_bytes"], peak)
         self.stats["last_send_s"] = elapsed
+        self.stats.update(timing)
         return {**self.stats, "version": version, "buckets": len(layout.buckets), "bytes": layout.total_bytes}
+
+    @staticmethod
+    def _drain(inflight: list, slot: int, timing: dict) -> None:
+        t = time.perf_counter()
+        if inflight[slot] is not None:
+            inflight[slot][0].wait()
+            inflight[slot] = None
+        timing["wire_wait_s"] += time.perf_counter() - t
+
+    @staticmethod
+    def _payload(bucket, tensors: list[torch.Tensor], buffer, timing: dict):
+        """(uint8 tensor to broadcast, tensors to keep alive until it is sent)."""
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            # a bucket of one tensor is byte-identical to the tensor: send it from its own memory
+            return tensors[0].reshape(-1).view(torch.uint8), tensors
+        t = time.perf_counter()
+        packed = pack(bucket, tensors, buffer())
+        timing["pack_s"] += time.perf_counter() - t
+        return packed, None
+
+    def _buffers(self, group: WeightSyncGroup | None) -> BufferPair | None:
+        if group is None:
+            return None
+        if self._bufs is None or self._bufs.device != group.device:
+            self._bufs = BufferPair(group.device)
+        return self._bufs
 
     def _send_header(self, group: WeightSyncGroup, layout: BucketLayout, version: int) -> None:
         meta = b""
@@ -188,6 +220,8 @@ class WeightSender:
         if self._group is not None:
             self._group.close()
             self._group = None
+        if self._bufs is not None:
+            self._bufs.release()
 
     def describe(self) -> dict:
         """Plain-value summary (for logs): group settings and bucket size."""

@@ -1,0 +1,193 @@
+"""Benchmark the weight sync against a raw gloo broadcast of the same bytes to the same processes.
+
+Setup, per model size: 1 trainer rank (`TrainerWorker`, the model sharded with FSDP2 on a
+1-rank gloo world, so every bucket goes through ``full_tensor()``), 2 engine processes
+(`EngineActor` + `TorchEngine`, a Qwen2 config widened to about 50 MB and 500 MB of fp32
+parameters), one `WeightSyncCoordinator`. Every figure is the median of ``--reps`` runs:
+
+- ``sync``: `WeightSyncCoordinator.sync()` end to end (pause keep, broadcast, load, resume);
+- ``broadcast``: its transfer step alone (trainer gather + pack + broadcast, engines receive
+  + ``load_weights`` + finish), as the coordinator times it;
+- ``raw``: one ``broadcast`` of a flat uint8 buffer of the same byte count on the same group
+  from the same trainer process to the same engine processes, buffers allocated beforehand
+  (the limit of this machine's loopback gloo).
+
+``peak_extra_mb_rank0`` is the peak RSS growth of the trainer process during a send
+(sampled every millisecond; the first sync allocates the two bucket buffers, which are
+then kept), next to the sender's own count of sync buffers + gathered tensors in flight.
+Run: ``python scripts/bench_sync.py [--json] [--sizes-mb 50 500] [--bucket-mb 16] [--reps 3]``.
+With ``--json`` the last line is the 500 MB case (the largest size run):
+``{"sync_gb_s", "raw_gb_s", "vs_raw", "pause_resume_ms", "peak_extra_mb_rank0"}``,
+``vs_raw`` = sync_gb_s / raw_gb_s (full sync, pause and resume included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[50.0, 500.0], help="model sizes (fp32 MB)")
+    p.add_argument("--bucket-mb", type=float, default=None, help="WeightSyncConfig.bucket_mb (default: its default)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median reported)")
+    p.add_argument("--json", action="store_true", help="print the JSON summary of the largest size last")
+    return p.parse_args(argv)
+
+
+def model_overrides(size_mb: float) -> dict:
+    """A Qwen2 shape of about ``size_mb`` MB of fp32 parameters (hidden 1024, whole layers)."""
+    h, inter = 1024, 3072
+    per_layer = 4 * (2 * h * h + 2 * h * (h // 4) + 3 * h * inter + 2 * h) + 4 * (h + 2 * (h // 4))  # bytes
+    layers = max(1, round(size_mb * 1e6 / per_layer))
+    return dict(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=16,
+                num_key_value_heads=4, max_position_embeddings=256)
+
+
+# -- functions run inside the actors (via __ray_call__) ---------------------------------------
+
+
+def _start_rss_sampler(self):
+    import threading
+
+    import psutil
+
+    proc = psutil.Process()
+    self._rss_base = proc.memory_info().rss
+    self._rss_peak = self._rss_base
+    self._rss_stop = threading.Event()
+
+    def sample():
+        while not self._rss_stop.wait(0.001):
+            self._rss_peak = max(self._rss_peak, proc.memory_info().rss)
+
+    self._rss_thread = threading.Thread(target=sample, daemon=True)
+    self._rss_thread.start()
+
+
+def _stop_rss_sampler(self):
+    self._rss_stop.set()
+    self._rss_thread.join(5)
+    return {"rss_extra": self._rss_peak - self._rss_base, "tracked": self._sender.stats["peak_extra_bytes"]}
+
+
+def _raw_prep(self, nbytes: int, root: bool):
+    import torch
+
+    self._raw = torch.ones(nbytes, dtype=torch.uint8) if root else torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def _raw_go(self, root: bool):
+    group = self._sender._wait_joined() if root else self._receiver._group
+    group.broadcast(self._raw).wait()
+    ok = bool(self._raw[-1] == 1)
+    del self._raw
+    return ok
+
+
+# -- the benchmark --------------------------------------------------------------------------
+
+
+async def bench_size(size_mb: float, args, tmp: Path) -> dict:
+    import ray
+
+    from asyncrl.models.tiny import build_tiny_model
+    from asyncrl.rollouter.actor import remote_engine_actor
+    from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
+    from asyncrl.trainer.config import TrainerConfig, WorkerConfig
+    from asyncrl.trainer.ranks import RankGroup
+
+    path = build_tiny_model(tmp / f"m{int(size_mb)}", seed=0, **model_overrides(size_mb))
+    trainer = RankGroup.start_ray(TrainerConfig(worker=WorkerConfig(model_path=str(path), device="cpu"),
+                                                world_size=1, cpus_per_rank=0.5))
+    cls = remote_engine_actor(num_cpus=0.5)
+    engines = [cls.remote(kind="torch", model_path=str(path), eos_token_ids=(), num_threads=1) for _ in range(2)]
+    try:
+        await asyncio.gather(*[h.ready.remote() for h in engines])
+        cfg = WeightSyncConfig() if args.bucket_mb is None else WeightSyncConfig(bucket_mb=args.bucket_mb)
+        coord = WeightSyncCoordinator(trainer.workers, engines, cfg)
+        rank0 = trainer.workers[0]
+        # the first sync forms the group, sends the metadata and allocates the sync buffers:
+        # its RSS growth on rank 0 is the peak extra memory of a send
+        await rank0.__ray_call__.remote(_start_rss_sampler)
+        await coord.sync()
+        first = await rank0.__ray_call__.remote(_stop_rss_sampler)
+        nbytes = (await rank0.__ray_call__.remote(lambda self: self._sender.layout().total_bytes))
+        raw, sync, transfer, pause_resume = [], [], [], []
+        rss, tracked = [first["rss_extra"]], [first["tracked"]]
+        for _ in range(args.reps):
+            await asyncio.gather(rank0.__ray_call__.remote(_raw_prep, nbytes, True),
+                                 *[h.__ray_call__.remote(_raw_prep, nbytes, False) for h in engines])
+            t0 = time.perf_counter()
+            oks = await asyncio.gather(rank0.__ray_call__.remote(_raw_go, True),
+                                       *[h.__ray_call__.remote(_raw_go, False) for h in engines])
+            raw.append(time.perf_counter() - t0)
+            assert all(oks), "raw broadcast did not deliver"
+
+            await rank0.__ray_call__.remote(_start_rss_sampler)
+            await coord.sync()
+            mem = await rank0.__ray_call__.remote(_stop_rss_sampler)
+            sync.append(coord.last.total_s)
+            transfer.append(coord.last.transfer_s)
+            pause_resume.append(coord.last.pause_s + coord.last.resume_s)
+            rss.append(mem["rss_extra"])
+            tracked.append(mem["tracked"])
+        gb = nbytes / 1e9
+        med = statistics.median
+        return {
+            "size_mb": round(nbytes / 1e6, 1),
+            "bucket_mb": cfg.bucket_mb,
+            "raw_s": med(raw), "sync_s": med(sync), "broadcast_s": med(transfer),
+            "raw_gb_s": gb / med(raw), "sync_gb_s": gb / med(sync), "broadcast_gb_s": gb / med(transfer),
+            "vs_raw": med(raw) / med(sync), "broadcast_vs_raw": med(raw) / med(transfer),
+            "pause_resume_ms": 1000 * med(pause_resume),
+            "peak_extra_mb_rank0": max(rss) / 1e6, "tracked_extra_mb_rank0": max(tracked) / 1e6,
+        }
+    finally:
+        for h in engines:
+            ray.kill(h)
+        trainer.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import os
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for size in args.sizes_mb:
+                row = asyncio.run(bench_size(size, args, Path(tmp)))
+                rows.append(row)
+                print(
+                    f"{row['size_mb']:7.1f} MB fp32, bucket {row['bucket_mb']:g} MB | raw {row['raw_gb_s']:.2f} GB/s "
+                    f"({row['raw_s'] * 1e3:.0f} ms) | broadcast+load {row['broadcast_gb_s']:.2f} GB/s "
+                    f"({row['broadcast_s'] * 1e3:.0f} ms, x{row['broadcast_vs_raw']:.2f} raw) | full sync "
+                    f"{row['sync_gb_s']:.2f} GB/s ({row['sync_s'] * 1e3:.0f} ms, x{row['vs_raw']:.2f} raw) | "
+                    f"pause+resume {row['pause_resume_ms']:.1f} ms | rank0 peak extra RSS "
+                    f"{row['peak_extra_mb_rank0']:.0f} MB (sync buffers {row['tracked_extra_mb_rank0']:.0f} MB)",
+                    flush=True,
+                )
+    finally:
+        ray.shutdown()
+    if args.json:
+        last = rows[-1]
+        print(json.dumps({k: round(last[k], 3) for k in
+                          ("sync_gb_s", "raw_gb_s", "vs_raw", "pause_resume_ms", "peak_extra_mb_rank0")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
