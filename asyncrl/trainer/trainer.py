@@ -191,7 +191,8 @@ class Trainer:
 
     async def _train_minibatch(self, batch) -> dict[str, float]:
         mode = self.cfg.worker.algorithm.loss_agg_mode
-        denom = float(batch["response_mask"].sum()) if mode == "token-mean" else float(batch.batch_size[0])
+        # A mini-batch of empty responses has no tokens: its loss is 0, not 0/0.
+        denom = max(1.0, float(batch["response_mask"].sum()) if mode == "token-mean" else float(batch.batch_size[0]))
         shards = [(shard_rows(batch, self.ranks.world_size, r), denom) for r in range(self.ranks.world_size)]
         per_rank = await self.ranks.call("train_minibatch", shards, timeout=self.cfg.step_timeout_s)
         out = dict(per_rank[0])  # grad_norm and lr are global: every rank reports the same value
