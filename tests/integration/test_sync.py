@@ -55,8 +55,9 @@ def trainer(ray_cluster, model_path):
     group.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def engines(ray_cluster, model_path):
+    # shared by the tests of this module, in file order; the last one kills engines[1]
     cls = remote_engine_actor(num_cpus=0.5)
     handles = [cls.remote(kind="torch", model_path=str(model_path), max_running=8, eos_token_ids=(), num_threads=1)
                for _ in range(2)]
@@ -119,27 +120,75 @@ async def test_three_syncs_land_bitwise_and_metadata_goes_once(trainer, engines)
     assert coord.last.attempts == 1 and coord.last.failed == {}
 
 
+async def _coordinator(trainer, engines, cfg=CFG):
+    versions = {await h.version.remote() for h in engines}
+    assert len(versions) == 1
+    return WeightSyncCoordinator(trainer.workers, engines, cfg, version=versions.pop())
+
+
 async def test_sync_with_requests_in_flight_freezes_and_continues_on_new_version(trainer, engines):
-    coord = WeightSyncCoordinator(trainer.workers, engines, CFG)
-    await coord.sync()  # version 1, so the group is up before requests start
+    coord = await _coordinator(trainer, engines)
+    v1 = await coord.sync()  # the group is up before requests start
     rng = np.random.default_rng(0)
-    reqs = [GenerateRequest(f"r{i}", rng.integers(3, 40, size=6), max_tokens=120,
+    reqs = [GenerateRequest(f"r{i}", rng.integers(3, 40, size=6), max_tokens=240,
                             sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(4)]
     refs = [engines[i % 2].generate.remote(r) for i, r in enumerate(reqs)]
-    for i, r in enumerate(reqs):
-        assert await engines[i % 2].wait_for_tokens.remote(r.request_id, 3) >= 3
+    watched = reqs[:2]  # the first request of each engine
+    for h, r in zip(engines, watched):
+        # pause as soon as it is mid-flight, so it cannot finish before the sync (the
+        # coordinator's own pause then finds the engine already frozen, which keep allows)
+        assert await h.wait_for_tokens.remote(r.request_id, 3) >= 3
+        await h.pause.remote("keep", False)
     await trainer.call("__ray_call__", [(_perturb, 7), (_perturb, 7)], timeout=60)
-    assert await coord.sync() == 2
+    v2 = await coord.sync()
+    assert v2 == v1 + 1
     results = await asyncio.wait_for(asyncio.gather(*refs), 120)
     for r in results:
-        assert len(r.response_ids) == 120 and r.finish_reason == "length"
+        assert len(r.response_ids) == 240 and r.finish_reason == "length"
         v = r.versions.tolist()
-        assert v == sorted(v) and set(v) == {1, 2}, f"{r.request_id}: versions {v}"
-        assert v.count(1) >= 3
+        # frozen at pause: a run of old-version tokens, then only new-version tokens
+        assert v == sorted(v) and set(v) <= {v1, v2} and v[-1] == v2, f"{r.request_id}: versions {v}"
+        if r.request_id in {w.request_id for w in watched}:
+            assert v.count(v1) >= 3
     for h in engines:
         stats = await h.stats.remote()
         assert stats["reprefill_tokens"] == 0
-        assert stats["version"] == 2
+        assert stats["version"] == v2
+    await _assert_equal(trainer, engines)
+
+
+class _HangingPause:
+    """Engine handle proxy whose pause never returns (a wedged engine)."""
+
+    def __init__(self, handle):
+        self._h = handle
+        self.pause = self
+
+    def remote(self, *args):
+        return asyncio.sleep(3600)
+
+    def __getattr__(self, name):
+        return getattr(self._h, name)
+
+
+async def test_a_wedged_engine_is_named_with_the_setting_and_the_other_still_syncs(trainer, engines):
+    cfg = WeightSyncConfig(**{**CFG.__dict__, "pause_timeout_s": 2.0})
+    coord = await _coordinator(trainer, engines, cfg)
+    start = coord.version
+    coord.engines["engine[1]"] = _HangingPause(engines[1])
+    await trainer.call("__ray_call__", [(_perturb, 5), (_perturb, 5)], timeout=60)
+    with pytest.raises(WeightSyncError, match=r"engine\[1\] \(engine\[1\]: pause did not finish within "
+                                              r"WeightSyncConfig.pause_timeout_s=2.0s\); resumed on version "
+                                              + str(start + 1) + r": engine\[0\]"):
+        await coord.sync()
+    assert list(coord.engines) == ["engine[0]", "engine[1]"] and not coord.dead  # wedged, not dead
+    assert await engines[0].version.remote() == start + 1
+    assert await engines[1].version.remote() == start  # never paused, so never loaded: old weights whole
+    await _assert_equal(trainer, engines[:1])
+    # the engine recovers: the next sync re-forms the group with both and both land
+    coord.engines["engine[1]"] = engines[1]
+    assert await coord.sync() == start + 2
+    await _assert_equal(trainer, engines)
 
 
 def _running(pid: int) -> bool:
@@ -171,22 +220,25 @@ class _KillAfterPause:
 
 
 async def test_engine_killed_during_sync_is_named_and_the_other_serves_new_version(trainer, engines):
-    coord = WeightSyncCoordinator(trainer.workers, {"engine-a": engines[0], "engine-b": engines[1]}, CFG)
-    assert await coord.sync() == 1  # the group is formed; now lose a member of it
+    start = await engines[0].version.remote()
+    coord = WeightSyncCoordinator(trainer.workers, {"engine-a": engines[0], "engine-b": engines[1]}, CFG,
+                                  version=start)
+    assert await coord.sync() == start + 1  # the group is formed; now lose a member of it
     pid = await engines[1].__ray_call__.remote(lambda self: os.getpid())
     proxy = _KillAfterPause(engines[1], pid)
     coord.engines["engine-b"] = proxy
     await trainer.call("__ray_call__", [(_perturb, 11), (_perturb, 11)], timeout=60)
-    with pytest.raises(WeightSyncError, match=r"version 2 failed for engine-b .*resumed on version 2: engine-a"):
+    v = start + 2
+    with pytest.raises(WeightSyncError, match=rf"version {v} failed for engine-b .*resumed on version {v}: engine-a"):
         await asyncio.wait_for(coord.sync(), CFG.pause_timeout_s + 2 * CFG.transfer_timeout_s)
     assert proxy.killed and not _running(pid)
     assert list(coord.engines) == ["engine-a"] and "engine-b" in coord.dead
-    assert coord.version == 2 and coord.last.attempts == 2
+    assert coord.version == v and coord.last.attempts == 2
     # the survivor holds the full new set and serves it
     await _assert_equal(trainer, engines[:1])
     res = await engines[0].generate.remote(GenerateRequest("after", np.array([5, 6, 7]), max_tokens=4))
-    assert res.versions.tolist() == [2, 2, 2, 2]
+    assert res.versions.tolist() == [v] * 4
     # nothing hangs: the trainer ranks still answer collectives, and a later sync reaches the survivor
     await trainer.call("__ray_call__", [(_perturb, 12), (_perturb, 12)], timeout=60)
-    assert await coord.sync() == 3
+    assert await coord.sync() == v + 1
     await _assert_equal(trainer, engines[:1])
