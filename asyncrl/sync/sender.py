@@ -53,7 +53,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 class WeightSender:
     """Send a model's parameters to every engine of the weight-sync group (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, *, rank: int, bucket_mb: float = 64.0, keep_buffers: bool = True,
+    def __init__(self, model: torch.nn.Module, *, rank: int, bucket_mb: float = 16.0, keep_buffers: bool = True,
                  **group) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
@@ -122,15 +122,17 @@ class WeightSender:
         """Broadcast every parameter as ``version``; all trainer ranks call it. Returns stats."""
         start = time.perf_counter()
         layout = self.layout()
-        group = self._wait_joined() if self.rank == 0 else None
         params = dict(self.model.named_parameters())
+        group: WeightSyncGroup | None = None
         failure: BaseException | None = None
-        if group is not None:
+        if self.rank == 0:
             try:
+                group = self._wait_joined()
                 self._send_header(group, layout, version)
-            except Exception as exc:  # noqa: BLE001 - keep gathering, raise at the end
+            except Exception as exc:  # noqa: BLE001 - keep gathering (other ranks wait on us), raise at the end
                 failure = exc
-                group.close()
+                if group is not None:
+                    group.close()
         bufs = self._buffers(group)
         inflight: list[tuple | None] = [None, None]  # per buffer slot: (work, tensors kept alive, their bytes)
         peak = 0
