@@ -168,6 +168,7 @@ async def _run(args: argparse.Namespace) -> int:
         cfg = TrainerConfig(
             worker=WorkerConfig(
                 model_path=model_path, pad_token_id=tokenizer_pad, seed=args.seed, micro_batch_size=16,
+                engine_kind="vllm" if gpu else "torch",
                 algorithm=AlgorithmConfig(temperature=args.temperature),
                 optim=OptimConfig(lr=args.lr or (1e-5 if args.model else 2e-3), warmup_steps=0),
             ),

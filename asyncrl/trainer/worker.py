@@ -181,10 +181,21 @@ class TrainerWorker:
     # -- weight sync (the entry points asyncrl.sync drives) ----------------------------------
 
     def init_weight_sync(self, **kwargs):
-        from asyncrl.sync.sender import WeightSender
+        if self.cfg.engine_kind == "vllm":
+            # vLLM's workers join a group vLLM builds itself; its sender speaks that protocol.
+            from asyncrl.sync.vllm import VLLMWeightSender
 
-        self._sender = WeightSender(self.model, rank=self.rank, **kwargs)
+            self._sender = VLLMWeightSender.from_group_kwargs(self.model, rank=self.rank, **kwargs)
+        else:
+            from asyncrl.sync.sender import WeightSender
+
+            self._sender = WeightSender(self.model, rank=self.rank, **kwargs)
         return self._sender.connect()
+
+    def weight_update_kwargs(self, *, version: int) -> dict:
+        """Rank 0: per-sync metadata the engines' ``receive_weights`` needs ({} for the built-in sync)."""
+        get = getattr(self._sender, "weight_update_kwargs", None)
+        return get(version=version) if get is not None else {}
 
     def send_weights(self, **kwargs):
         # Every trainer rank calls it: gathering full tensors from FSDP shards is collective.
