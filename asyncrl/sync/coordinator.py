@@ -101,6 +101,8 @@ class SyncReport:
     attempts: int = 0
     failed: dict[str, str] = field(default_factory=dict)
     """engine name -> why it failed."""
+    attempt_errors: list[dict[str, str]] = field(default_factory=list)
+    """Per transfer attempt: member (engine name, or ``trainer``) -> its error."""
 
 
 class WeightSyncCoordinator:
@@ -155,6 +157,7 @@ class WeightSyncCoordinator:
                 break
             report.attempts = attempt + 1
             landed, errors, trainer_error = await self._attempt(todo, target)
+            report.attempt_errors.append({**errors, **({"trainer": trainer_error} if trainer_error else {})})
             if not errors:
                 break
             # One member failing breaks the collective for all: drop the dead, re-send to the live.

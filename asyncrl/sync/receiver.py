@@ -86,22 +86,26 @@ class WeightReceiver:
             raise WeightSyncError(f"rank {self.rank}: header says {num_buckets} buckets, layout has {len(layout.buckets)}")
 
         bufs = [self._bufs.get(slot, layout.max_bucket_bytes) for slot in range(min(2, num_buckets))]
-        works = {}
-        if num_buckets:
-            works[0] = group.broadcast(bufs[0][: layout.buckets[0].nbytes])
-        self.incomplete = True
-        wire = load = 0.0
-        for i, bucket in enumerate(layout.buckets):
-            t = time.perf_counter()
-            await self._wait(works.pop(i), f"receiving bucket {i} of {num_buckets}")
-            wire += time.perf_counter() - t
-            if i + 1 < num_buckets:
-                # post the next receive before loading this bucket, so the wire never idles
-                nxt = layout.buckets[i + 1]
-                works[i + 1] = group.broadcast(bufs[(i + 1) % 2][: nxt.nbytes])
-            t = time.perf_counter()
-            await self.engine.load_weights(self._named(bucket, bufs[i % 2]))
-            load += time.perf_counter() - t
+        works: dict = {}
+        try:
+            if num_buckets:
+                works[0] = group.broadcast(bufs[0][: layout.buckets[0].nbytes])
+            self.incomplete = True
+            wire = load = 0.0
+            for i, bucket in enumerate(layout.buckets):
+                t = time.perf_counter()
+                await self._wait(works.pop(i), f"receiving bucket {i} of {num_buckets}")
+                wire += time.perf_counter() - t
+                if i + 1 < num_buckets:
+                    # post the next receive before loading this bucket, so the wire never idles
+                    nxt = layout.buckets[i + 1]
+                    works[i + 1] = group.broadcast(bufs[(i + 1) % 2][: nxt.nbytes])
+                t = time.perf_counter()
+                await self.engine.load_weights(self._named(bucket, bufs[i % 2]))
+                load += time.perf_counter() - t
+        finally:
+            # pending Works keep the backend group (and its sockets) alive past close()
+            works.clear()
         await self.engine.finish_weight_update(version)
         self.stats.update(wire_wait_s=wire, load_s=load)
         self.incomplete = False
@@ -140,7 +144,14 @@ class WeightReceiver:
         return [(target, t) for name, t in unpack(bucket, buf) for target in self._plan[name]]
 
     async def _wait(self, work, what: str) -> None:
-        await self._in_thread(work.wait, what)
+        # Hold the Work only in a box emptied on the way out: a traceback that kept it would
+        # keep the backend group, and with it the sockets that must close on failure, alive.
+        box = [work]
+        del work
+        try:
+            await self._in_thread(lambda: box[0].wait(), what)
+        finally:
+            box.clear()
 
     async def _in_thread(self, fn, what: str) -> None:
         # The collective itself times out after timeout_s (the group's deadline); the extra

@@ -50,6 +50,13 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def _abandon(group: WeightSyncGroup, inflight: list) -> None:
+    # Drop every pending Work first: they (and a traceback holding this list) keep the backend
+    # group alive, and only its destruction closes the sockets so the receivers fail fast.
+    inflight[:] = [None] * len(inflight)
+    group.close()
+
+
 class WeightSender:
     """Send a model's parameters to every engine of the weight-sync group (see module doc)."""
 
@@ -153,7 +160,7 @@ class WeightSender:
                 peak = max(peak, bufs.nbytes + gathered + sum(x[2] for x in inflight if x))
             except Exception as exc:  # noqa: BLE001 - keep gathering, raise at the end
                 failure = exc
-                group.close()
+                _abandon(group, inflight)
             del tensors
         if group is not None and failure is None:
             try:
@@ -161,7 +168,7 @@ class WeightSender:
                 self._drain(inflight, 1, timing)
             except Exception as exc:  # noqa: BLE001
                 failure = exc
-                group.close()
+                _abandon(group, inflight)
         del inflight
         if not self.keep_buffers and bufs is not None:
             bufs.release()

@@ -242,3 +242,43 @@ async def test_engine_killed_during_sync_is_named_and_the_other_serves_new_versi
     await trainer.call("__ray_call__", [(_perturb, 12), (_perturb, 12)], timeout=60)
     assert await coord.sync() == v + 1
     await _assert_equal(trainer, engines[:1])
+
+
+def _die_on_third_bucket(self):
+    # Inside the engine actor: the third bucket load kills this process (SIGKILL, no cleanup),
+    # so it dies mid-broadcast with two buckets of the new version already in its model.
+    load, calls = self.engine.load_weights, []
+
+    async def load_weights(named):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        await load(named)
+
+    self.engine.load_weights = load_weights
+    return os.getpid()
+
+
+async def test_engine_killed_mid_broadcast_leaves_the_survivor_with_a_whole_new_set(trainer, engines, model_path):
+    survivor = engines[0]
+    victim = remote_engine_actor(num_cpus=0.5).remote(kind="torch", model_path=str(model_path), eos_token_ids=(),
+                                                      num_threads=1)
+    await victim.ready.remote()
+    try:
+        coord = WeightSyncCoordinator(trainer.workers, {"survivor": survivor, "victim": victim}, CFG,
+                                      version=await survivor.version.remote())
+        v1 = await coord.sync()
+        pid = await victim.__ray_call__.remote(_die_on_third_bucket)
+        await trainer.call("__ray_call__", [(_perturb, 21), (_perturb, 21)], timeout=60)
+        with pytest.raises(WeightSyncError, match=rf"version {v1 + 1} failed for victim .*: survivor$"):
+            await coord.sync()
+        assert not _running(pid) and "victim" in coord.dead and coord.last.attempts == 2
+        # the survivor's first attempt broke off when the trainer dropped the group (peer
+        # closed), not by waiting out transfer_timeout_s
+        first = coord.last.attempt_errors[0]
+        assert "receiving bucket" in first["survivor"] and "Timed out" not in first["survivor"], first
+        assert coord.last.attempt_errors[1] == {}
+        assert await survivor.version.remote() == v1 + 1
+        await _assert_equal(trainer, [survivor])
+    finally:
+        ray.kill(victim)
