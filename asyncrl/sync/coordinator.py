@@ -126,6 +126,7 @@ class WeightSyncCoordinator:
         self._version = version
         self._members: tuple[str, ...] | None = None  # engines in the current group, in rank order
         self._epoch = 0
+        self._lock = asyncio.Lock()
         self.last = SyncReport(version=version)
 
     @property
@@ -137,38 +138,17 @@ class WeightSyncCoordinator:
 
     async def sync(self) -> int:
         """Pause keep -> broadcast -> load -> resume on every engine; return the new version."""
+        async with self._lock:  # one sync at a time: each one re-reads the trainer's weights
+            return await self._sync()
+
+    async def _sync(self) -> int:
         cfg, target, t0 = self.config, self._version + 1, time.perf_counter()
         report = SyncReport(version=target)
-        failed: dict[str, str] = {}
-        paused, errors = await self._each(
-            list(self.engines), lambda h: h.pause.remote("keep", False), cfg.pause_timeout_s, "pause_timeout_s", "pause"
-        )
-        failed.update(errors)
-        if errors:
-            _, dead = await self._ping(list(errors))
-            for name in dead:
-                self._drop(name, errors[name])
+        paused, failed = await self._pause_all()
         report.pause_s = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        landed, todo, trainer_error = [], paused, None
-        for attempt in range(1 + cfg.retries):
-            if not todo:
-                break
-            report.attempts = attempt + 1
-            landed, errors, trainer_error = await self._attempt(todo, target)
-            report.attempt_errors.append({**errors, **({"trainer": trainer_error} if trainer_error else {})})
-            if not errors:
-                break
-            # One member failing breaks the collective for all: drop the dead, re-send to the live.
-            alive, dead = await self._ping(todo)
-            for name in dead:
-                self._drop(name, errors.get(name, "died during the sync"))
-            failed.update({n: self.dead[n] for n in dead})
-            failed.update({n: why for n, why in errors.items() if n in alive})
-            todo = alive
-        for name in landed:
-            failed.pop(name, None)
+        landed, trainer_error = await self._transfer(paused, target, failed, report)
         report.transfer_s = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -192,6 +172,39 @@ class WeightSyncCoordinator:
                 f"resumed on version {self._version}: {served}"
             )
         return target
+
+    async def _pause_all(self) -> tuple[list[str], dict[str, str]]:
+        """``pause(keep)`` every engine: (paused names, failures); dead engines are dropped."""
+        paused, errors = await self._each(list(self.engines), lambda h: h.pause.remote("keep", False),
+                                          self.config.pause_timeout_s, "pause_timeout_s", "pause")
+        if errors:
+            _, dead = await self._ping(list(errors))
+            for name in dead:
+                self._drop(name, errors[name])
+        return paused, dict(errors)
+
+    async def _transfer(self, names: list[str], target: int, failed: dict[str, str],
+                        report: SyncReport) -> tuple[list[str], str | None]:
+        """Broadcast + load, re-sending to the live engines after a failure: (landed, trainer error)."""
+        landed, todo, trainer_error = [], names, None
+        for attempt in range(1 + self.config.retries):
+            if not todo:
+                break
+            report.attempts = attempt + 1
+            landed, errors, trainer_error = await self._attempt(todo, target)
+            report.attempt_errors.append({**errors, **({"trainer": trainer_error} if trainer_error else {})})
+            if not errors:
+                break
+            # One member failing breaks the collective for all: drop the dead, re-send to the live.
+            alive, dead = await self._ping(todo)
+            for name in dead:
+                self._drop(name, errors.get(name, "died during the sync"))
+            failed.update({n: self.dead[n] for n in dead})
+            failed.update({n: why for n, why in errors.items() if n in alive})
+            todo = alive
+        for name in landed:
+            failed.pop(name, None)
+        return landed, trainer_error
 
     async def _attempt(self, names: list[str], target: int) -> tuple[list[str], dict[str, str], str | None]:
         """Connect if the group is not exactly ``names``, then one transfer: (landed, errors, trainer error)."""
