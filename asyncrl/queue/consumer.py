@@ -28,16 +28,17 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import zmq
-import zmq.asyncio
 
 from asyncrl.queue import protocol as P
 from asyncrl.queue.codec import CodecError, unpack
 from asyncrl.queue.protocol import StreamConfig, StreamError
+from asyncrl.queue.transport import StreamSocket
 from asyncrl.types import Group
 
 log = logging.getLogger("asyncrl.queue")
 
 _CLOSE_FLUSH_S = 1.0  # how long close() spends getting the last acks out
+_ACK_COALESCE_S = 0.002  # longest an ack waits for others to share its credit message
 
 
 @dataclass
@@ -91,9 +92,10 @@ class StreamConsumer:
         self._dirty: set[bytes] = set()
         self._wake_reader = asyncio.Event()
         self._wake_writer = asyncio.Event()
+        self._urgent = False  # a credit message is due now (new peer, heartbeat), not after coalescing
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: StreamSocket | None = None
         self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -102,16 +104,11 @@ class StreamConsumer:
         """Bind the ROUTER and start the I/O loop; producers get credit as they say hello."""
         if self._sock is not None:
             raise StreamError("consumer already started")
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
-        sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what producers send, not the HWM
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock = StreamSocket(zmq.ROUTER, max_frame_bytes=self.config.max_frame_bytes)
         try:
             sock.bind(self.config.endpoint)
         except zmq.ZMQError as e:
-            sock.close(0)
+            await sock.close()
             raise StreamError(f"cannot bind StreamConfig.endpoint={self.config.endpoint!r}: {e}") from e
         self._sock = sock
         for coro in (self._read_loop(), self._write_loop(), self._heartbeat_loop()):
@@ -125,6 +122,8 @@ class StreamConsumer:
 
         Groups not acked stay with their producers, which re-send them to the next consumer.
         """
+        if self._closed:
+            return
         self._closed = True
         for task in self._tasks:
             task.cancel()
@@ -133,10 +132,10 @@ class StreamConsumer:
         if self._sock is not None:
             if self._failure is None:
                 try:  # acks of committed steps should reach the producers, or they come back as duplicates
-                    await asyncio.wait_for(self._flush(), _CLOSE_FLUSH_S)
-                except (asyncio.TimeoutError, zmq.ZMQError):
+                    self._flush()
+                except zmq.ZMQError:
                     log.warning("stream consumer closed before its last acks were sent")
-            self._sock.close(linger=int(_CLOSE_FLUSH_S * 1000))
+            await self._sock.close(linger_s=_CLOSE_FLUSH_S)
         self._wake_reader.set()
 
     async def __aenter__(self) -> StreamConsumer:
@@ -182,8 +181,9 @@ class StreamConsumer:
                     "unacked: ack the groups a committed step used, or raise window above what one step needs"
                 )
             try:
-                await asyncio.wait_for(self._wake_reader.wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):
+                    await self._wake_reader.wait()
+            except TimeoutError:
                 pass
         group = self._ready.popleft()
         self._delivered.add(group.sample_id)
@@ -232,14 +232,14 @@ class StreamConsumer:
     async def _read_loop(self) -> None:
         assert self._sock is not None
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                self._handle(frames)
-            except (P.ProtocolError, CodecError) as e:
-                self._reject(e)
-            except Exception as e:  # a message must never stop the stream; say loudly that it was odd
-                log.exception("unexpected error handling a message")
-                self._reject(e)
+            for frames in await self._sock.recv_burst():
+                try:
+                    self._handle(frames)
+                except (P.ProtocolError, CodecError) as e:
+                    self._reject(e)
+                except Exception as e:  # a message must never stop the stream; say loudly that it was odd
+                    log.exception("unexpected error handling a message")
+                    self._reject(e)
 
     def _reject(self, e: Exception) -> None:
         self.stats.malformed += 1
@@ -267,11 +267,13 @@ class StreamConsumer:
         if peer is None:
             peer = self._peers[peer_id] = _Peer(producer=producer)
             self._dirty.add(peer_id)
+            self._urgent = True
             self._wake_writer.set()
             log.info("producer %s connected", producer)
         elif peer.gone:
             peer.gone = False
             self._dirty.add(peer_id)
+            self._urgent = True
             self._wake_writer.set()
             log.info("producer %s is back", producer)
         peer.last_seen = time.monotonic()
@@ -312,12 +314,18 @@ class StreamConsumer:
         self._wake_reader.set()
 
     async def _write_loop(self) -> None:
+        batch = max(1, self.config.window // 4)
         while True:
             await self._wake_writer.wait()
+            if not self._urgent and not any(len(self._peers[p].acks) >= batch for p in self._dirty):
+                # Let a burst of acks share one credit message; the window leaves the producer
+                # plenty of credit meanwhile.
+                await asyncio.sleep(_ACK_COALESCE_S)
             self._wake_writer.clear()
-            await self._flush()
+            self._urgent = False
+            self._flush()
 
-    async def _flush(self) -> None:
+    def _flush(self) -> None:
         assert self._sock is not None
         dirty, self._dirty = self._dirty, set()
         for peer_id in dirty:
@@ -328,7 +336,7 @@ class StreamConsumer:
             msg = P.envelope(
                 P.CREDIT, {"session": self.session, "granted": peer.finished + self.config.window, "acks": acks}
             )
-            await self._sock.send_multipart([peer_id, msg])
+            self._sock.send([peer_id, msg])
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -343,6 +351,7 @@ class StreamConsumer:
                     )
                 if not peer.gone:
                     self._dirty.add(peer_id)
+            self._urgent = True
             self._wake_writer.set()
 
 

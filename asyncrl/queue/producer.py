@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import zmq
-import zmq.asyncio
 
 from asyncrl.queue import protocol as P
 from asyncrl.queue.codec import CodecError, pack
 from asyncrl.queue.protocol import StreamConfig, StreamError
+from asyncrl.queue.transport import StreamSocket
 from asyncrl.types import Group
 
 log = logging.getLogger("asyncrl.queue")
@@ -75,7 +75,7 @@ class StreamProducer:
         self._changed = asyncio.Event()  # replaced by a fresh one each time it is set (see _signal)
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: StreamSocket | None = None
         self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -84,15 +84,11 @@ class StreamProducer:
         """Connect and say hello; returns at once (credit arrives when the consumer is up)."""
         if self._sock is not None:
             raise StreamError("producer already started")
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, f"{self.producer_id}/{self.incarnation}".encode())
-        sock.setsockopt(zmq.SNDHWM, 0)  # credit bounds what is queued, not the HWM
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = StreamSocket(zmq.DEALER, routing_id=f"{self.producer_id}/{self.incarnation}".encode())
         sock.connect(self.config.endpoint)
         self._sock = sock
         self._last_heard = time.monotonic()
-        await self._ping()
+        self._ping()
         for coro in (self._read_loop(), self._heartbeat_loop()):
             task = asyncio.create_task(coro)
             task.add_done_callback(self._on_task_done)
@@ -101,18 +97,20 @@ class StreamProducer:
 
     async def close(self) -> None:
         """Say bye and close; ``unacked`` keeps what the consumer has not acked."""
+        if self._closed:
+            return
         self._closed = True
         if self._sock is not None and self._failure is None:
             try:
-                await asyncio.wait_for(self._sock.send_multipart([P.envelope(P.BYE, {})]), 1.0)
-            except (asyncio.TimeoutError, zmq.ZMQError):
+                self._sock.send([P.envelope(P.BYE, {})])
+            except zmq.ZMQError:
                 pass
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         if self._sock is not None:
-            self._sock.close(0)
+            await self._sock.close(linger_s=0.2)  # time for the bye; unacked groups are kept in any case
         self._signal()
 
     async def __aenter__(self) -> StreamProducer:
@@ -141,8 +139,9 @@ class StreamProducer:
             if left is not None and left <= 0:
                 return False
             try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+            except TimeoutError:
                 pass
         return True
 
@@ -184,9 +183,8 @@ class StreamProducer:
         self._raise_if_down()
         if group.sample_id in self._unacked:
             raise ValueError(f"group {group.sample_id} was already sent and is not acked yet")
-        # No await between the credit check and _send_one reserving it.
         self._unacked[group.sample_id] = (group, frames)
-        await self._send_one(group.sample_id, frames)
+        self._send_one(group.sample_id, frames)
 
     async def wait_acked(self, timeout: float) -> None:
         """Wait until every sent group is acked; `StreamTimeout` after ``timeout`` seconds."""
@@ -221,38 +219,36 @@ class StreamProducer:
     def _may_send(self) -> bool:
         return self._down() or (self.credit > 0 and not self._resend)
 
-    async def _send_one(self, sid: str, frames: list[Any]) -> None:
+    def _send_one(self, sid: str, frames: list[Any]) -> None:
         assert self._sock is not None and self._session is not None
         self._sent += 1
         self.stats.sent += 1
         head = P.envelope(P.GROUP, {"session": self._session, "sample_id": sid})
-        await self._sock.send_multipart([head, *frames], copy=False)
+        self._sock.send([head, *frames], copy=False)
 
-    async def _ping(self) -> None:
+    def _ping(self) -> None:
         assert self._sock is not None
-        await self._sock.send_multipart(
-            [P.envelope(P.PING, {"producer": self.producer_id, "incarnation": self.incarnation})]
-        )
+        self._sock.send([P.envelope(P.PING, {"producer": self.producer_id, "incarnation": self.incarnation})])
 
     async def _read_loop(self) -> None:
         assert self._sock is not None
         while True:
-            frames = await self._sock.recv_multipart()
-            try:
-                kind, fields = P.parse_envelope(frames[0])
-                if kind != P.CREDIT:
-                    raise P.ProtocolError(f"a producer does not accept {kind!r} messages")
-                session = P.field(fields, "session", str)
-                granted = P.field(fields, "granted", int)
-                acks = P.field(fields, "acks", list)
-            except P.ProtocolError as e:
-                self.stats.malformed += 1
-                log.warning("stream producer %s rejected a message: %s", self.producer_id, e)
-                continue
-            await self._on_credit(session, granted, acks)
+            for frames in await self._sock.recv_burst():
+                try:
+                    kind, fields = P.parse_envelope(frames[0])
+                    if kind != P.CREDIT:
+                        raise P.ProtocolError(f"a producer does not accept {kind!r} messages")
+                    session = P.field(fields, "session", str)
+                    granted = P.field(fields, "granted", int)
+                    acks = P.field(fields, "acks", list)
+                except P.ProtocolError as e:
+                    self.stats.malformed += 1
+                    log.warning("stream producer %s rejected a message: %s", self.producer_id, e)
+                    continue
+                self._on_credit(session, granted, acks)
             self._signal()
 
-    async def _on_credit(self, session: str, granted: int, acks: list[Any]) -> None:
+    def _on_credit(self, session: str, granted: int, acks: list[Any]) -> None:
         self._last_heard = time.monotonic()
         if not self._connected:
             self._connected = True
@@ -276,12 +272,12 @@ class StreamProducer:
             sid = self._resend.popleft()
             if sid in self._unacked:
                 self.stats.resent += 1
-                await self._send_one(sid, self._unacked[sid][1])
+                self._send_one(sid, self._unacked[sid][1])
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            await self._ping()
+            self._ping()
             silent = time.monotonic() - self._last_heard
             if self._connected and silent > self.config.peer_timeout_s:
                 self._connected = False

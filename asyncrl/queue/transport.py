@@ -1,0 +1,76 @@
+"""One ZeroMQ socket driven from an asyncio loop, tuned for the sample stream.
+
+Sends never block: the socket has no high-water mark, because credit (not the HWM) bounds
+what is queued, so a send is a plain non-blocking call with no future to schedule. Receives
+wait on the socket's file descriptor and then drain every waiting message (up to a burst)
+without awaiting, so a burst of messages costs one wake-up of the loop, not one per message.
+
+Each socket has its own ZeroMQ context (one I/O thread) so that ``close`` can wait for its
+last messages (acks, a bye) to leave before the process moves on or exits.
+
+ZeroMQ's descriptor is edge-triggered and any socket operation (a send included) may consume
+the edge, so after every send, and before every wait, ``ZMQ_EVENTS`` is read to learn whether
+messages are waiting (that read also re-arms the edge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq
+
+_BURST = 64  # most messages taken per wake-up, so one busy peer cannot starve the loop
+
+
+class StreamSocket:
+    """A ROUTER or DEALER socket owned by the running event loop; every method runs on that loop."""
+
+    def __init__(self, kind: int, *, routing_id: bytes | None = None, max_frame_bytes: int | None = None) -> None:
+        # An own context, so close() can wait for the last messages to leave (ctx.term).
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(kind)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        if routing_id is not None:
+            self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if max_frame_bytes is not None:
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self._loop = asyncio.get_running_loop()
+        self._readable = asyncio.Event()
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._readable.set)
+
+    def bind(self, endpoint: str) -> None:
+        self._sock.bind(endpoint)
+
+    def connect(self, endpoint: str) -> None:
+        self._sock.connect(endpoint)
+
+    def send(self, frames: list[Any], copy: bool = True) -> None:
+        """Queue a message; big frames given with ``copy=False`` are sent without a copy."""
+        self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._readable.set()  # the send may have taken the edge that announced them
+
+    async def recv_burst(self) -> list[list[Any]]:
+        """Wait for messages, then return every one waiting, up to a burst (as zmq Frames)."""
+        while True:
+            messages = []
+            while len(messages) < _BURST:
+                try:
+                    messages.append(self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    break
+            if messages:
+                return messages
+            self._readable.clear()
+            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                await self._readable.wait()
+
+    async def close(self, linger_s: float = 0.0) -> None:
+        """Close; queued messages get up to ``linger_s`` seconds to leave before they are dropped."""
+        self._loop.remove_reader(self._fd)
+        self._sock.close(linger=int(linger_s * 1000))
+        await self._loop.run_in_executor(None, self._ctx.term)
