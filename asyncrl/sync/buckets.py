@@ -223,8 +223,13 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-class BufferPair:
-    """The two alternating bucket buffers of one side of a sync, kept between syncs.
+NUM_BUFFERS = 2
+"""Bucket buffers in flight on each side: one on the wire while the next is packed / loaded
+(3 and 4 measured no better on the 2-core CPU bench, which is bound by memory copies)."""
+
+
+class BucketBuffers:
+    """The alternating bucket buffers of one side of a sync, kept between syncs.
 
     Fresh host memory costs a page fault per page on first touch (on the wire that halves
     loopback throughput), so the buffers live as long as their owner unless `release`d.
@@ -235,7 +240,7 @@ class BufferPair:
         self._bufs: list[torch.Tensor] = []
 
     def get(self, slot: int, nbytes: int) -> torch.Tensor:
-        """Buffer ``slot`` (0 or 1), at least ``nbytes`` long (grown when needed)."""
+        """Buffer ``slot`` (0 .. NUM_BUFFERS-1), at least ``nbytes`` long (grown when needed)."""
         while len(self._bufs) <= slot:
             self._bufs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         if self._bufs[slot].numel() < nbytes:

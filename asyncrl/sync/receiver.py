@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from asyncrl.sync.buckets import BucketLayout, BufferPair, unpack
+from asyncrl.sync.buckets import NUM_BUFFERS, BucketBuffers, BucketLayout, unpack
 from asyncrl.sync.group import SyncGroupConfig, WeightSyncGroup
 from asyncrl.sync.sender import HEADER_LEN, MAGIC, WeightSyncError
 
@@ -41,7 +41,7 @@ class WeightReceiver:
         self._group = WeightSyncGroup(self.group_config, rank=rank_offset)
         self._layout: BucketLayout | None = None
         self._plan: dict | None = None
-        self._bufs = BufferPair(self._group.device)
+        self._bufs = BucketBuffers(self._group.device)
         self.incomplete = False
         """True from the first loaded bucket of a sync until its ``finish_weight_update``."""
         self.stats = {"syncs": 0, "meta_received": 0, "bytes_received": 0, "last_receive_s": 0.0}
@@ -85,23 +85,24 @@ class WeightReceiver:
         if num_buckets != len(layout.buckets):
             raise WeightSyncError(f"rank {self.rank}: header says {num_buckets} buckets, layout has {len(layout.buckets)}")
 
-        bufs = [self._bufs.get(slot, layout.max_bucket_bytes) for slot in range(min(2, num_buckets))]
+        depth = min(NUM_BUFFERS, num_buckets)
+        bufs = [self._bufs.get(slot, layout.max_bucket_bytes) for slot in range(depth)]
         works: dict = {}
         try:
-            if num_buckets:
-                works[0] = group.broadcast(bufs[0][: layout.buckets[0].nbytes])
+            for k in range(max(1, depth - 1) if num_buckets else 0):
+                works[k] = group.broadcast(bufs[k][: layout.buckets[k].nbytes])
             self.incomplete = True
             wire = load = 0.0
             for i, bucket in enumerate(layout.buckets):
                 t = time.perf_counter()
                 await self._wait(works.pop(i), f"receiving bucket {i} of {num_buckets}")
                 wire += time.perf_counter() - t
-                if i + 1 < num_buckets:
-                    # post the next receive before loading this bucket, so the wire never idles
-                    nxt = layout.buckets[i + 1]
-                    works[i + 1] = group.broadcast(bufs[(i + 1) % 2][: nxt.nbytes])
+                ahead = i + depth - 1
+                if ahead > i and ahead < num_buckets:
+                    # keep receives posted ahead while this bucket loads, so the wire never idles
+                    works[ahead] = group.broadcast(bufs[ahead % depth][: layout.buckets[ahead].nbytes])
                 t = time.perf_counter()
-                await self.engine.load_weights(self._named(bucket, bufs[i % 2]))
+                await self.engine.load_weights(self._named(bucket, bufs[i % depth]))
                 load += time.perf_counter() - t
         finally:
             # pending Works keep the backend group (and its sockets) alive past close()

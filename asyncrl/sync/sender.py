@@ -32,7 +32,7 @@ from dataclasses import asdict
 
 import torch
 
-from asyncrl.sync.buckets import BucketLayout, BufferPair, model_param_metas, pack, plan_buckets
+from asyncrl.sync.buckets import NUM_BUFFERS, BucketBuffers, BucketLayout, model_param_metas, pack, plan_buckets
 from asyncrl.sync.group import SyncGroupConfig, WeightSyncGroup
 
 MAGIC = 0x57535943  # "WSYC"
@@ -69,7 +69,7 @@ class WeightSender:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.keep_buffers = keep_buffers
         """Keep the two bucket buffers between syncs (no page faults next time; 2 buckets stay resident)."""
-        self._bufs: BufferPair | None = None
+        self._bufs: BucketBuffers | None = None
         self.group_config = SyncGroupConfig(**group)
         self._group: WeightSyncGroup | None = None
         self._join_thread: threading.Thread | None = None
@@ -141,7 +141,7 @@ class WeightSender:
                 if group is not None:
                     group.close()
         bufs = self._buffers(group)
-        inflight: list[tuple | None] = [None, None]  # per buffer slot: (work, tensors kept alive, their bytes)
+        inflight: list[tuple | None] = [None] * NUM_BUFFERS  # per slot: (work, tensors kept alive, their bytes)
         peak = 0
         timing = {"gather_s": 0.0, "pack_s": 0.0, "wire_wait_s": 0.0}
         for i, bucket in enumerate(layout.buckets):
@@ -153,7 +153,7 @@ class WeightSender:
             # full tensors gathered from shards are new memory; a local parameter costs nothing
             gathered = sum(t.nbytes for s, t in zip(bucket.slots, tensors) if hasattr(params[s.name], "full_tensor"))
             try:
-                slot = i % 2
+                slot = i % NUM_BUFFERS
                 self._drain(inflight, slot, timing)
                 payload, keep = self._payload(bucket, tensors, lambda: bufs.get(slot, layout.max_bucket_bytes), timing)
                 inflight[slot] = (group.broadcast(payload), keep, gathered if keep else 0)
@@ -164,8 +164,8 @@ class WeightSender:
             del tensors
         if group is not None and failure is None:
             try:
-                self._drain(inflight, 0, timing)
-                self._drain(inflight, 1, timing)
+                for slot in range(NUM_BUFFERS):
+                    self._drain(inflight, slot, timing)
             except Exception as exc:  # noqa: BLE001
                 failure = exc
                 _abandon(group, inflight)
@@ -202,11 +202,11 @@ class WeightSender:
         timing["pack_s"] += time.perf_counter() - t
         return packed, None
 
-    def _buffers(self, group: WeightSyncGroup | None) -> BufferPair | None:
+    def _buffers(self, group: WeightSyncGroup | None) -> BucketBuffers | None:
         if group is None:
             return None
         if self._bufs is None or self._bufs.device != group.device:
-            self._bufs = BufferPair(group.device)
+            self._bufs = BucketBuffers(group.device)
         return self._bufs
 
     def _send_header(self, group: WeightSyncGroup, layout: BucketLayout, version: int) -> None:
