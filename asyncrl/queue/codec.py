@@ -97,15 +97,17 @@ def _torch_dtype(name: str):
 class _Encoder:
     """One `pack` call: collects raw frames while msgpack walks the value.
 
-    Arrays of at least ``own_frame_bytes`` get their own frame and are sent without a copy.
-    Smaller ones are copied into one shared pool frame at aligned offsets: ZeroMQ copies small
-    frames anyway, and one frame instead of dozens is what keeps per-message cost low.
+    An array of at least ``own_frame_bytes`` (contiguous, or made so) gets its own frame and is
+    sent without a copy. Smaller ones are copied into one shared pool frame at aligned offsets:
+    ZeroMQ copies small frames anyway, and one frame instead of dozens keeps the per-message
+    cost low. A group's token columns always go to the pool: gathering n responses into one
+    column is a copy either way, so it is made straight into the pool.
     """
 
     def __init__(self, own_frame_bytes: int) -> None:
         self.own_frame_bytes = own_frame_bytes
         self.own: list[Any] = []
-        self.pooled: list[tuple[int, Any]] = []
+        self.writers: list[tuple[int, int, Any]] = []  # (offset, nbytes, fill(region_u8))
         self.pool_nbytes = 0
         self._packers: list[msgpack.Packer] = []
         self._depth = 0
@@ -126,35 +128,52 @@ class _Encoder:
             self._depth -= 1
 
     def default(self, obj: Any) -> msgpack.ExtType:
+        # Most frequent first: a group's columns, groups, arrays.
+        if type(obj) is _Column:
+            return self._column(obj)
+        if isinstance(obj, Group):
+            return msgpack.ExtType(_EXT_GROUP, self.packb(_group_columns(obj)))
         if isinstance(obj, np.ndarray):
             return self._ndarray(obj)
         if isinstance(obj, np.generic):
             return msgpack.ExtType(_EXT_NPSCALAR, self.packb(np.asarray(obj)))
         if _is_torch_tensor(obj):
             return self._tensor(obj)
-        if isinstance(obj, Group):
-            return msgpack.ExtType(_EXT_GROUP, self.packb(_group_columns(obj)))
         if isinstance(obj, Trajectory):
             return msgpack.ExtType(_EXT_TRAJECTORY, self.packb([getattr(obj, f) for f in _TRAJECTORY_FIELDS]))
         raise CodecError(f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__} (no pickle)")
 
-    def _place(self, code: int, dtype: str, shape: list[int], flat_u8: Any) -> msgpack.ExtType:
-        n = flat_u8.nbytes
-        if n >= self.own_frame_bytes:
-            self.own.append(flat_u8)
-            where = [1 + len(self.own), 0]  # data frame 1 is the pool
-        else:
-            offset = self.pool_nbytes
-            self.pooled.append((offset, flat_u8))
-            self.pool_nbytes = offset + -(-n // _ALIGN) * _ALIGN
-            where = [1, offset]
-        return msgpack.ExtType(code, msgpack.packb([dtype, shape, *where]))
+    def _own(self, code: int, dtype: str, shape: list[int], flat_u8: Any) -> msgpack.ExtType:
+        self.own.append(flat_u8)
+        return msgpack.ExtType(code, msgpack.packb([dtype, shape, 1 + len(self.own), 0]))  # data frame 1: pool
+
+    def _pooled(self, code: int, dtype: str, shape: list[int], nbytes: int, fill: Any) -> msgpack.ExtType:
+        offset = self.pool_nbytes
+        self.writers.append((offset, nbytes, fill))
+        self.pool_nbytes = offset + -(-nbytes // _ALIGN) * _ALIGN
+        return msgpack.ExtType(code, msgpack.packb([dtype, shape, 1, offset]))
 
     def _ndarray(self, arr: np.ndarray) -> msgpack.ExtType:
         if arr.dtype.kind not in _NP_KINDS:
             raise CodecError(f"cannot encode a numpy array of dtype {arr.dtype} (numeric and bool dtypes only)")
-        flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-        return self._place(_EXT_NDARRAY, arr.dtype.str, list(arr.shape), flat)
+        shape = list(arr.shape)
+        if arr.nbytes >= self.own_frame_bytes:
+            return self._own(_EXT_NDARRAY, arr.dtype.str, shape, np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        # One copy, straight from the (possibly strided) array into the pool.
+        fill = lambda region: np.copyto(region.view(arr.dtype).reshape(arr.shape), arr)  # noqa: E731
+        return self._pooled(_EXT_NDARRAY, arr.dtype.str, shape, arr.nbytes, fill)
+
+    def _column(self, col: _Column) -> msgpack.ExtType:
+        dt = col.dtype
+        nbytes = sum(map(len, col.arrays)) * dt.itemsize
+
+        def fill(region: np.ndarray) -> None:
+            try:
+                np.concatenate(col.arrays, out=region.view(dt))
+            except (TypeError, ValueError) as e:
+                raise CodecError(f"token arrays cannot be gathered as {dt}: {e}") from e
+
+        return self._pooled(_EXT_NDARRAY, dt.str, [nbytes // dt.itemsize], nbytes, fill)
 
     def _tensor(self, t: Any) -> msgpack.ExtType:
         torch = _torch()
@@ -166,25 +185,36 @@ class _Encoder:
         shape = list(t.shape)
         t = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
         flat = t.reshape(-1).view(torch.uint8).numpy()
-        return self._place(_EXT_TENSOR, name, shape, flat)
+        if flat.nbytes >= self.own_frame_bytes:
+            return self._own(_EXT_TENSOR, name, shape, flat)
+        return self._pooled(_EXT_TENSOR, name, shape, flat.nbytes, lambda region: np.copyto(region, flat))
 
     def pool(self) -> np.ndarray:
         pool = np.empty(self.pool_nbytes, np.uint8)
-        for offset, flat in self.pooled:
-            pool[offset : offset + flat.nbytes] = flat
+        for offset, nbytes, fill in self.writers:
+            fill(pool[offset : offset + nbytes])
         return pool
+
+
+class _Column:
+    """The same field of every response of a group, gathered into one array on encode."""
+
+    __slots__ = ("arrays", "dtype")
+
+    def __init__(self, arrays: list[np.ndarray], dtype: type) -> None:
+        self.arrays, self.dtype = arrays, np.dtype(dtype)
 
 
 def _group_columns(g: Group) -> list[Any]:
     # A group travels column-wise: one array per field for all n responses, so a message
     # holds a handful of arrays whatever n is; decoding slices them back into views.
     ts = g.trajectories
-    cat = (lambda name: np.concatenate([getattr(t, name) for t in ts])) if ts else (lambda name: None)
+    col = (lambda name, dt: _Column([getattr(t, name) for t in ts], dt)) if ts else (lambda name, dt: None)
     return [
         g.sample_id, g.expected, g.status, g.error, g.meta,
         [t.index for t in ts], [t.finish_reason for t in ts], [t.reward for t in ts], [t.age for t in ts],
         [len(t.prompt_ids) for t in ts], [len(t.response_ids) for t in ts],
-        cat("prompt_ids"), cat("response_ids"), cat("logprobs"), cat("versions"),
+        col("prompt_ids", np.int64), col("response_ids", np.int64), col("logprobs", np.float32), col("versions", np.int64),
     ]
 
 

@@ -91,8 +91,7 @@ class StreamConsumer:
         self._peers: dict[bytes, _Peer] = {}
         self._dirty: set[bytes] = set()
         self._wake_reader = asyncio.Event()
-        self._wake_writer = asyncio.Event()
-        self._urgent = False  # a credit message is due now (new peer, heartbeat), not after coalescing
+        self._flush_timer: asyncio.TimerHandle | None = None  # a pending coalesced credit flush
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
         self._sock: StreamSocket | None = None
@@ -111,7 +110,7 @@ class StreamConsumer:
             await sock.close()
             raise StreamError(f"cannot bind StreamConfig.endpoint={self.config.endpoint!r}: {e}") from e
         self._sock = sock
-        for coro in (self._read_loop(), self._write_loop(), self._heartbeat_loop()):
+        for coro in (self._read_loop(), self._heartbeat_loop()):
             task = asyncio.create_task(coro)
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
@@ -129,6 +128,8 @@ class StreamConsumer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
         if self._sock is not None:
             if self._failure is None:
                 try:  # acks of committed steps should reach the producers, or they come back as duplicates
@@ -212,7 +213,7 @@ class StreamConsumer:
                 log.info("group %s dropped: %s", sid, reason)
             for peer_id in self._holders.pop(sid, ()):
                 self._finish(peer_id, sid)
-        self._wake_writer.set()
+        self._credit_soon()
 
     # ---------------------------------------------------------------- I/O
 
@@ -267,14 +268,12 @@ class StreamConsumer:
         if peer is None:
             peer = self._peers[peer_id] = _Peer(producer=producer)
             self._dirty.add(peer_id)
-            self._urgent = True
-            self._wake_writer.set()
+            self._flush()  # its first credit: no reason to make it wait
             log.info("producer %s connected", producer)
         elif peer.gone:
             peer.gone = False
             self._dirty.add(peer_id)
-            self._urgent = True
-            self._wake_writer.set()
+            self._flush()
             log.info("producer %s is back", producer)
         peer.last_seen = time.monotonic()
 
@@ -291,7 +290,7 @@ class StreamConsumer:
         if sid in self._committed:
             self.stats.duplicates += 1
             self._finish(peer_id, sid)
-            self._wake_writer.set()
+            self._credit_soon()
             return
         if sid in self._holders:
             self.stats.duplicates += 1
@@ -299,34 +298,40 @@ class StreamConsumer:
                 self._holders[sid].append(peer_id)
             else:
                 self._finish(peer_id, sid)  # the same peer twice: it needs the credit back
-                self._wake_writer.set()
+                self._credit_soon()
             return
         try:
-            group = unpack(payload, max_frame_bytes=self.config.max_frame_bytes)
+            header = P.field(fields, "codec", bytes)
+            group = unpack([header, *payload], max_frame_bytes=self.config.max_frame_bytes)
             if not isinstance(group, Group) or group.sample_id != sid:
                 raise CodecError(f"payload of group message {sid} is not that Group")
-        except CodecError:
+        except (CodecError, P.ProtocolError):
             self._finish(peer_id, sid)  # never deliverable: give the credit back, keep no state
-            self._wake_writer.set()
+            self._credit_soon()
             raise
         self._holders[sid] = [peer_id]
         self._ready.append(group)
         self._wake_reader.set()
 
-    async def _write_loop(self) -> None:
+    def _credit_soon(self) -> None:
+        """Send credit now if a peer has a batch of acks waiting, else within _ACK_COALESCE_S.
+
+        A burst of acks then shares one credit message; the window leaves producers plenty of
+        credit meanwhile.
+        """
         batch = max(1, self.config.window // 4)
-        while True:
-            await self._wake_writer.wait()
-            if not self._urgent and not any(len(self._peers[p].acks) >= batch for p in self._dirty):
-                # Let a burst of acks share one credit message; the window leaves the producer
-                # plenty of credit meanwhile.
-                await asyncio.sleep(_ACK_COALESCE_S)
-            self._wake_writer.clear()
-            self._urgent = False
+        if any(len(self._peers[p].acks) >= batch for p in self._dirty):
             self._flush()
+        elif self._flush_timer is None and self._dirty and not self._closed:
+            self._flush_timer = asyncio.get_running_loop().call_later(_ACK_COALESCE_S, self._flush)
 
     def _flush(self) -> None:
-        assert self._sock is not None
+        """Send every dirty peer its credit, session and pending acks (sends never block)."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if self._sock is None:
+            return
         dirty, self._dirty = self._dirty, set()
         for peer_id in dirty:
             peer = self._peers.get(peer_id)
@@ -351,7 +356,6 @@ class StreamConsumer:
                     )
                 if not peer.gone:
                     self._dirty.add(peer_id)
-            self._urgent = True
-            self._wake_writer.set()
+            self._flush()
 
 

@@ -63,9 +63,13 @@ class StreamProducer:
         self.producer_id = producer_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.stats = ProducerStats()
-        self._unacked: OrderedDict[str, tuple[Group, list[Any]]] = OrderedDict()
+        # Only the records are kept, not their frames: a resend (rare) encodes again, and a
+        # frame buffer freed right after its send is reused by the next one, hot in cache.
+        self._unacked: OrderedDict[str, Group] = OrderedDict()
         for g in unacked:
-            self._unacked[g.sample_id] = (g, self._pack(g))
+            if not isinstance(g, Group):
+                raise TypeError(f"unacked must hold Group records, got {type(g).__name__}")
+            self._unacked[g.sample_id] = g
         self._resend: deque[str] = deque()
         self._session: str | None = None
         self._granted = 0
@@ -150,7 +154,7 @@ class StreamProducer:
     @property
     def unacked(self) -> list[Group]:
         """Groups sent (or restored) and not yet acked, oldest first: what a checkpoint keeps."""
-        return [g for g, _ in self._unacked.values()]
+        return list(self._unacked.values())
 
     @property
     def connected(self) -> bool:
@@ -183,7 +187,7 @@ class StreamProducer:
         self._raise_if_down()
         if group.sample_id in self._unacked:
             raise ValueError(f"group {group.sample_id} was already sent and is not acked yet")
-        self._unacked[group.sample_id] = (group, frames)
+        self._unacked[group.sample_id] = group
         self._send_one(group.sample_id, frames)
 
     async def wait_acked(self, timeout: float) -> None:
@@ -223,8 +227,9 @@ class StreamProducer:
         assert self._sock is not None and self._session is not None
         self._sent += 1
         self.stats.sent += 1
-        head = P.envelope(P.GROUP, {"session": self._session, "sample_id": sid})
-        self._sock.send([head, *frames], copy=False)
+        # The codec header rides in the envelope: one frame less per message on both sides.
+        head = P.envelope(P.GROUP, {"session": self._session, "sample_id": sid, "codec": frames[0]})
+        self._sock.send([head, *frames[1:]], copy=False)
 
     def _ping(self) -> None:
         assert self._sock is not None
@@ -272,7 +277,7 @@ class StreamProducer:
             sid = self._resend.popleft()
             if sid in self._unacked:
                 self.stats.resent += 1
-                self._send_one(sid, self._unacked[sid][1])
+                self._send_one(sid, self._pack(self._unacked[sid]))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -2,11 +2,12 @@
 
 Every message is ``[envelope, *payload]``; the ROUTER side also sees the peer's routing id
 in front. The envelope is msgpack ``[MAGIC, PROTOCOL_VERSION, kind, fields]``; only
-``group`` messages carry a payload (the codec's frames of one `Group`).
+``group`` messages carry a payload: the codec's frames of one `Group`, whose header frame
+travels inside the envelope (field ``codec``) to save a frame per message.
 
 Producer -> consumer
   ``ping``  ``{producer, incarnation}``: hello and heartbeat, every ``heartbeat_s``.
-  ``group`` ``{session, sample_id}`` + codec frames: one group, sent under credit of ``session``.
+  ``group`` ``{session, sample_id, codec}`` + data frames: one group, under credit of ``session``.
   ``bye``   ``{}``: the producer closes.
 Consumer -> producer
   ``credit`` ``{session, granted, acks}``: heartbeat, credit and acks in one message.

@@ -1,0 +1,276 @@
+"""Throughput of the sample stream against two baselines, measured in one run on this machine.
+
+    python scripts/bench_stream.py            # a table
+    python scripts/bench_stream.py --json     # ... and, as the last line, one JSON object
+
+Groups of n=8 trajectories with 1k and with 8k response tokens (prompt_ids, response_ids,
+logprobs, versions arrays) go from one process to another through:
+
+(a) ``stream``: asyncrl's StreamProducer -> StreamConsumer, end to end: encode, credit, decode
+    into Group records, and an ack per group from the consumer;
+(b) ``raw_zmq``: ZeroMQ PUSH -> PULL re-sending one group's pre-encoded frames (the same bytes
+    and framing as (a)'s payload) with no encode, decode, credit or acks: the physical limit;
+(c) ``ray_queue``: a Ray actor queue receiving cloudpickled groups through actor calls from a
+    producer actor, drained by a consumer actor that unpickles them (the design of verl's
+    fully-async MessageQueue).
+
+MB/s counts the groups' array bytes. Each figure is taken at the receiver, from the
+``--warmup``-th group to the last, so connection set-up and the first window are left out.
+Groups are built before the clock starts. Each path runs ``--repeat`` times, alternating with
+the others, and its best run counts: on a shared machine that is the least disturbed one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+N_RESPONSES = 8
+PROMPT_TOKENS = 256
+ENDPOINT = "tcp://127.0.0.1:{port}"
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--groups-1k", type=int, default=6000, help="groups sent in the 1k-token case (stream and raw)")
+    p.add_argument("--groups-8k", type=int, default=1200, help="groups sent in the 8k-token case (stream and raw)")
+    p.add_argument("--ray-fraction", type=float, default=0.25, help="fraction of those groups for the (slow) Ray queue")
+    p.add_argument("--warmup", type=int, default=100, help="groups received before the clock starts")
+    p.add_argument("--window", type=int, default=64, help="StreamConfig.window of the stream")
+    p.add_argument("--skip-ray", action="store_true", help="leave out the Ray baseline")
+    p.add_argument("--cases", default="1k,8k", help="comma-separated subset of 1k,8k")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each path, alternating; the best one counts")
+    return p.parse_args()
+
+
+# ---------------------------------------------------------------------------------- workload
+
+
+def _arrays(tokens: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.integers(0, 150_000, PROMPT_TOKENS), rng.integers(0, 150_000, tokens),
+         -rng.random(tokens, dtype=np.float32), np.full(tokens, seed % 5, dtype=np.int64))
+        for _ in range(N_RESPONSES)
+    ]
+
+
+def make_group(i: int, arrays):
+    """Group ``sample_0_{i}`` over shared arrays: building one costs what a Rollouter's would."""
+    from asyncrl.types import Group, Trajectory
+
+    sid = f"sample_0_{i}"
+    return Group(sid, [Trajectory(sid, k, *a, "stop", reward=1.0) for k, a in enumerate(arrays)], N_RESPONSES)
+
+
+def group_nbytes(tokens: int) -> int:
+    return sum(a.nbytes for t in _arrays(tokens, 0) for a in t)
+
+
+def _rate(times: list[float], warmup: int) -> float:
+    """Groups per second between the warmup-th and the last receive."""
+    return (len(times) - 1 - warmup) / (times[-1] - times[warmup])
+
+
+# ---------------------------------------------------------------------------------- (a) stream
+
+
+def _stream_producer(port: int, tokens: int, count: int, window: int) -> None:
+    import asyncio
+
+    from asyncrl.queue import StreamConfig, StreamProducer
+
+    async def run() -> None:
+        arrays = _arrays(tokens, 1)
+        groups = [make_group(i, arrays) for i in range(count)]  # built before the clock, as for (c)
+        async with StreamProducer(StreamConfig(endpoint=ENDPOINT.format(port=port), window=window), producer_id="bench") as p:
+            for g in groups:
+                await p.send(g)
+            await p.wait_acked(timeout=120)
+
+    asyncio.run(run())
+
+
+def _stream_consumer(port: int, count: int, window: int, out) -> None:
+    import asyncio
+
+    from asyncrl.queue import StreamConfig, StreamConsumer
+
+    async def run() -> list[float]:
+        times = []
+        async with StreamConsumer(StreamConfig(endpoint=ENDPOINT.format(port=port), window=window)) as c:
+            out.put("ready")
+            for _ in range(count):
+                g = await c.recv(timeout=120)
+                c.ack([g.sample_id])
+                times.append(time.monotonic())
+            assert len(g.trajectories) == N_RESPONSES
+        return times
+
+    out.put(asyncio.run(run()))
+
+
+# ---------------------------------------------------------------------------------- (b) raw zmq
+
+
+def _raw_producer(port: int, tokens: int, count: int) -> None:
+    import zmq
+
+    from asyncrl.queue import pack
+
+    frames = pack(make_group(0, _arrays(tokens, 1)))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(ENDPOINT.format(port=port))
+    for _ in range(count):
+        sock.send_multipart(frames, copy=False)
+    sock.close(linger=-1)
+    ctx.term()  # returns once every queued message went out
+
+
+def _raw_consumer(port: int, count: int, out) -> None:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.bind(ENDPOINT.format(port=port))
+    out.put("ready")
+    times = []
+    for _ in range(count):
+        sock.recv_multipart(copy=False)
+        times.append(time.monotonic())
+    sock.close()
+    out.put(times)
+
+
+def _run_pair(producer, consumer, producer_args, consumer_args) -> list[float]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    c = ctx.Process(target=consumer, args=(*consumer_args, out))
+    c.start()
+    assert out.get(timeout=60) == "ready"
+    p = ctx.Process(target=producer, args=producer_args)
+    p.start()
+    times = out.get(timeout=300)
+    for proc in (p, c):
+        proc.join(timeout=120)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"{proc.name} exited with {proc.exitcode}")
+    return times
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------- (c) ray queue
+
+
+def _ray_rate(tokens: int, count: int, warmup: int, window: int) -> float:
+    import asyncio
+
+    import ray
+    from ray import cloudpickle
+
+    @ray.remote(num_cpus=0)
+    class MessageQueue:
+        """Bounded FIFO of pickled samples, as verl's fully-async MessageQueue (minus dropping)."""
+
+        def __init__(self, maxsize: int) -> None:
+            self.queue: asyncio.Queue = asyncio.Queue(maxsize)
+
+        async def put_sample(self, data: bytes) -> None:
+            await self.queue.put(data)
+
+        async def get_sample(self) -> bytes:
+            return await self.queue.get()
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        async def run(self, queue, tokens: int, count: int) -> None:
+            arrays = _arrays(tokens, 1)
+            groups = [make_group(i, arrays) for i in range(count)]
+            for g in groups:
+                await queue.put_sample.remote(cloudpickle.dumps(g))
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        async def run(self, queue, count: int) -> list[float]:
+            times = []
+            for _ in range(count):
+                group = cloudpickle.loads(await queue.get_sample.remote())
+                times.append(time.monotonic())
+            assert len(group.trajectories) == N_RESPONSES
+            return times
+
+    queue = MessageQueue.remote(window)
+    consumer, producer = Consumer.remote(), Producer.remote()
+    times_ref = consumer.run.remote(queue, count)
+    ray.get(producer.run.remote(queue, tokens, count))
+    times = ray.get(times_ref)
+    for actor in (queue, consumer, producer):
+        ray.kill(actor)
+    return _rate(times, warmup)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    args = _parse()
+    results: dict[str, float] = {}
+    cases = {"1k": (1024, args.groups_1k), "8k": (8192, args.groups_8k)}
+    cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
+    rates: dict[str, dict[str, float]] = {}
+    for name, (tokens, count) in cases.items():
+        r = rates[name] = {"stream": 0.0, "raw_zmq": 0.0}
+        for _ in range(args.repeat):  # alternating, so a noisy neighbour hits both paths alike
+            port = _free_port()
+            times = _run_pair(_stream_producer, _stream_consumer, (port, tokens, count, args.window), (port, count, args.window))
+            r["stream"] = max(r["stream"], _rate(times, args.warmup))
+            port = _free_port()
+            times = _run_pair(_raw_producer, _raw_consumer, (port, tokens, count), (port, count))
+            r["raw_zmq"] = max(r["raw_zmq"], _rate(times, args.warmup))
+    if not args.skip_ray:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        try:
+            for name, (tokens, count) in cases.items():
+                n = max(args.warmup + 50, int(count * args.ray_fraction))
+                rates[name]["ray_queue"] = max(_ray_rate(tokens, n, args.warmup, args.window) for _ in range(args.repeat))
+        finally:
+            ray.shutdown()
+
+    print(f"{'case':<5} {'path':<10} {'groups/s':>10} {'MB/s':>10}")
+    for name, (tokens, _) in cases.items():
+        mb = group_nbytes(tokens) / 1e6
+        suffix = "" if name == "1k" else f"_{name}"
+        for path, gps in rates[name].items():
+            print(f"{name:<5} {path:<10} {gps:>10.0f} {gps * mb:>10.1f}")
+            results[f"{path}_mb_s{suffix}"] = round(gps * mb, 1)
+            results[f"{path}_groups_s{suffix}"] = round(gps, 1)
+        results[f"vs_raw{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq"], 3)
+        if "ray_queue" in rates[name]:
+            results[f"vs_ray{suffix}"] = round(rates[name]["stream"] / rates[name]["ray_queue"], 2)
+        results[f"group_mb{suffix}"] = round(mb, 3)
+    print(f"ratios: {', '.join(f'{k}={v}' for k, v in results.items() if k.startswith('vs_'))}  (targets: vs_raw >= 0.7, vs_ray >= 10)")
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
