@@ -139,6 +139,8 @@ async def bench_size(size_mb: float, args, tmp: Path) -> dict:
             pause_resume.append(coord.last.pause_s + coord.last.resume_s)
             rss.append(mem["rss_extra"])
             tracked.append(mem["tracked"])
+        phases = {"sender": await rank0.__ray_call__.remote(lambda self: dict(self._sender.stats)),
+                  "receivers": [await h.__ray_call__.remote(lambda self: dict(self._receiver.stats)) for h in engines]}
         gb = nbytes / 1e9
         med = statistics.median
         return {
@@ -149,6 +151,12 @@ async def bench_size(size_mb: float, args, tmp: Path) -> dict:
             "vs_raw": med(raw) / med(sync), "broadcast_vs_raw": med(raw) / med(transfer),
             "pause_resume_ms": 1000 * med(pause_resume),
             "peak_extra_mb_rank0": max(rss) / 1e6, "tracked_extra_mb_rank0": max(tracked) / 1e6,
+            "last_sync_phases_ms": {
+                "rank0_gather": 1e3 * phases["sender"]["gather_s"], "rank0_pack": 1e3 * phases["sender"]["pack_s"],
+                "rank0_wire_wait": 1e3 * phases["sender"]["wire_wait_s"],
+                "engine_wire_wait": [round(1e3 * r["wire_wait_s"]) for r in phases["receivers"]],
+                "engine_load": [round(1e3 * r["load_s"]) for r in phases["receivers"]],
+            },
         }
     finally:
         for h in engines:
@@ -180,6 +188,8 @@ def main(argv=None) -> int:
                     f"{row['peak_extra_mb_rank0']:.0f} MB (sync buffers {row['tracked_extra_mb_rank0']:.0f} MB)",
                     flush=True,
                 )
+                print("    last sync, ms:", {k: (round(v) if isinstance(v, float) else v)
+                                             for k, v in row["last_sync_phases_ms"].items()}, flush=True)
     finally:
         ray.shutdown()
     if args.json:

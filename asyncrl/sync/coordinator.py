@@ -59,7 +59,8 @@ class WeightSyncConfig:
     backend: str = "auto"
     """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is available)."""
     master_addr: str = "127.0.0.1"
-    """Address trainer rank 0 hosts the sync group's store on (reachable from every engine)."""
+    """Address trainer rank 0 hosts the sync group's store on; it must reach every engine.
+    ``auto`` = rank 0's Ray node address (multi-node); the loopback default suits one machine."""
     master_port: int = 0
     """Port of that store; 0 = a free port picked by trainer rank 0."""
     workers_per_engine: int = 1

@@ -70,6 +70,7 @@ class WeightSyncGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self._store: dist.Store | None = None
         self._pg = None
+        self._closed = False
         self.port = config.master_port
 
     @property
@@ -102,6 +103,8 @@ class WeightSyncGroup:
         """Rendezvous and build the backend group; blocks until every rank joined (under ``timeout_s``)."""
         if self._pg is not None:
             return
+        if self._closed:
+            raise RuntimeError("weight-sync group is closed; build a new one")
         if self._store is None:
             if self.rank == 0:
                 self.listen()
@@ -116,11 +119,14 @@ class WeightSyncGroup:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self.timeout
             opts._devices = [_gloo_device(self.config.master_addr)]
-            self._pg = dist.ProcessGroupGloo(store, self.rank, self.config.world_size, opts)
+            pg = dist.ProcessGroupGloo(store, self.rank, self.config.world_size, opts)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            self._pg = dist.ProcessGroupNCCL(store, self.rank, self.config.world_size, opts)
+            pg = dist.ProcessGroupNCCL(store, self.rank, self.config.world_size, opts)
+        if self._closed:  # closed while we were waiting for the others: do not come back to life
+            raise RuntimeError("weight-sync group was closed while joining")
+        self._pg = pg
 
     @property
     def joined(self) -> bool:
@@ -137,7 +143,11 @@ class WeightSyncGroup:
         return self._pg.broadcast([tensor], opts)
 
     def close(self) -> None:
-        """Abort the backend group (peers blocked on it fail fast) and close the store socket."""
+        """Drop the backend group (its destruction closes the sockets, so peers fail fast) and the store.
+
+        Does not wait for a join in progress (it ends at ``timeout_s`` and then finds the group closed).
+        """
+        self._closed = True
         pg, self._pg = self._pg, None
         if pg is not None:
             try:

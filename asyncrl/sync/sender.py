@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -48,6 +48,18 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     if hasattr(p, "full_tensor"):
         return p.full_tensor()
     return p
+
+
+def _node_address() -> str:
+    # "auto": this node's address as Ray knows it (reachable from engines on other nodes)
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
 
 
 def _abandon(group: WeightSyncGroup, inflight: list) -> None:
@@ -88,6 +100,8 @@ class WeightSender:
         """
         if self.rank != 0:
             return None
+        if self.group_config.master_addr == "auto":
+            self.group_config = replace(self.group_config, master_addr=_node_address())
         self._group = WeightSyncGroup(self.group_config, rank=0)
         port = self._group.listen()
         self._join_thread = threading.Thread(target=self._join, name="weight-sync-join", daemon=True)
@@ -222,10 +236,8 @@ class WeightSender:
             self.stats["meta_sends"] += 1
 
     def close(self) -> None:
-        """Leave the group (rank 0); safe to call twice."""
-        if self._join_thread is not None:
-            self._join_thread.join(self.group_config.timeout_s)
-            self._join_thread = None
+        """Leave the group (rank 0); safe to call twice; does not wait for engines still joining."""
+        self._join_thread = None  # a join in progress ends at timeout_s, then sees the group closed
         if self._group is not None:
             self._group.close()
             self._group = None
