@@ -1,11 +1,17 @@
-"""The sample-stream codec: a msgpack header plus one raw frame per array.
+"""The sample-stream codec: a msgpack header plus raw frames for the arrays.
 
-``pack(obj)`` turns a value into a list of frames: frame 0 is a msgpack header; every numpy
-array and torch tensor in ``obj`` is replaced in the header by ``(dtype, shape, frame_index)``
-and its bytes travel as their own frame, so they can be sent with ``copy=False``.
-``unpack(frames)`` rebuilds the value; arrays are views on the received frames
-(``numpy.frombuffer`` / ``torch.frombuffer``), not copies. Treat them as read-only: a numpy
-array decoded from immutable bytes is read-only, and a torch tensor shares the frame's memory.
+``pack(obj)`` turns a value into ``[header, pool, *own_frames]``. The header is msgpack;
+every numpy array and torch tensor in ``obj`` is replaced there by a record
+``(dtype, shape, frame_index, offset)`` and its bytes travel raw: an array of at least
+``own_frame_bytes`` (64 KiB) as its own frame, shared with the array and sent with
+``copy=False``; smaller ones copied into the one ``pool`` frame at 16-byte aligned offsets
+(ZeroMQ copies small frames anyway, and one frame instead of dozens is what keeps the
+per-message cost low). A `Group` travels column-wise: each token field of its ``n``
+responses is gathered straight into the pool as one array, so a message has a handful of
+records whatever ``n`` is. ``unpack(frames)`` rebuilds the value; every array is a view on a
+received frame (``numpy.frombuffer`` / ``torch.frombuffer``), never a copy. Treat decoded
+arrays as read-only: one decoded from immutable bytes is read-only, and a tensor shares the
+frame's memory.
 
 Supported values: None, bool, int (64-bit), float, str, bytes, lists/tuples (decoded as
 lists), dicts with str/int keys, numpy arrays and scalars of numeric or bool dtype, torch

@@ -204,6 +204,23 @@ async def _until(predicate) -> None:
         await asyncio.sleep(0.01)
 
 
+async def test_a_foreign_frame_over_max_frame_bytes_is_cut_off_and_the_stream_goes_on(config):
+    config.max_frame_bytes = 64 * 1024
+    async with StreamConsumer(config) as consumer, StreamProducer(config, producer_id="p") as producer:
+        rogue = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(config.endpoint)
+        try:
+            await rogue.send_multipart([envelope("ping", {"producer": "rogue", "incarnation": "x"}), bytes(1 << 20)])
+            for i in range(3):
+                await producer.send(group(i), timeout=10)
+            assert await _recv_ids(consumer, 3) == ["sample_0_0", "sample_0_1", "sample_0_2"]
+            await producer.wait_acked(timeout=10)
+            assert all(peer.producer != "rogue" for peer in consumer._peers.values())  # never got through
+        finally:
+            rogue.close(0)
+
+
 async def test_oversized_group_is_refused_at_send(config):
     config.max_frame_bytes = 4096
     async with StreamProducer(config, producer_id="p") as producer:
