@@ -45,9 +45,14 @@ class WeightSyncError(RuntimeError):
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     # FSDP2 parameters are DTensors: full_tensor() all-gathers the shards (a collective).
-    if hasattr(p, "full_tensor"):
-        return p.full_tensor()
-    return p
+    if not hasattr(p, "full_tensor"):
+        return p
+    if p.device_mesh.size() == 1:
+        # one rank holds everything: its local tensor is the full one, no gather, no copy
+        local = p.to_local()
+        if local.shape == p.shape:
+            return local
+    return p.full_tensor()
 
 
 def _node_address() -> str:
@@ -60,6 +65,10 @@ def _node_address() -> str:
     except ImportError:
         pass
     return "127.0.0.1"
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _abandon(group: WeightSyncGroup, inflight: list) -> None:
@@ -164,8 +173,8 @@ class WeightSender:
             timing["gather_s"] += time.perf_counter() - t
             if group is None or failure is not None:
                 continue
-            # full tensors gathered from shards are new memory; a local parameter costs nothing
-            gathered = sum(t.nbytes for s, t in zip(bucket.slots, tensors) if hasattr(params[s.name], "full_tensor"))
+            # full tensors gathered from shards are new memory; a local tensor costs nothing
+            gathered = sum(t.nbytes for s, t in zip(bucket.slots, tensors) if t.data_ptr() != _local(params[s.name]).data_ptr())
             try:
                 slot = i % NUM_BUFFERS
                 self._drain(inflight, slot, timing)
