@@ -11,12 +11,15 @@ Blocking collectives run in a worker thread under the group's ``timeout_s``, so 
 actor's event loop keeps serving (e.g. ``version()`` pings) while weights travel.
 
 Never a mix of old and new weights: the caller (the coordinator) pauses the engine with
-``keep`` before `receive`; the engine makes loaded weights live only at
-``finish_weight_update(version)``, which is called only after every bucket of the layout
-landed. If a receive fails half way, `receive` raises, ``finish_weight_update`` is not
-called, ``incomplete`` stays True, and the coordinator never resumes this engine until a
-later complete receive succeeded (it re-sends the whole set). Leaves out: several workers
-per engine (one rank per receiver).
+``keep`` before `receive`, so nothing generates while buckets land (the built-in engine
+copies each bucket into its model in place); ``finish_weight_update(version)`` is called
+only after every bucket of the layout landed, and the coordinator resumes an engine only
+after its `receive` returned. If a receive fails half way, `receive` raises, the group is
+dropped, ``finish_weight_update`` is not called, ``incomplete`` stays True, and the engine
+stays paused until a later complete receive (the coordinator re-sends the whole set).
+Leaves out: several workers per engine (one rank per receiver), receiving straight into
+the engine's parameter memory (it would save the load copy, the largest cost on CPU, but
+needs an engine hook the `RolloutEngine` interface does not have).
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 
 Every trainer rank calls `send`: gathering full tensors from FSDP2 shards
 (``DTensor.full_tensor()``) is a collective on the training world, done bucket by bucket
-in the same order on every rank. Only rank 0 joins the weight-sync group and broadcasts.
+in the same order on every rank (on a 1-rank mesh the local tensor is the full one: no
+gather). Only rank 0 joins the weight-sync group and broadcasts.
 
 Wire protocol on the group, per sync (all from rank 0):
 
 1. header: int64 ``[MAGIC, version, meta_nbytes, num_buckets]``;
 2. if ``meta_nbytes > 0``: the msgpack `BucketLayout` as uint8 (sent on the first sync of
    a group and whenever names/dtypes/shapes/bucket size change, otherwise 0);
-3. one packed uint8 tensor per bucket.
+3. one uint8 tensor per bucket, laid out as `asyncrl.sync.buckets` says.
 
 Two bucket buffers alternate: bucket ``i + 1`` is gathered and packed while bucket ``i``
 is on the wire. A bucket holding a single tensor (one at least as large as ``bucket_mb``)
@@ -18,9 +19,10 @@ Rank 0's extra memory is at most two buffers of ``bucket_mb`` (kept between sync
 ``keep_buffers=False``) plus two buckets of gathered full tensors in flight (none for an
 unsharded model).
 
-If the broadcast fails (a receiver died), rank 0 aborts the group, so the other receivers
-fail fast instead of waiting out the timeout, but keeps gathering to the end so the other
-trainer ranks never hang in a collective; then it raises `WeightSyncError`.
+If the broadcast fails (a receiver died), rank 0 drops the group and every pending Work
+(destroying the gloo group is what closes its sockets), so the other receivers fail fast
+instead of waiting out the timeout, but keeps gathering to the end so the other trainer
+ranks never hang in a collective; then it raises `WeightSyncError`.
 Leaves out: streams/events for GPU overlap beyond what the backend's async work gives.
 """
 
