@@ -113,7 +113,9 @@ class _Encoder:
     def __init__(self, own_frame_bytes: int) -> None:
         self.own_frame_bytes = own_frame_bytes
         self.own: list[Any] = []
-        self.writers: list[tuple[int, int, Any]] = []  # (offset, nbytes, fill(region_u8))
+        # What goes into the pool: (offset, nbytes, source, dtype); source is an array, or a
+        # list of 1-d arrays gathered in order (a group's column).
+        self.writers: list[tuple[int, int, Any, np.dtype]] = []
         self.pool_nbytes = 0
         self._packers: list[msgpack.Packer] = []
         self._depth = 0
@@ -134,11 +136,8 @@ class _Encoder:
             self._depth -= 1
 
     def default(self, obj: Any) -> msgpack.ExtType:
-        # Most frequent first: a group's columns, groups, arrays.
-        if type(obj) is _Column:
-            return self._column(obj)
         if isinstance(obj, Group):
-            return msgpack.ExtType(_EXT_GROUP, self.packb(_group_columns(obj)))
+            return self._group(obj)
         if isinstance(obj, np.ndarray):
             return self._ndarray(obj)
         if isinstance(obj, np.generic):
@@ -153,11 +152,14 @@ class _Encoder:
         self.own.append(flat_u8)
         return msgpack.ExtType(code, msgpack.packb([dtype, shape, 1 + len(self.own), 0]))  # data frame 1: pool
 
-    def _pooled(self, code: int, dtype: str, shape: list[int], nbytes: int, fill: Any) -> msgpack.ExtType:
+    def _reserve(self, nbytes: int, source: Any, dtype: np.dtype) -> int:
         offset = self.pool_nbytes
-        self.writers.append((offset, nbytes, fill))
+        self.writers.append((offset, nbytes, source, dtype))
         self.pool_nbytes = offset + -(-nbytes // _ALIGN) * _ALIGN
-        return msgpack.ExtType(code, msgpack.packb([dtype, shape, 1, offset]))
+        return offset
+
+    def _pooled(self, code: int, dtype: str, shape: list[int], nbytes: int, source: Any, dt: np.dtype) -> msgpack.ExtType:
+        return msgpack.ExtType(code, msgpack.packb([dtype, shape, 1, self._reserve(nbytes, source, dt)]))
 
     def _ndarray(self, arr: np.ndarray) -> msgpack.ExtType:
         if arr.dtype.kind not in _NP_KINDS:
@@ -166,20 +168,25 @@ class _Encoder:
         if arr.nbytes >= self.own_frame_bytes:
             return self._own(_EXT_NDARRAY, arr.dtype.str, shape, np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
         # One copy, straight from the (possibly strided) array into the pool.
-        fill = lambda region: np.copyto(region.view(arr.dtype).reshape(arr.shape), arr)  # noqa: E731
-        return self._pooled(_EXT_NDARRAY, arr.dtype.str, shape, arr.nbytes, fill)
+        return self._pooled(_EXT_NDARRAY, arr.dtype.str, shape, arr.nbytes, arr, arr.dtype)
 
-    def _column(self, col: _Column) -> msgpack.ExtType:
-        dt = col.dtype
-        nbytes = sum(map(len, col.arrays)) * dt.itemsize
-
-        def fill(region: np.ndarray) -> None:
-            try:
-                np.concatenate(col.arrays, out=region.view(dt))
-            except (TypeError, ValueError) as e:
-                raise CodecError(f"token arrays cannot be gathered as {dt}: {e}") from e
-
-        return self._pooled(_EXT_NDARRAY, dt.str, [nbytes // dt.itemsize], nbytes, fill)
+    def _group(self, g: Group) -> msgpack.ExtType:
+        # A group travels column-wise: each token field of the n responses is gathered straight
+        # into the pool as one array, described by a plain [dtype, shape, 1, offset] record, so
+        # a message holds four arrays whatever n is; decoding slices them back into views.
+        ts = g.trajectories
+        plens, rlens = [len(t.prompt_ids) for t in ts], [len(t.response_ids) for t in ts]
+        columns = []
+        for name, dt, count in (("prompt_ids", _I8, sum(plens)), ("response_ids", _I8, sum(rlens)),
+                                ("logprobs", _F4, sum(rlens)), ("versions", _I8, sum(rlens))):
+            offset = self._reserve(count * dt.itemsize, [getattr(t, name) for t in ts], dt)
+            columns.append([dt.str, [count], 1, offset])
+        body = [
+            g.sample_id, g.expected, g.status, g.error, g.meta,
+            [t.index for t in ts], [t.finish_reason for t in ts], [t.reward for t in ts], [t.age for t in ts],
+            plens, rlens, *columns,
+        ]
+        return msgpack.ExtType(_EXT_GROUP, self.packb(body))
 
     def _tensor(self, t: Any) -> msgpack.ExtType:
         torch = _torch()
@@ -193,35 +200,20 @@ class _Encoder:
         flat = t.reshape(-1).view(torch.uint8).numpy()
         if flat.nbytes >= self.own_frame_bytes:
             return self._own(_EXT_TENSOR, name, shape, flat)
-        return self._pooled(_EXT_TENSOR, name, shape, flat.nbytes, lambda region: np.copyto(region, flat))
+        return self._pooled(_EXT_TENSOR, name, shape, flat.nbytes, flat, flat.dtype)
 
     def pool(self) -> np.ndarray:
         pool = np.empty(self.pool_nbytes, np.uint8)
-        for offset, nbytes, fill in self.writers:
-            fill(pool[offset : offset + nbytes])
+        for offset, nbytes, source, dt in self.writers:
+            region = pool[offset : offset + nbytes].view(dt)
+            if type(source) is list:
+                try:
+                    np.concatenate(source, out=region) if source else None
+                except (TypeError, ValueError) as e:
+                    raise CodecError(f"token arrays cannot be gathered as {dt}: {e}") from e
+            else:
+                np.copyto(region.reshape(source.shape), source)
         return pool
-
-
-class _Column:
-    """The same field of every response of a group, gathered into one array on encode."""
-
-    __slots__ = ("arrays", "dtype")
-
-    def __init__(self, arrays: list[np.ndarray], dtype: type) -> None:
-        self.arrays, self.dtype = arrays, np.dtype(dtype)
-
-
-def _group_columns(g: Group) -> list[Any]:
-    # A group travels column-wise: one array per field for all n responses, so a message
-    # holds a handful of arrays whatever n is; decoding slices them back into views.
-    ts = g.trajectories
-    col = (lambda name, dt: _Column([getattr(t, name) for t in ts], dt)) if ts else (lambda name, dt: None)
-    return [
-        g.sample_id, g.expected, g.status, g.error, g.meta,
-        [t.index for t in ts], [t.finish_reason for t in ts], [t.reward for t in ts], [t.age for t in ts],
-        [len(t.prompt_ids) for t in ts], [len(t.response_ids) for t in ts],
-        col("prompt_ids", np.int64), col("response_ids", np.int64), col("logprobs", np.float32), col("versions", np.int64),
-    ]
 
 
 def pack(obj: Any, *, own_frame_bytes: int = DEFAULT_OWN_FRAME_BYTES) -> list[Any]:
@@ -268,9 +260,9 @@ class _Decoder:
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == _EXT_NDARRAY:
-            return self._ndarray(*self._locate(data, "array"))
+            return self._ndarray(*self._locate(self._record(data, "array"), "array"))
         if code == _EXT_TENSOR:
-            return self._tensor(*self._locate(data, "tensor"))
+            return self._tensor(*self._locate(self._record(data, "tensor"), "tensor"))
         if code == _EXT_NPSCALAR:
             arr = self.unpackb(data)
             if not isinstance(arr, np.ndarray) or arr.ndim != 0:
@@ -280,7 +272,10 @@ class _Decoder:
             values = self._fields(data, "Trajectory", len(_TRAJECTORY_FIELDS))
             return _build(Trajectory, **dict(zip(_TRAJECTORY_FIELDS, values)))
         if code == _EXT_GROUP:
-            return _group_from_columns(self._fields(data, "Group", _GROUP_COLUMNS))
+            c = self._fields(data, "Group", _GROUP_COLUMNS)
+            if c[5]:  # a group without responses has no columns to rebuild
+                c[11:] = [self._ndarray(*self._locate(rec, "column")) for rec in c[11:]]
+            return _group_from_columns(c)
         raise CodecError(f"unknown extension code {code} in header")
 
     def _fields(self, data: bytes, what: str, n: int) -> list[Any]:
@@ -289,11 +284,17 @@ class _Decoder:
             raise CodecError(f"{what} record is not a list of {n} fields")
         return values
 
-    def _locate(self, data: bytes, what: str) -> tuple[str, tuple[int, ...], memoryview]:
+    @staticmethod
+    def _record(data: bytes, what: str) -> Any:
         try:
-            dtype, shape, index, offset = msgpack.unpackb(data, raw=False)
+            return msgpack.unpackb(data, raw=False)
         except Exception as e:
-            raise CodecError(f"{what} record is not (dtype, shape, frame_index, offset): {e}") from e
+            raise CodecError(f"{what} record is not msgpack: {e}") from e
+
+    def _locate(self, record: Any, what: str) -> tuple[str, tuple[int, ...], memoryview, int, int]:
+        if not isinstance(record, list) or len(record) != 4:
+            raise CodecError(f"{what} record is not (dtype, shape, frame_index, offset)")
+        dtype, shape, index, offset = record
         if not isinstance(dtype, str):
             raise CodecError(f"{what} dtype must be a string, got {type(dtype).__name__}")
         if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
@@ -347,6 +348,7 @@ class _Decoder:
 
 
 _GROUP_COLUMNS = 15
+_I8, _F4 = np.dtype(np.int64), np.dtype(np.float32)
 _NP_DTYPES = {np.dtype(c).str: np.dtype(c) for c in "?bBhHiIlLqQefdFD"}
 
 

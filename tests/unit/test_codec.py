@@ -199,9 +199,11 @@ def _record(dtype, shape, index, offset):
         (msgpack.ExtType(2, msgpack.packb(["float128", [1], 1, 0])), [b"\x00" * 16], "unsupported torch dtype"),
         ([_record("<i8", [1], 2, 0), _record("<i8", [1], 2, 0)], [b"", b"\x00" * 8], "second time"),
         (msgpack.ExtType(5, msgpack.packb(["sample_0_1", 1, "ok", None, {}, [0], ["stop"], [0.0], [0], [1], [2],
-                                           _record("<i8", [1], 1, 0), _record("<i8", [1], 1, 0),
-                                           _record("<f4", [1], 1, 0), _record("<i8", [1], 1, 0)])),
+                                           ["<i8", [1], 1, 0], ["<i8", [1], 1, 0], ["<f4", [1], 1, 0], ["<i8", [1], 1, 0]])),
          [b"\x00" * 16], "lengths do not add up"),
+        (msgpack.ExtType(5, msgpack.packb(["sample_0_1", 1, "ok", None, {}, [0], ["stop"], [0.0], [0], [1], [1],
+                                           ["<i8", [1], 1, 0], ["<i8", [1], 1, 0], ["<f4", [1], 1, 0], "nope"])),
+         [b"\x00" * 16], "column record is not"),
     ],
 )
 def test_forged_headers_raise_codec_error(record, frames, message):
