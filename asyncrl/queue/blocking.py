@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 from asyncrl.queue.consumer import ConsumerStats, StreamConsumer
 from asyncrl.queue.producer import ProducerStats, StreamProducer
-from asyncrl.queue.protocol import StreamConfig, StreamError
+from asyncrl.queue.protocol import StreamConfig
 from asyncrl.types import Group
 
 T = TypeVar("T")
@@ -136,5 +136,3 @@ class BlockingStreamProducer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-__all__ = ["BlockingStreamConsumer", "BlockingStreamProducer", "StreamError"]
