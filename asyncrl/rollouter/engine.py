@@ -27,6 +27,18 @@ PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 
 
+def engine_config(config_cls: type, model_path, config, kwargs: dict):
+    """The config of an engine built as ``Engine(model_path, **settings)`` or ``Engine(config=...)``."""
+    name = config_cls.__name__
+    if config is None:
+        if model_path is None:
+            raise ValueError(f"{name.removesuffix('Config')} needs model_path (or config={name}(...))")
+        return config_cls(model_path=model_path, **kwargs)
+    if model_path is not None or kwargs:
+        raise ValueError("pass either config= or model_path and keyword settings, not both")
+    return config
+
+
 class EngineError(RuntimeError):
     """Base class of the errors an engine raises to its callers."""
 

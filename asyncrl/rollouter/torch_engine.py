@@ -50,6 +50,7 @@ from asyncrl.rollouter.engine import (
     EngineError,
     EnginePausedError,
     PauseMode,
+    engine_config,
 )
 from asyncrl.rollouter.model_runner import ModelRunner, Sequence
 from asyncrl.types import GenerateRequest, GenerateResult
@@ -91,13 +92,7 @@ class TorchEngine:
     """Continuous-batching engine over a Hugging Face causal LM (see the module docstring)."""
 
     def __init__(self, model_path: str | Path | None = None, *, config: TorchEngineConfig | None = None, **kwargs):
-        if config is None:
-            if model_path is None:
-                raise ValueError("TorchEngine needs model_path (or config=TorchEngineConfig(...))")
-            config = TorchEngineConfig(model_path=model_path, **kwargs)
-        elif model_path is not None or kwargs:
-            raise ValueError("pass either config= or model_path and keyword settings, not both")
-        self.config = config
+        self.config = config = engine_config(TorchEngineConfig, model_path, config, kwargs)
         from transformers import AutoModelForCausalLM
 
         extra = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}

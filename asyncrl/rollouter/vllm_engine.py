@@ -54,6 +54,7 @@ from asyncrl.rollouter.engine import (
     EngineError,
     EnginePausedError,
     PauseMode,
+    engine_config,
 )
 from asyncrl.types import GenerateRequest, GenerateResult
 
@@ -259,13 +260,7 @@ class VLLMEngine:
     """
 
     def __init__(self, model_path: str | Path | None = None, *, config: VLLMEngineConfig | None = None, **kwargs):
-        if config is None:
-            if model_path is None:
-                raise ValueError("VLLMEngine needs model_path (or config=VLLMEngineConfig(...))")
-            config = VLLMEngineConfig(model_path=model_path, **kwargs)
-        elif model_path is not None or kwargs:
-            raise ValueError("pass either config= or model_path and keyword settings, not both")
-        self.config = config
+        self.config = config = engine_config(VLLMEngineConfig, model_path, config, kwargs)
         self._eos = config.eos_token_ids if config.eos_token_ids is not None else model_eos_token_ids(config.model_path)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
