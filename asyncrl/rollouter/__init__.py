@@ -6,23 +6,18 @@ until an engine is used).
 
 from __future__ import annotations
 
-import importlib
+from asyncrl._lazy import lazy_exports
 
 _EXPORTS = {
     "TorchEngine": "asyncrl.rollouter.torch_engine",
     "TorchEngineConfig": "asyncrl.rollouter.torch_engine",
     "EngineActor": "asyncrl.rollouter.actor",
+    "Rollouter": "asyncrl.rollouter.rollouter",
+    "RolloutConfig": "asyncrl.rollouter.rollouter",
     "RolloutEngine": "asyncrl.rollouter.engine",
     "EngineError": "asyncrl.rollouter.engine",
     "EnginePausedError": "asyncrl.rollouter.engine",
     "EngineClosedError": "asyncrl.rollouter.engine",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncrl.rollouter' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

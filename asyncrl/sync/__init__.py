@@ -12,7 +12,7 @@ Names are imported lazily so ``import asyncrl.sync`` stays cheap.
 
 from __future__ import annotations
 
-import importlib
+from asyncrl._lazy import lazy_exports
 
 _EXPORTS = {
     "WeightSyncGroup": "asyncrl.sync.group",
@@ -27,11 +27,4 @@ _EXPORTS = {
     "WeightSyncer": "asyncrl.sync.coordinator",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncrl.sync' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

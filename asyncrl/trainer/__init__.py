@@ -11,7 +11,7 @@ Names are imported lazily so ``import asyncrl.trainer`` stays cheap (no torch un
 
 from __future__ import annotations
 
-import importlib
+from asyncrl._lazy import lazy_exports
 
 _EXPORTS = {
     "AlgorithmConfig": "asyncrl.trainer.config",
@@ -31,11 +31,4 @@ _EXPORTS = {
     "TrainerState": "asyncrl.trainer.checkpoint",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncrl.trainer' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)
