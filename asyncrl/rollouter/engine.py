@@ -12,6 +12,12 @@ Semantics follow vLLM's ``pause_generation`` / ``resume_generation``:
 Weights are replaced only while paused: ``load_weights`` any number of times (a full set or a
 bucket at a time), then ``finish_weight_update(version)`` makes them live; tokens generated
 after ``resume()`` carry the new version.
+
+Optional hook (not part of the protocol; the vLLM engine does not have it):
+``weight_views() -> dict[str, torch.Tensor]`` returns the live parameter tensors by name,
+valid only while paused (until ``resume()``). A weight receiver may write received bytes
+straight into them instead of calling ``load_weights``; ``finish_weight_update(version)`` is
+still what makes them live. Engines without it are loaded through ``load_weights``.
 """
 
 from __future__ import annotations

@@ -291,6 +291,17 @@ class TorchEngine:
                     )
             await asyncio.to_thread(self._copy_weights, named)
 
+    def weight_views(self) -> dict[str, torch.Tensor]:
+        """The live parameter storage by HF name (tied names share one tensor); only while paused.
+
+        A weight receiver may write received bytes straight into these tensors (no staging
+        copy); they stay valid until ``resume()``, and ``finish_weight_update`` still makes
+        the new weights live. Raises `EngineError` when the engine is not paused.
+        """
+        if self._paused is None:
+            raise EngineError("weight_views needs a paused engine: call pause('keep') first")
+        return {name: p.detach() for name, p in self._params.items()}
+
     @torch.no_grad()
     def _copy_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named:

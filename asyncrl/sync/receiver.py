@@ -1,25 +1,36 @@
 """`WeightReceiver`: the engine side of a weight sync, used inside an engine actor.
 
 `connect` joins the weight-sync group as rank ``rank_offset``; `receive` takes one sync off
-the group (header, metadata when it changed, then the buckets; see `asyncrl.sync.sender`)
-and hands every bucket to ``engine.load_weights`` as it lands, while the next bucket is
-already being received into the other of two buffers. The tensors given to
-``load_weights`` are views into a reused buffer: the engine copies them (as the
-`RolloutEngine` contract says).
+the group (header, metadata when it changed, then the buckets; see `asyncrl.sync.sender`).
+
+Where each bucket lands:
+
+- direct: a bucket that holds one tensor is byte-identical to it, so when the engine has
+  the optional ``weight_views()`` hook (see `asyncrl.rollouter.engine`) and that tensor's
+  engine parameter is contiguous with the same dtype, shape and device, the broadcast is
+  received straight into the parameter's storage: no staging buffer, no copy. An alias the
+  engine keeps in separate storage (untied) is then copied from it via ``load_weights``;
+- staged: every other bucket (several small tensors packed, or no hook, e.g. vLLM) is
+  received into one of two alternating buffers and handed to ``engine.load_weights`` as
+  views into it (the engine copies them, as the `RolloutEngine` contract says), while the
+  next bucket is already being received into the other buffer.
 
 Blocking collectives run in a worker thread under the group's ``timeout_s``, so the
-actor's event loop keeps serving (e.g. ``version()`` pings) while weights travel.
+actor's event loop keeps serving (e.g. ``version()`` pings) while weights travel; every
+wait (join, header, metadata, each bucket) has that deadline.
 
-Never a mix of old and new weights: the caller (the coordinator) pauses the engine with
-``keep`` before `receive`, so nothing generates while buckets land (the built-in engine
-copies each bucket into its model in place); ``finish_weight_update(version)`` is called
-only after every bucket of the layout landed, and the coordinator resumes an engine only
-after its `receive` returned. If a receive fails half way, `receive` raises, the group is
-dropped, ``finish_weight_update`` is not called, ``incomplete`` stays True, and the engine
-stays paused until a later complete receive (the coordinator re-sends the whole set).
-Leaves out: several workers per engine (one rank per receiver), receiving straight into
-the engine's parameter memory (it would save the load copy, the largest cost on CPU, but
-needs an engine hook the `RolloutEngine` interface does not have).
+Never a mix of old and new weights served: the caller (the coordinator) pauses the engine
+with ``keep`` before `receive` and resumes it only after `receive` returned, so nothing
+generates while buckets land, whether they are written in place by the broadcast or by
+``load_weights`` (both only touch the parameters while paused; ``weight_views`` refuses
+an unpaused engine). ``finish_weight_update(version)`` (the version bump) is called only
+after every bucket of the layout landed. If a receive fails half way, `receive` raises,
+the group is dropped, ``finish_weight_update`` is not called, ``incomplete`` stays True,
+and the coordinator does not resume that engine: it stays paused until a later complete
+receive (the coordinator re-sends the whole set). Metadata is received once per group and
+re-used while the sender says it did not change.
+Leaves out: several workers per engine (one rank per receiver); receiving packed buckets
+of several tensors in place (they are staged and copied once).
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import time
 
 import torch
 
-from asyncrl.sync.buckets import NUM_BUFFERS, BucketBuffers, BucketLayout, unpack
+from asyncrl.sync.buckets import NUM_BUFFERS, BucketBuffers, BucketLayout, dtype_name, unpack
 from asyncrl.sync.group import SyncGroupConfig, WeightSyncGroup
 from asyncrl.sync.sender import HEADER_LEN, MAGIC, WeightSyncError
 
@@ -37,8 +48,12 @@ from asyncrl.sync.sender import HEADER_LEN, MAGIC, WeightSyncError
 class WeightReceiver:
     """Receive weights from trainer rank 0 into one engine (see module doc)."""
 
-    def __init__(self, engine, *, rank_offset: int, **group) -> None:
+    def __init__(self, engine, *, rank_offset: int, direct: bool = True, **group) -> None:
         self.engine = engine
+        self.direct = direct
+        """Receive single-tensor buckets straight into the engine's parameters when it has
+        the ``weight_views`` hook (False: always stage and ``load_weights``)."""
+        self._views: dict[str, torch.Tensor] = {}
         self.rank = rank_offset
         self.group_config = SyncGroupConfig(**group)
         self._group = WeightSyncGroup(self.group_config, rank=rank_offset)
@@ -88,12 +103,19 @@ class WeightReceiver:
         if num_buckets != len(layout.buckets):
             raise WeightSyncError(f"rank {self.rank}: header says {num_buckets} buckets, layout has {len(layout.buckets)}")
 
+        direct = self._direct_targets(layout, group.device)
+        staged = [b.nbytes for b in layout.buckets if b.index not in direct]
         depth = min(NUM_BUFFERS, num_buckets)
-        bufs = [self._bufs.get(slot, layout.max_bucket_bytes) for slot in range(depth)]
+        bufs = [self._bufs.get(slot, max(staged)) for slot in range(depth)] if staged else []
+
+        def post(k: int):
+            dst = direct[k] if k in direct else bufs[k % depth][: layout.buckets[k].nbytes]
+            return group.broadcast(dst)
+
         works: dict = {}
         try:
             for k in range(max(1, depth - 1) if num_buckets else 0):
-                works[k] = group.broadcast(bufs[k][: layout.buckets[k].nbytes])
+                works[k] = post(k)
             self.incomplete = True
             wire = load = 0.0
             for i, bucket in enumerate(layout.buckets):
@@ -103,17 +125,45 @@ class WeightReceiver:
                 ahead = i + depth - 1
                 if ahead > i and ahead < num_buckets:
                     # keep receives posted ahead while this bucket loads, so the wire never idles
-                    works[ahead] = group.broadcast(bufs[ahead % depth][: layout.buckets[ahead].nbytes])
+                    works[ahead] = post(ahead)
                 t = time.perf_counter()
-                await self.engine.load_weights(self._named(bucket, bufs[i % depth]))
+                named = self._named(bucket, direct[i] if i in direct else bufs[i % depth])
+                if i in direct:
+                    # landed in the engine's own parameter: only untied aliases still need a copy
+                    named = [(target, tensor) for target, tensor in named
+                             if target not in self._views or self._views[target].data_ptr() != tensor.data_ptr()]
+                if named:
+                    await self.engine.load_weights(named)
                 load += time.perf_counter() - t
         finally:
             # pending Works keep the backend group (and its sockets) alive past close()
             works.clear()
+            self._views = {}
         await self.engine.finish_weight_update(version)
-        self.stats.update(wire_wait_s=wire, load_s=load)
+        self.stats.update(wire_wait_s=wire, load_s=load, direct_buckets=len(direct),
+                          direct_bytes=sum(layout.buckets[k].nbytes for k in direct))
         self.incomplete = False
         return {"version": version, "buckets": num_buckets, "bytes": layout.total_bytes, "meta": bool(meta_nbytes)}
+
+    def _direct_targets(self, layout: BucketLayout, device: torch.device) -> dict[int, torch.Tensor]:
+        """{bucket index: uint8 view of the engine parameter that bucket is received into}.
+
+        Only for a bucket of one tensor whose engine parameter (the hook's view) is contiguous
+        with the same dtype, shape and device: its bytes are the parameter's bytes. Empty when
+        the engine has no ``weight_views`` hook (e.g. vLLM) or ``direct=False``.
+        """
+        hook = getattr(self.engine, "weight_views", None) if self.direct else None
+        self._views = (hook() or {}) if hook is not None else {}
+        out: dict[int, torch.Tensor] = {}
+        for bucket in layout.buckets:
+            if len(bucket.slots) != 1:
+                continue
+            slot = bucket.slots[0]
+            view = self._views.get(self._plan[slot.name][0])
+            if (view is not None and view.is_contiguous() and view.device == device
+                    and dtype_name(view.dtype) == slot.dtype and tuple(view.shape) == slot.shape):
+                out[bucket.index] = view.reshape(-1).view(torch.uint8)
+        return out
 
     def _check_layout(self, layout: BucketLayout) -> dict:
         """Match the layout to the engine's parameters; return {sent name: [engine names]}."""
