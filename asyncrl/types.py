@@ -91,6 +91,19 @@ class Trajectory:
                 f"{self.sample_id}[{self.index}]: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}"
             )
 
+    @classmethod
+    def _from_typed(cls, sample_id, index, prompt_ids, response_ids, logprobs, versions, finish_reason, reward, age):
+        """Private fast path for the stream codec: the arrays are already 1-d int64/float32/int64
+        with matching lengths (the codec checked them), so only ``finish_reason`` is checked."""
+        if finish_reason not in FINISH_REASONS:
+            raise ValueError(f"{sample_id}[{index}]: finish_reason {finish_reason!r} is not one of {FINISH_REASONS}")
+        t = object.__new__(cls)
+        t.__dict__.update(
+            sample_id=sample_id, index=index, prompt_ids=prompt_ids, response_ids=response_ids,
+            logprobs=logprobs, versions=versions, finish_reason=finish_reason, reward=reward, age=age,
+        )
+        return t
+
     @property
     def valid(self) -> bool:
         """A trajectory the Trainer may learn from: finished by the model, not cut off mid-flight."""

@@ -349,6 +349,7 @@ class _Decoder:
 
 _GROUP_COLUMNS = 15
 _I8, _F4 = np.dtype(np.int64), np.dtype(np.float32)
+_COLUMN_DTYPES = (_I8, _I8, _F4, _I8)  # prompt_ids, response_ids, logprobs, versions
 _NP_DTYPES = {np.dtype(c).str: np.dtype(c) for c in "?bBhHiIlLqQefdFD"}
 
 
@@ -367,20 +368,24 @@ def _group_from_columns(c: list[Any]) -> Group:
     trajectories = []
     if n:
         arrays = (p, r, lp, v)
-        if not all(isinstance(a, np.ndarray) and a.ndim == 1 for a in arrays):
-            raise CodecError(f"group {sample_id!r}: token columns must be 1-d arrays")
+        if not all(isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype == dt for a, dt in zip(arrays, _COLUMN_DTYPES)):
+            raise CodecError(f"group {sample_id!r}: token columns must be 1-d arrays of int64, int64, float32, int64")
         if not all(type(x) is int and x >= 0 for x in plens + rlens):
             raise CodecError(f"group {sample_id!r}: lengths must be non-negative ints")
         if sum(plens) != len(p) or not sum(rlens) == len(r) == len(lp) == len(v):
             raise CodecError(f"group {sample_id!r}: lengths do not add up to the token columns")
+        # The columns are typed and sized above, so each record is built without re-checking its
+        # arrays (Trajectory._from_typed checks what is left: finish_reason).
+        make = Trajectory._from_typed
         po = ro = 0
-        for i in range(n):
-            pe, re = po + plens[i], ro + rlens[i]
-            trajectories.append(_build(
-                Trajectory, sample_id=sample_id, index=index[i], prompt_ids=p[po:pe], response_ids=r[ro:re],
-                logprobs=lp[ro:re], versions=v[ro:re], finish_reason=finish[i], reward=reward[i], age=age[i],
-            ))
-            po, ro = pe, re
+        try:
+            for i in range(n):
+                pe, re = po + plens[i], ro + rlens[i]
+                trajectories.append(make(sample_id, index[i], p[po:pe], r[ro:re], lp[ro:re], v[ro:re],
+                                         finish[i], reward[i], age[i]))
+                po, ro = pe, re
+        except ValueError as e:
+            raise CodecError(f"invalid Trajectory: {e}") from e
     return _build(Group, sample_id=sample_id, trajectories=trajectories, expected=expected, status=status,
                   error=error, meta=meta)
 

@@ -124,6 +124,39 @@ def test_failed_and_empty_groups_and_single_trajectory_round_trip():
     assert out == t and isinstance(out, Trajectory)
 
 
+def _forge_group(g, mutate):
+    """``pack(g)`` with its group record's 15 fields passed through ``mutate``."""
+    header, *data = pack(g)
+    version, n, pool_nbytes, body = msgpack.unpackb(header, raw=False)
+    ext = msgpack.unpackb(body, raw=False)
+    fields = msgpack.unpackb(ext.data, raw=False)
+    mutate(fields)
+    body = msgpack.packb(msgpack.ExtType(ext.code, msgpack.packb(fields, use_bin_type=True)), use_bin_type=True)
+    return [msgpack.packb([version, n, pool_nbytes, body], use_bin_type=True), *data]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda f: f[11].__setitem__(0, "<f8"), "int64, int64, float32, int64"),  # prompt_ids sent as float64
+    (lambda f: f[13].__setitem__(0, "<i4"), "int64, int64, float32, int64"),  # logprobs sent as int32
+    (lambda f: f[6].__setitem__(1, "exploded"), "finish_reason 'exploded'"),
+    (lambda f: f[10].__setitem__(0, f[10][0] + 1), "lengths do not add up"),  # one response token too many
+])
+def test_forged_group_records_raise_codec_error(mutate, message):
+    g = Group("sample_1_2", [_traj("sample_1_2", k, 5, 9) for k in range(3)], expected=3)
+    assert unpack(_forge_group(g, lambda f: None)) == g  # the forging itself changes nothing
+    with pytest.raises(CodecError, match=message):
+        unpack(_forge_group(g, mutate))
+
+
+def test_decoded_group_records_are_typed_trajectories():
+    g = Group("sample_1_3", [_traj("sample_1_3", k, 5, 9) for k in range(2)], expected=2)
+    out = unpack(pack(g))
+    for t in out.trajectories:
+        assert type(t) is Trajectory and t.valid and t.sample_id == "sample_1_3"
+        assert [a.dtype for a in (t.prompt_ids, t.response_ids, t.logprobs, t.versions)] == [np.int64, np.int64, np.float32, np.int64]
+        assert [a.ndim for a in (t.prompt_ids, t.response_ids, t.logprobs, t.versions)] == [1, 1, 1, 1]
+
+
 def test_plain_values_round_trip():
     value = {"a": [1, -2, 2**63 - 1, -(2**63)], "b": {"c": None, "d": [True, False, 1.25, "é"]}, 7: b"\x00\xff",
              "np": [np.int32(5), np.float16(0.5), np.bool_(True)]}
