@@ -274,9 +274,20 @@ class _Decoder:
         if code == _EXT_GROUP:
             c = self._fields(data, "Group", _GROUP_COLUMNS)
             if c[5]:  # a group without responses has no columns to rebuild
-                c[11:] = [self._ndarray(*self._locate(rec, "column")) for rec in c[11:]]
+                c[11:] = [self._column(rec, dt) for rec, dt in zip(c[11:], _COLUMN_DTYPES)]
             return _group_from_columns(c)
         raise CodecError(f"unknown extension code {code} in header")
+
+    def _column(self, rec: Any, dt: np.dtype) -> np.ndarray:
+        # A group's token column as the encoder writes it: [dtype, [count], 1, offset], inside
+        # the pool. Anything else takes the general path, whose errors say what is wrong.
+        if type(rec) is list and len(rec) == 4 and rec[0] == dt.str and rec[2] == 1:
+            shape, offset = rec[1], rec[3]
+            if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and type(offset) is int:
+                count, pool = shape[0], self.buffers[0]
+                if count > 0 and offset >= 0 and offset + count * dt.itemsize <= pool.nbytes:
+                    return np.frombuffer(pool, dt, count, offset)
+        return self._ndarray(*self._locate(rec, "column"))
 
     def _fields(self, data: bytes, what: str, n: int) -> list[Any]:
         values = self.unpackb(data)

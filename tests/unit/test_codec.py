@@ -140,6 +140,9 @@ def _forge_group(g, mutate):
     (lambda f: f[13].__setitem__(0, "<i4"), "int64, int64, float32, int64"),  # logprobs sent as int32
     (lambda f: f[6].__setitem__(1, "exploded"), "finish_reason 'exploded'"),
     (lambda f: f[10].__setitem__(0, f[10][0] + 1), "lengths do not add up"),  # one response token too many
+    (lambda f: f[12].__setitem__(3, 10**9), "needs bytes"),  # response_ids column beyond the pool
+    (lambda f: f[12].__setitem__(3, -8), "offset -8 is invalid"),
+    (lambda f: f[14].__setitem__(2, 7), "refers to frame 7"),
 ])
 def test_forged_group_records_raise_codec_error(mutate, message):
     g = Group("sample_1_2", [_traj("sample_1_2", k, 5, 9) for k in range(3)], expected=3)
@@ -148,8 +151,13 @@ def test_forged_group_records_raise_codec_error(mutate, message):
         unpack(_forge_group(g, mutate))
 
 
-def test_decoded_group_records_are_typed_trajectories():
+def test_decoded_group_records_are_typed_trajectories_viewing_the_pool():
     g = Group("sample_1_3", [_traj("sample_1_3", k, 5, 9) for k in range(2)], expected=2)
+    frames = _as_bytearrays(pack(g))
+    out = unpack(frames)
+    assert out == g
+    frames[1][:] = bytes(len(frames[1]))  # zero-copy: the records see the pool frame change
+    assert all(not t.response_ids.any() and not t.prompt_ids.any() for t in out.trajectories)
     out = unpack(pack(g))
     for t in out.trajectories:
         assert type(t) is Trajectory and t.valid and t.sample_id == "sample_1_3"
