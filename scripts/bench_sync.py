@@ -15,7 +15,7 @@ parameters), one `WeightSyncCoordinator`. Every figure is the median of ``--reps
 ``peak_extra_mb_rank0`` is the peak RSS growth of the trainer process during a send
 (sampled every millisecond; the first sync allocates the two bucket buffers, which are
 then kept), next to the sender's own count of sync buffers + gathered tensors in flight.
-Run: ``python scripts/bench_sync.py [--json] [--sizes-mb 50 500] [--bucket-mb 16] [--reps 3]``.
+Run: ``python scripts/bench_sync.py [--json] [--sizes-mb 50 500] [--bucket-mb 4] [--reps 3]``.
 With ``--json`` the last line is the 500 MB case (the largest size run):
 ``{"sync_gb_s", "raw_gb_s", "vs_raw", "pause_resume_ms", "peak_extra_mb_rank0"}``,
 ``vs_raw`` = sync_gb_s / raw_gb_s (full sync, pause and resume included).

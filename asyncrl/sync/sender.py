@@ -13,11 +13,13 @@ Wire protocol on the group, per sync (all from rank 0):
 3. one uint8 tensor per bucket, laid out as `asyncrl.sync.buckets` says.
 
 Two bucket buffers alternate: bucket ``i + 1`` is gathered and packed while bucket ``i``
-is on the wire. A bucket holding a single tensor (one at least as large as ``bucket_mb``)
-is byte-identical to that tensor, so it is sent from the tensor's own memory, unpacked.
-Rank 0's extra memory is at most two buffers of ``bucket_mb`` (kept between syncs unless
-``keep_buffers=False``) plus two buckets of gathered full tensors in flight (none for an
-unsharded model).
+is on the wire. A bucket holding a single tensor (one that does not fit beside its
+neighbours in ``bucket_mb``) is byte-identical to that tensor, so it is sent from the
+tensor's own memory, unpacked (and a receiver whose engine has ``weight_views`` receives it
+straight into the parameter). Only buckets of several tensors are packed, so the buffers
+are sized by the largest packed bucket: rank 0's extra memory is at most two buffers of
+``bucket_mb`` (kept between syncs unless ``keep_buffers=False``) plus two buckets of
+gathered full tensors in flight (none for an unsharded model).
 
 If the broadcast fails (a receiver died), rank 0 drops the group and every pending Work
 (destroying the gloo group is what closes its sockets), so the other receivers fail fast
@@ -83,7 +85,7 @@ def _abandon(group: WeightSyncGroup, inflight: list) -> None:
 class WeightSender:
     """Send a model's parameters to every engine of the weight-sync group (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, *, rank: int, bucket_mb: float = 16.0, keep_buffers: bool = True,
+    def __init__(self, model: torch.nn.Module, *, rank: int, bucket_mb: float = 4.0, keep_buffers: bool = True,
                  **group) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
@@ -180,7 +182,7 @@ class WeightSender:
             try:
                 slot = i % NUM_BUFFERS
                 self._drain(inflight, slot, timing)
-                payload, keep = self._payload(bucket, tensors, lambda: bufs.get(slot, layout.max_bucket_bytes), timing)
+                payload, keep = self._payload(bucket, tensors, lambda: bufs.get(slot, bucket.nbytes), timing)
                 inflight[slot] = (group.broadcast(payload), keep, gathered if keep else 0)
                 peak = max(peak, bufs.nbytes + gathered + sum(x[2] for x in inflight if x))
             except Exception as exc:  # noqa: BLE001 - keep gathering, raise at the end
