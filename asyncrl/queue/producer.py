@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import zmq
 
 from asyncrl.queue import protocol as P
-from asyncrl.queue.codec import CodecError, pack
+from asyncrl.queue.codec import CodecError, PoolBuffers, pack
 from asyncrl.queue.protocol import StreamConfig, StreamError
 from asyncrl.queue.transport import StreamSocket
 from asyncrl.types import Group
@@ -70,6 +70,7 @@ class StreamProducer:
             if not isinstance(g, Group):
                 raise TypeError(f"unacked must hold Group records, got {type(g).__name__}")
             self._unacked[g.sample_id] = g
+        self._buffers = PoolBuffers()  # pool frames reused once ZeroMQ has let go of them
         self._resend: deque[str] = deque()
         self._session: str | None = None
         self._granted = 0
@@ -202,7 +203,7 @@ class StreamProducer:
     def _pack(self, group: Group) -> list[Any]:
         if not isinstance(group, Group):
             raise TypeError(f"the stream carries Group records, got {type(group).__name__}")
-        frames = pack(group, own_frame_bytes=self.config.own_frame_bytes)
+        frames = pack(group, own_frame_bytes=self.config.own_frame_bytes, buffers=self._buffers)
         for f in frames:
             if memoryview(f).nbytes > self.config.max_frame_bytes:
                 raise CodecError(
