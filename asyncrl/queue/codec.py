@@ -8,8 +8,10 @@ every numpy array and torch tensor in ``obj`` is replaced there by a record
 (ZeroMQ copies small frames anyway, and one frame instead of dozens is what keeps the
 per-message cost low). A `Group` travels column-wise: each token field of its ``n``
 responses is gathered straight into the pool as one array, so a message has a handful of
-records whatever ``n`` is. ``unpack(frames)`` rebuilds the value; every array is a view on a
-received frame (``numpy.frombuffer`` / ``torch.frombuffer``), never a copy. Treat decoded
+records whatever ``n`` is; a producer passes `PoolBuffers` so that the pool frame is a
+recycled buffer rather than a fresh allocation per message. ``unpack(frames)`` rebuilds the
+value; every array is a view on a received frame (``numpy.frombuffer`` /
+``torch.frombuffer``), never a copy. Treat decoded
 arrays as read-only: one decoded from immutable bytes is read-only, and a tensor shares the
 frame's memory.
 
