@@ -16,18 +16,17 @@ real engines. Run the full curve with ``python scripts/learn_sync.py``.
 
 from __future__ import annotations
 
-import asyncio
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter, RolloutState, encode_prompts
 from asyncrl.tasks import arithmetic
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.ranks import RankGroup
 from asyncrl.trainer.trainer import MemorySource, Trainer
-from asyncrl.types import GenerateRequest, Group, SamplingParams, Trajectory, make_sample_id
+from asyncrl.types import Group, parse_sample_id
 
 
 class DirectEngineSyncer:
@@ -79,29 +78,32 @@ class SyncGRPOConfig:
 
 async def rollout(engine, tokenizer, rows: list[dict], *, first_index: int, n: int, temperature: float,
                   max_tokens: int, seed: int) -> list[Group]:
-    """``n`` scored responses for each prompt row, as groups ``sample_0_{first_index + i}``."""
+    """``n`` scored responses for each prompt row, as groups ``sample_0_{first_index + i}``.
 
-    async def one(sid: str, prompt_ids: np.ndarray, text: str, k: int) -> Trajectory:
-        rid = f"{sid}#{k}"
-        # crc32, not hash(): str hashes change between processes, seeds must not.
-        sampling = SamplingParams(temperature=temperature, seed=(seed * 1_000_003 + zlib.crc32(rid.encode())) % 2**31)
-        req = GenerateRequest(request_id=rid, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling)
-        res = await engine.generate(req)
-        r = arithmetic.reward(text, arithmetic.decode_response(tokenizer, res.response_ids))
-        return Trajectory(sample_id=sid, index=k, prompt_ids=prompt_ids, response_ids=res.response_ids,
-                          logprobs=res.logprobs, versions=res.versions, finish_reason=res.finish_reason, reward=r)
+    The same `Rollouter` the asynchronous pipeline runs, with its gate wide open: every row is
+    admitted at once and the groups are collected, in feed order, instead of streamed.
+    """
+    collected = _Collector()
+    cfg = RolloutConfig(n=n, max_tokens=max_tokens, temperature=temperature, groups_per_sync=len(rows),
+                        max_concurrent=len(rows), seed=seed)
 
-    groups = []
-    calls = []
-    for i, row in enumerate(rows):
-        sid = make_sample_id(0, first_index + i)
-        ids = arithmetic.encode_prompt(tokenizer, row["prompt"])
-        calls.append((sid, [one(sid, ids, row["prompt"], k) for k in range(n)]))
-    results = await asyncio.gather(*[c for _, cs in calls for c in cs])
-    for i, (sid, _) in enumerate(calls):
-        groups.append(Group(sample_id=sid, trajectories=list(results[i * n:(i + 1) * n]), expected=n,
-                            meta={"prompt": rows[i]["prompt"]}))
-    return groups
+    def reward(text: str, response_ids: np.ndarray) -> float:
+        return arithmetic.reward(text, arithmetic.decode_response(tokenizer, response_ids))
+
+    prompts = encode_prompts(tokenizer, rows, encode=arithmetic.encode_prompt)
+    rollouter = Rollouter(cfg, [engine], collected, prompts, reward, state=RolloutState(next_index=first_index))
+    await rollouter.run(num_groups=len(rows))
+    return sorted(collected.groups, key=lambda g: parse_sample_id(g.sample_id)[1])
+
+
+class _Collector:
+    """Stands where the Rollouter's StreamProducer would: keeps the groups in this process."""
+
+    def __init__(self) -> None:
+        self.groups: list[Group] = []
+
+    async def send(self, group: Group) -> None:
+        self.groups.append(group)
 
 
 async def learn_sync(cfg: SyncGRPOConfig, ranks: RankGroup, engine, tokenizer, on_step=None) -> list[dict]:
