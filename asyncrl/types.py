@@ -148,6 +148,19 @@ class Group:
             if t.sample_id != self.sample_id:
                 raise ValueError(f"group {self.sample_id} holds a trajectory of {t.sample_id}")
 
+    @classmethod
+    def _from_typed(cls, sample_id, trajectories, expected, status, error, meta):
+        """Private fast path for the stream codec: ``trajectories`` were built for ``sample_id``,
+        so only ``expected`` and ``status`` are checked."""
+        if type(expected) is not int or expected < 1:
+            raise ValueError(f"{sample_id}: expected must be an int >= 1, got {expected!r}")
+        if status not in ("ok", "failed"):
+            raise ValueError(f"{sample_id}: status {status!r} is not 'ok' or 'failed'")
+        g = object.__new__(cls)
+        g.__dict__.update(sample_id=sample_id, trajectories=trajectories, expected=expected, status=status,
+                          error=error, meta=meta)
+        return g
+
     @property
     def complete(self) -> bool:
         """True when the group may be trained on: ok, and ``expected`` valid, distinct responses."""

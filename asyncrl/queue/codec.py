@@ -15,6 +15,12 @@ value; every array is a view on a received frame (``numpy.frombuffer`` /
 arrays as read-only: one decoded from immutable bytes is read-only, and a tensor shares the
 frame's memory.
 
+The sample stream itself uses a leaner path for its one record type: `prepare_group` checks
+a `Group` once, when the producer accepts it, and `pack_groups` encodes any number of
+prepared groups as ``[header, pool]``, each token column gathered across all of them in one
+copy; `unpack_groups` slices them back into `Group` records whose arrays are views on the
+pool.
+
 Supported values: None, bool, int (64-bit), float, str, bytes, lists/tuples (decoded as
 lists), dicts with str/int keys, numpy arrays and scalars of numeric or bool dtype, torch
 tensors (including bfloat16; numpy has no bfloat16, so its bytes are rebuilt with torch),
@@ -53,6 +59,7 @@ DEFAULT_OWN_FRAME_BYTES = 64 * 1024
 
 _MAX_NDIM = 32
 _ALIGN = 16  # pool offsets keep every dtype (complex128 included) aligned
+_GROW = 256 * 1024  # recycled pool buffers grow in steps of this many bytes
 
 # msgpack extension codes used in the header.
 _EXT_NDARRAY = 1
@@ -239,8 +246,8 @@ class PoolBuffers:
         buffers = self._buffers
         for i in range(len(buffers)):
             if sys.getrefcount(buffers[i]) == 2:  # the list's reference and getrefcount's argument
-                if buffers[i].nbytes < nbytes:
-                    buffers[i] = np.empty(nbytes, np.uint8)
+                if buffers[i].nbytes < nbytes:  # grown with headroom, as message sizes vary
+                    buffers[i] = np.empty(-(-nbytes // _GROW) * _GROW, np.uint8)
                 return buffers[i][:nbytes]
         buf = np.empty(nbytes, np.uint8)
         if len(buffers) < self.keep:
@@ -471,3 +478,188 @@ def unpack(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
         unused = [i + 1 for i, u in enumerate(dec.used) if not u]
         raise CodecError(f"data frames {unused} are not referenced by the header")
     return value
+
+
+# --------------------------------------------------------------------------------------
+# group batches: the sample stream's own fast path
+
+
+class PreparedGroup:
+    """A `Group` checked and laid out for `pack_groups`: done once, when the producer accepts it.
+
+    ``record`` is the group's msgpack record (ids, per-response values, lengths), ``sources``
+    its four token columns as lists of 1-d arrays (not copied yet), ``nbytes`` their size.
+    """
+
+    __slots__ = ("group", "record", "sources", "counts", "nbytes")
+
+    def __init__(self, group: Group, record: bytes, sources: tuple[list[Any], ...], counts: tuple[int, int]) -> None:
+        self.group = group
+        self.record = record
+        self.sources = sources
+        self.counts = counts  # prompt tokens, response tokens
+        # int64 prompt ids; int64 response ids + float32 logprobs + int64 versions; the record
+        self.nbytes = counts[0] * 8 + counts[1] * 20 + len(record)
+
+    @property
+    def sample_id(self) -> str:
+        return self.group.sample_id
+
+
+def _plain(obj: Any) -> Any:
+    # numpy scalars (a reward computed with numpy, say) become the Python value they hold.
+    if isinstance(obj, np.generic) and obj.dtype.kind in _NP_KINDS:
+        return obj.item()
+    raise TypeError(f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__} (no pickle)")
+
+
+def prepare_group(group: Group) -> PreparedGroup:
+    """Check ``group`` for `pack_groups` and lay it out; `CodecError` says what is wrong with it.
+
+    Every token array must be a 1-d numpy array of its field's dtype (int64 ids and versions,
+    float32 logprobs), as `Trajectory` makes them; ``meta`` and the per-response values must
+    be plain (numpy scalars become Python numbers).
+    """
+    if not isinstance(group, Group):
+        raise CodecError(f"the stream carries Group records, got {type(group).__module__}.{type(group).__qualname__}")
+    sid, ts = group.sample_id, group.trajectories
+    try:
+        p = [t.prompt_ids for t in ts]
+        r = [t.response_ids for t in ts]
+        lp = [t.logprobs for t in ts]
+        v = [t.versions for t in ts]
+        plens = [len(a) for a in p]
+        rlens = [len(a) for a in r]
+        # dtype objects of numpy's built-in types are singletons: `is` is the cheap test here.
+        typed = (all([a.dtype is _I8 and a.ndim == 1 for a in p]) and all([a.dtype is _I8 and a.ndim == 1 for a in r])
+                 and all([a.dtype is _F4 and a.ndim == 1 for a in lp]) and all([a.dtype is _I8 and a.ndim == 1 for a in v])
+                 and list(map(len, lp)) == rlens and list(map(len, v)) == rlens)
+        fields = [sid, group.expected, group.status, group.error, group.meta, [t.index for t in ts],
+                  [t.finish_reason for t in ts], [t.reward for t in ts], [t.age for t in ts], plens, rlens]
+    except (AttributeError, TypeError):
+        typed = False
+    if not typed:
+        _explain_untyped(group)
+    try:
+        record = msgpack.packb(fields, default=_plain, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise CodecError(f"group {sid!r}: {e}") from e
+    return PreparedGroup(group, record, (p, r, lp, v), (sum(plens), sum(rlens)))
+
+
+def _explain_untyped(group: Group) -> None:
+    """Raise `CodecError` naming what keeps ``group`` off `prepare_group`'s fast path.
+
+    Arrays equal in dtype to the expected one without being numpy's own singleton (a dtype
+    with metadata, say) are fine: then this returns and the group is packed as it is.
+    """
+    sid = group.sample_id
+    for t in group.trajectories:
+        if not isinstance(t, Trajectory):
+            raise CodecError(f"group {sid!r} holds a {type(t).__name__}, not a Trajectory")
+        arrays = (t.prompt_ids, t.response_ids, t.logprobs, t.versions)
+        for name, a, dt in zip(("prompt_ids", "response_ids", "logprobs", "versions"), arrays, _COLUMN_DTYPES):
+            if not isinstance(a, np.ndarray) or a.dtype != dt or a.ndim != 1:
+                what = f"{a.ndim}-d {a.dtype}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise CodecError(
+                    f"group {sid!r} response {t.index}: {name} must be a 1-d numpy array of {dt} "
+                    f"(as Trajectory makes it), got {what}"
+                )
+        if not len(t.response_ids) == len(t.logprobs) == len(t.versions):
+            raise CodecError(f"group {sid!r} response {t.index}: response_ids, logprobs, versions differ in length")
+
+
+def pack_groups(batch: list[PreparedGroup], *, buffers: PoolBuffers | None = None) -> list[Any]:
+    """Encode prepared groups as one message, ``[header, pool]``.
+
+    The pool holds four token columns (prompt ids, response ids, logprobs, versions), each
+    gathered across every response of every group in one copy; the header holds each group's
+    record and where the columns lie. `unpack_groups` slices them back into views.
+    """
+    np_ = sum(g.counts[0] for g in batch)
+    nr = sum(g.counts[1] for g in batch)
+    columns, offset = [], 0
+    for dt, count in zip(_COLUMN_DTYPES, (np_, nr, nr, nr)):
+        columns.append([dt.str, count, offset])
+        offset += -(-count * dt.itemsize // _ALIGN) * _ALIGN
+    pool = np.empty(offset, np.uint8) if buffers is None else buffers.take(offset)
+    for k, ((_, count, start), dt) in enumerate(zip(columns, _COLUMN_DTYPES)):
+        if count:
+            parts = [a for g in batch for a in g.sources[k]] if len(batch) > 1 else batch[0].sources[k]
+            np.concatenate(parts, out=pool[start : start + count * dt.itemsize].view(dt))
+    header = msgpack.packb([CODEC_VERSION, _BATCH, offset, columns, [g.record for g in batch]], use_bin_type=True)
+    return [header, pool]
+
+
+_BATCH = "groups"
+
+
+def unpack_groups(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[Group]:
+    """Decode ``[header, pool]`` as `pack_groups` made it; token arrays are views on the pool.
+
+    Raises `CodecError` for any malformed input, naming what was wrong.
+    """
+    if not isinstance(frames, (list, tuple)) or len(frames) != 2:
+        raise CodecError(f"a group batch is [header, pool], got {len(frames) if isinstance(frames, (list, tuple)) else type(frames).__name__} frames")
+    head, pool = _buffer(frames[0]), _buffer(frames[1])
+    for i, buf in enumerate((head, pool)):
+        if buf.nbytes > max_frame_bytes:
+            raise CodecError(f"frame {i} has {buf.nbytes} bytes, over max_frame_bytes={max_frame_bytes}")
+    try:
+        header = msgpack.unpackb(head, raw=False)
+    except Exception as e:
+        raise CodecError(f"group batch header is not valid msgpack: {type(e).__name__}: {e}") from e
+    if isinstance(header, list) and header and header[0] != CODEC_VERSION:
+        raise CodecError(f"codec version {header[0]!r} is not supported (this side speaks {CODEC_VERSION})")
+    if not isinstance(header, list) or len(header) != 5 or header[1] != _BATCH:
+        raise CodecError("header is not a group batch [version, 'groups', pool_nbytes, columns, records]")
+    _, _, pool_nbytes, columns, records = header
+    if type(pool_nbytes) is not int or pool_nbytes != pool.nbytes:
+        raise CodecError(f"pool frame has {pool.nbytes} bytes but the header announces {pool_nbytes!r}")
+    if not isinstance(records, list) or not isinstance(columns, list) or len(columns) != 4:
+        raise CodecError("group batch header lacks its four columns or its records")
+    arrays = []
+    for col, dt in zip(columns, _COLUMN_DTYPES):
+        if not (isinstance(col, list) and len(col) == 3 and col[0] == dt.str and type(col[1]) is int
+                and type(col[2]) is int and col[1] >= 0 and col[2] >= 0):
+            raise CodecError(f"group batch column {col!r} is not [{dt.str!r}, count, offset]")
+        count, start = col[1], col[2]
+        if start + count * dt.itemsize > pool.nbytes:
+            raise CodecError(f"column of {count} x {dt} at offset {start} overruns the {pool.nbytes}-byte pool")
+        arrays.append(np.frombuffer(pool, dt, count, start))
+    return _groups_from_records(records, *arrays)
+
+
+def _groups_from_records(records: list[Any], p: np.ndarray, r: np.ndarray, lp: np.ndarray, v: np.ndarray) -> list[Group]:
+    """Slice the batch's columns back into groups, checking each record on the way."""
+    make, groups = Trajectory._from_typed, []
+    po = ro = 0  # next prompt token, next response token
+    for rec in records:
+        try:
+            c = msgpack.unpackb(rec, raw=False, strict_map_key=False)
+        except Exception as e:
+            raise CodecError(f"group record is not valid msgpack: {type(e).__name__}: {e}") from e
+        if type(c) is not list or len(c) != 11:
+            raise CodecError("group record is not a list of 11 fields")
+        sid, expected, status, error, meta, index, finish, reward, age, plens, rlens = c
+        if type(sid) is not str or type(expected) is not int or type(meta) is not dict or not (error is None or type(error) is str):
+            raise CodecError(f"group record {sid!r}: sample_id, expected, error or meta has the wrong type")
+        n = len(index) if type(index) is list else -1
+        if n < 0 or not all(type(col) is list and len(col) == n for col in (finish, reward, age, plens, rlens)):
+            raise CodecError(f"group {sid!r}: per-response columns disagree in length")
+        try:
+            trajectories = []
+            for i in range(n):
+                pe, re = po + plens[i], ro + rlens[i]
+                if not (po <= pe <= len(p) and ro <= re <= len(r)):
+                    raise CodecError(f"group {sid!r}: response {i}'s lengths run outside the token columns")
+                trajectories.append(make(sid, index[i], p[po:pe], r[ro:re], lp[ro:re], v[ro:re], finish[i], reward[i], age[i]))
+                po, ro = pe, re
+            groups.append(Group._from_typed(sid, trajectories, expected, status, error, meta))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, CodecError):
+                raise
+            raise CodecError(f"invalid group {sid!r}: {e}") from e
+    if po != len(p) or ro != len(r):
+        raise CodecError(f"group records cover {po} prompt and {ro} response tokens, the columns hold {len(p)} and {len(r)}")
+    return groups

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import zmq
 
 from asyncrl.queue import protocol as P
-from asyncrl.queue.codec import CodecError, unpack
+from asyncrl.queue.codec import CodecError, unpack_groups
 from asyncrl.queue.protocol import StreamConfig, StreamError
 from asyncrl.queue.transport import StreamSocket
 from asyncrl.types import Group
@@ -46,7 +46,9 @@ class ConsumerStats:
     """Counters of a consumer since `start`."""
 
     received: int = 0
-    """Group messages received (duplicates and stale ones included)."""
+    """Groups received (duplicates and stale ones included)."""
+    messages: int = 0
+    """Group messages received (several groups may share one)."""
     delivered: int = 0
     """Groups handed out by ``recv``."""
     acked: int = 0
@@ -253,8 +255,8 @@ class StreamConsumer:
         peer_id, kind, fields = frames[0].bytes, *P.parse_envelope(frames[1])
         if kind == P.PING:
             self._hello(peer_id, P.field(fields, "producer", str))
-        elif kind == P.GROUP:
-            self._group(peer_id, fields, frames[2:])
+        elif kind == P.GROUPS:
+            self._groups(peer_id, fields, frames[2:])
         elif kind == P.BYE:
             peer = self._peers.get(peer_id)
             if peer is not None:
@@ -277,41 +279,51 @@ class StreamConsumer:
             log.info("producer %s is back", producer)
         peer.last_seen = time.monotonic()
 
-    def _group(self, peer_id: bytes, fields: dict[str, Any], payload: list[Any]) -> None:
+    def _groups(self, peer_id: bytes, fields: dict[str, Any], payload: list[Any]) -> None:
         session = P.field(fields, "session", str)
-        sid = P.field(fields, "sample_id", str)
+        sids = P.field(fields, "sample_ids", list)
+        if not sids or not all(type(s) is str for s in sids):
+            raise P.ProtocolError("field 'sample_ids' must be a non-empty list of str")
         if peer_id not in self._peers:
-            raise P.ProtocolError(f"group {sid} from a producer that never said hello")
+            raise P.ProtocolError(f"groups {sids[:3]} from a producer that never said hello")
         self._hello(peer_id, self._peers[peer_id].producer)
-        self.stats.received += 1
+        self.stats.messages += 1
+        self.stats.received += len(sids)
         if session != self.session:
-            self.stats.stale += 1  # sent under an earlier consumer's credit; re-sent under ours
+            self.stats.stale += len(sids)  # sent under an earlier consumer's credit; re-sent under ours
             return
-        if sid in self._committed:
-            self.stats.duplicates += 1
-            self._finish(peer_id, sid)
-            self._credit_soon()
-            return
-        if sid in self._holders:
-            self.stats.duplicates += 1
-            if peer_id not in self._holders[sid]:
-                self._holders[sid].append(peer_id)
+        fresh: dict[str, int] = {}  # sample_id -> position in the message, for groups to deliver
+        for i, sid in enumerate(sids):
+            if sid in self._committed:
+                self.stats.duplicates += 1
+                self._finish(peer_id, sid)
+            elif sid in self._holders:
+                self.stats.duplicates += 1
+                if peer_id not in self._holders[sid]:
+                    self._holders[sid].append(peer_id)
+                else:
+                    self._finish(peer_id, sid)  # the same peer twice: it needs the credit back
+            elif sid in fresh:
+                self.stats.duplicates += 1
+                self._finish(peer_id, sid)
             else:
-                self._finish(peer_id, sid)  # the same peer twice: it needs the credit back
+                fresh[sid] = i
+        if fresh:
+            try:
+                groups = unpack_groups(payload, max_frame_bytes=self.config.max_frame_bytes)
+                if [g.sample_id for g in groups] != sids:
+                    raise CodecError(f"payload of groups message {sids[:3]}... does not hold those groups in order")
+            except CodecError:
+                for sid in fresh:
+                    self._finish(peer_id, sid)  # never deliverable: give the credit back, keep no state
                 self._credit_soon()
-            return
-        try:
-            header = P.field(fields, "codec", bytes)
-            group = unpack([header, *payload], max_frame_bytes=self.config.max_frame_bytes)
-            if not isinstance(group, Group) or group.sample_id != sid:
-                raise CodecError(f"payload of group message {sid} is not that Group")
-        except (CodecError, P.ProtocolError):
-            self._finish(peer_id, sid)  # never deliverable: give the credit back, keep no state
+                raise
+            for sid, i in fresh.items():
+                self._holders[sid] = [peer_id]
+                self._ready.append(groups[i])
+            self._wake_reader.set()
+        if len(fresh) < len(sids):
             self._credit_soon()
-            raise
-        self._holders[sid] = [peer_id]
-        self._ready.append(group)
-        self._wake_reader.set()
 
     def _credit_soon(self) -> None:
         """Send credit now if a peer has a batch of acks waiting, else within _ACK_COALESCE_S.

@@ -7,6 +7,11 @@ nothing is ever dropped to make room. Every sent group stays in ``unacked`` unti
 consumer acks it. When a new consumer session appears (the consumer restarted), all unacked
 groups are re-sent first, in their original order; the consumer de-duplicates them.
 
+Groups accepted by ``send`` leave at the next turn of the event loop; those accepted in the
+meantime (a caller sending several in a row, credit returning to a blocked producer, a
+replay) share one message, up to ``batch_bytes`` / ``batch_groups``. A lone group never
+waits for company, and each group still counts against credit and is acked on its own.
+
 If the consumer goes silent for ``peer_timeout_s`` the producer logs it and keeps waiting:
 its memory stays bounded by the window (``unacked`` never exceeds the credit granted).
 The Rollouter checkpoints ``unacked`` and passes it back as ``StreamProducer(unacked=...)``
@@ -26,12 +31,14 @@ from typing import Any, Iterable
 import zmq
 
 from asyncrl.queue import protocol as P
-from asyncrl.queue.codec import CodecError, PoolBuffers, pack
+from asyncrl.queue.codec import CodecError, PoolBuffers, PreparedGroup, pack_groups, prepare_group
 from asyncrl.queue.protocol import StreamConfig, StreamError
 from asyncrl.queue.transport import StreamSocket
 from asyncrl.types import Group
 
 log = logging.getLogger("asyncrl.queue")
+
+_FRAME_SLACK = 256  # column alignment padding of a pool frame, on top of its groups' bytes
 
 
 @dataclass
@@ -39,9 +46,11 @@ class ProducerStats:
     """Counters of a producer since `start`."""
 
     sent: int = 0
-    """Group messages sent (re-sends included)."""
+    """Groups sent (re-sends included)."""
+    messages: int = 0
+    """Messages that carried them: groups waiting together leave in one message."""
     resent: int = 0
-    """Group messages sent again to a new consumer session."""
+    """Groups sent again to a new consumer session."""
     acked: int = 0
     """Groups the consumer acked (and the producer forgot)."""
     sessions: int = 0
@@ -63,15 +72,20 @@ class StreamProducer:
         self.producer_id = producer_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.stats = ProducerStats()
-        # Only the records are kept, not their frames: a resend (rare) encodes again, and a
-        # frame buffer freed right after its send is reused by the next one, hot in cache.
-        self._unacked: OrderedDict[str, Group] = OrderedDict()
+        # Groups are kept checked and laid out (not encoded): a resend (rare) encodes again, and
+        # a pool buffer freed right after its send is reused by the next message, hot in cache.
+        self._unacked: OrderedDict[str, PreparedGroup] = OrderedDict()
         for g in unacked:
             if not isinstance(g, Group):
                 raise TypeError(f"unacked must hold Group records, got {type(g).__name__}")
-            self._unacked[g.sample_id] = g
-        self._buffers = PoolBuffers()  # pool frames reused once ZeroMQ has let go of them
+            self._unacked[g.sample_id] = prepare_group(g)
+        self._buffers = PoolBuffers(keep=8)  # pool frames reused once ZeroMQ has let go of them
         self._resend: deque[str] = deque()
+        # Groups sent under credit but not yet handed to ZeroMQ: they leave together in one
+        # message at the next turn of the event loop (or once they fill batch_bytes).
+        self._outbox: list[PreparedGroup] = []
+        self._outbox_bytes = 0
+        self._flush_handle: asyncio.Handle | None = None
         self._session: str | None = None
         self._granted = 0
         self._sent = 0  # groups sent in this session
@@ -107,6 +121,7 @@ class StreamProducer:
         self._closed = True
         if self._sock is not None and self._failure is None:
             try:
+                self._flush_outbox()  # what send() accepted goes out before the bye
                 self._sock.send([P.envelope(P.BYE, {})])
             except zmq.ZMQError:
                 pass
@@ -155,7 +170,7 @@ class StreamProducer:
     @property
     def unacked(self) -> list[Group]:
         """Groups sent (or restored) and not yet acked, oldest first: what a checkpoint keeps."""
-        return list(self._unacked.values())
+        return [p.group for p in self._unacked.values()]
 
     @property
     def connected(self) -> bool:
@@ -170,14 +185,19 @@ class StreamProducer:
     async def send(self, group: Group, timeout: float | None = None) -> None:
         """Send ``group`` once credit allows; waits while out of credit (backpressure).
 
+        The group is in ``unacked`` when this returns and leaves at the next turn of the
+        event loop, with any others sent meanwhile.
+
         ``timeout`` (default ``StreamConfig.send_timeout_s``; None: no deadline) bounds the
         wait and raises `StreamTimeout`. Raises `CodecError` for a group that cannot be
         encoded or has a frame over ``max_frame_bytes``, ValueError for a ``sample_id``
         already unacked, `StreamError` once closed or failed.
         """
+        if not isinstance(group, Group):
+            raise TypeError(f"the stream carries Group records, got {type(group).__name__}")
         if group.sample_id in self._unacked:
             raise ValueError(f"group {group.sample_id} was already sent and is not acked yet")
-        frames = self._pack(group)
+        prepared = self._prepare(group)
         timeout = self.config.send_timeout_s if timeout is None else timeout
         if not await self._wait_until(self._may_send, timeout):
             raise P.StreamTimeout(
@@ -188,8 +208,8 @@ class StreamProducer:
         self._raise_if_down()
         if group.sample_id in self._unacked:
             raise ValueError(f"group {group.sample_id} was already sent and is not acked yet")
-        self._unacked[group.sample_id] = group
-        self._send_one(group.sample_id, frames)
+        self._unacked[group.sample_id] = prepared
+        self._enqueue(prepared)
 
     async def wait_acked(self, timeout: float) -> None:
         """Wait until every sent group is acked; `StreamTimeout` after ``timeout`` seconds."""
@@ -200,17 +220,14 @@ class StreamProducer:
 
     # ---------------------------------------------------------------- internals
 
-    def _pack(self, group: Group) -> list[Any]:
-        if not isinstance(group, Group):
-            raise TypeError(f"the stream carries Group records, got {type(group).__name__}")
-        frames = pack(group, own_frame_bytes=self.config.own_frame_bytes, buffers=self._buffers)
-        for f in frames:
-            if memoryview(f).nbytes > self.config.max_frame_bytes:
-                raise CodecError(
-                    f"group {group.sample_id} has a frame of {memoryview(f).nbytes} bytes, over "
-                    f"StreamConfig.max_frame_bytes={self.config.max_frame_bytes}"
-                )
-        return frames
+    def _prepare(self, group: Group) -> PreparedGroup:
+        prepared = prepare_group(group)
+        if prepared.nbytes + _FRAME_SLACK > self.config.max_frame_bytes:
+            raise CodecError(
+                f"group {group.sample_id} needs {prepared.nbytes} bytes in one frame, over "
+                f"StreamConfig.max_frame_bytes={self.config.max_frame_bytes}"
+            )
+        return prepared
 
     def _down(self) -> bool:
         return self._closed or self._failure is not None
@@ -224,13 +241,38 @@ class StreamProducer:
     def _may_send(self) -> bool:
         return self._down() or (self.credit > 0 and not self._resend)
 
-    def _send_one(self, sid: str, frames: list[Any]) -> None:
-        assert self._sock is not None and self._session is not None
+    def _enqueue(self, prepared: PreparedGroup) -> None:
+        """Count ``prepared`` against credit and queue it for the next message."""
+        if self._outbox and self._outbox_bytes + prepared.nbytes > self.config.batch_bytes:
+            self._flush_outbox()
         self._sent += 1
-        self.stats.sent += 1
-        # The codec header rides in the envelope: one frame less per message on both sides.
-        head = P.envelope(P.GROUP, {"session": self._session, "sample_id": sid, "codec": frames[0]})
-        self._sock.send([head, *frames[1:]], copy=False)
+        self._outbox.append(prepared)
+        self._outbox_bytes += prepared.nbytes
+        if self._outbox_bytes >= self.config.batch_bytes or len(self._outbox) >= self.config.batch_groups:
+            self._flush_outbox()
+        elif self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        """Send every queued group in one message (sends never block)."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if not self._outbox or self._sock is None or self._failure is not None:
+            return
+        batch, self._outbox, self._outbox_bytes = self._outbox, [], 0
+        try:
+            frames = pack_groups(batch, buffers=self._buffers)
+            head = P.envelope(P.GROUPS, {"session": self._session, "sample_ids": [g.sample_id for g in batch]})
+            self._sock.send([head, *frames], copy=False)
+        except Exception as e:  # groups were checked by send(): this is out of memory or a dead socket
+            if self._failure is None:
+                self._failure = e
+                log.error("stream producer %s cannot send %d groups", self.producer_id, len(batch), exc_info=e)
+            self._signal()  # senders and wait_acked raise StreamError; the groups stay in unacked
+            return
+        self.stats.sent += len(batch)
+        self.stats.messages += 1
 
     def _ping(self) -> None:
         assert self._sock is not None
@@ -265,6 +307,7 @@ class StreamProducer:
         if session != self._session:
             # A new consumer incarnation: credit restarts, and everything unacked goes again.
             self._session, self._granted, self._sent = session, granted, 0
+            self._outbox, self._outbox_bytes = [], 0  # counted against the old session; all go again
             self._resend = deque(self._unacked)
             self.stats.sessions += 1
             if self.stats.sessions > 1:
@@ -278,7 +321,7 @@ class StreamProducer:
             sid = self._resend.popleft()
             if sid in self._unacked:
                 self.stats.resent += 1
-                self._send_one(sid, self._pack(self._unacked[sid]))
+                self._enqueue(self._unacked[sid])
 
     async def _heartbeat_loop(self) -> None:
         while True:
