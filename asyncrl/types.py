@@ -98,10 +98,10 @@ class Trajectory:
         if finish_reason not in FINISH_REASONS:
             raise ValueError(f"{sample_id}[{index}]: finish_reason {finish_reason!r} is not one of {FINISH_REASONS}")
         t = object.__new__(cls)
-        t.__dict__.update(
-            sample_id=sample_id, index=index, prompt_ids=prompt_ids, response_ids=response_ids,
-            logprobs=logprobs, versions=versions, finish_reason=finish_reason, reward=reward, age=age,
-        )
+        t.__dict__ = {
+            "sample_id": sample_id, "index": index, "prompt_ids": prompt_ids, "response_ids": response_ids,
+            "logprobs": logprobs, "versions": versions, "finish_reason": finish_reason, "reward": reward, "age": age,
+        }
         return t
 
     @property
@@ -157,8 +157,8 @@ class Group:
         if status not in ("ok", "failed"):
             raise ValueError(f"{sample_id}: status {status!r} is not 'ok' or 'failed'")
         g = object.__new__(cls)
-        g.__dict__.update(sample_id=sample_id, trajectories=trajectories, expected=expected, status=status,
-                          error=error, meta=meta)
+        g.__dict__ = {"sample_id": sample_id, "trajectories": trajectories, "expected": expected, "status": status,
+                      "error": error, "meta": meta}
         return g
 
     @property

@@ -284,6 +284,8 @@ def _buffer(frame: Any) -> memoryview:
         mv = memoryview(buf)
     except TypeError as e:
         raise CodecError(f"frame of type {type(frame).__name__} is not a buffer") from e
+    if not mv.c_contiguous:
+        raise CodecError(f"frame of type {type(frame).__name__} is not contiguous memory")
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
@@ -536,8 +538,9 @@ def prepare_group(group: Group) -> PreparedGroup:
                  and list(map(len, lp)) == rlens and list(map(len, v)) == rlens)
         fields = [sid, group.expected, group.status, group.error, group.meta, [t.index for t in ts],
                   [t.finish_reason for t in ts], [t.reward for t in ts], [t.age for t in ts], plens, rlens]
-    except (AttributeError, TypeError):
-        typed = False
+    except (AttributeError, TypeError) as e:
+        _explain_untyped(group)
+        raise CodecError(f"group {sid!r}: {type(e).__name__}: {e}") from e  # e.g. a field deleted
     if not typed:
         _explain_untyped(group)
     try:
@@ -627,6 +630,10 @@ def unpack_groups(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME
         if start + count * dt.itemsize > pool.nbytes:
             raise CodecError(f"column of {count} x {dt} at offset {start} overruns the {pool.nbytes}-byte pool")
         arrays.append(np.frombuffer(pool, dt, count, start))
+    if not len(arrays[1]) == len(arrays[2]) == len(arrays[3]):
+        raise CodecError(
+            f"response columns disagree: {len(arrays[1])} ids, {len(arrays[2])} logprobs, {len(arrays[3])} versions"
+        )
     return _groups_from_records(records, *arrays)
 
 

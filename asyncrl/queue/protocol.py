@@ -65,10 +65,10 @@ class StreamConfig:
     """Silence after which a peer counts as gone (logged; a producer keeps waiting, bounded)."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     """Largest frame accepted (ZeroMQ MAXMSGSIZE on the consumer, and checked on send)."""
-    batch_bytes: int = 4 * 1024 * 1024
+    batch_bytes: int | None = None
     """Groups waiting to leave (sent while the producer's event loop was busy, or released
     together by returning credit) share one message of up to about this many bytes; a lone
-    group never waits for company."""
+    group never waits for company. None: 4 MiB, or ``max_frame_bytes // 2`` if smaller."""
     batch_groups: int = 64
     """Most groups in one message."""
     send_timeout_s: float | None = None
@@ -89,6 +89,8 @@ class StreamConfig:
             )
         if self.max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")
+        if self.batch_bytes is None:
+            self.batch_bytes = min(4 * 1024 * 1024, self.max_frame_bytes // 2)
         if not 1 <= self.batch_bytes <= self.max_frame_bytes // 2:
             raise ValueError(
                 f"batch_bytes must be in [1, max_frame_bytes // 2 = {self.max_frame_bytes // 2}], got {self.batch_bytes}"

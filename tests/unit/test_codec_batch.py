@@ -343,30 +343,22 @@ def test_frames_over_max_frame_bytes_are_refused():
     assert len(unpack_groups(frames, max_frame_bytes=len(frames[1]))) == 3
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="unpack_groups does not check that the logprobs and versions columns "
-                   "hold as many entries as response_ids: a Trajectory comes back with shorter logprobs/versions")
 @pytest.mark.parametrize("column", [2, 3], ids=["logprobs", "versions"])
 def test_column_counts_that_disagree_raise_codec_error(column):
     def shorten(header):
         header[3][column][1] -= 1
     frames = _with_header(_valid(), shorten)
-    with pytest.raises(CodecError):  # today: a last response with one logprob/version too few
+    with pytest.raises(CodecError, match="response columns disagree"):
         unpack_groups(frames)
 
 
-@pytest.mark.xfail(strict=True, raises=UnboundLocalError,
-                   reason="prepare_group swallows an AttributeError, _explain_untyped finds the arrays fine and "
-                   "returns, then the unbound 'fields' is used")
 def test_prepare_group_refuses_a_trajectory_missing_a_field():
     g = group(0)
     del g.trajectories[0].finish_reason
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match="finish_reason"):
         prepare_group(g)
 
 
-@pytest.mark.xfail(strict=True, raises=(BufferError, TypeError),
-                   reason="codec._buffer lets non-contiguous frames through: BufferError/TypeError, not CodecError")
 @pytest.mark.parametrize("strided", ["pool", "header-2d"])
 def test_non_contiguous_frames_raise_codec_error(strided):
     header, pool = _valid()
@@ -399,11 +391,10 @@ def test_fuzzed_headers_raise_codec_error_or_decode_to_groups():
         # list of groups whose token arrays are typed views inside the pool.
         assert type(out) is list and all(type(g) is Group for g in out)
         assert_views_on(out, pool)
-        # (Equal lengths of response_ids/logprobs/versions are not asserted here: see the
-        # xfail test_column_counts_that_disagree_raise_codec_error.)
         for g in out:
             for t in g.trajectories:
                 assert type(t) is Trajectory
+                assert len(t.response_ids) == len(t.logprobs) == len(t.versions)
                 for name in TOKEN_FIELDS:
                     a = getattr(t, name)
                     assert len(a) == 0 or 0 <= a.ctypes.data - pool_arr.ctypes.data <= len(pool) - a.nbytes

@@ -233,3 +233,9 @@ def test_batch_settings_are_checked_and_errors_name_the_field():
     with pytest.raises(ValueError, match="batch_groups"):
         StreamConfig(batch_groups=0)
     assert StreamConfig().batch_bytes == 4 * 1024 * 1024 and StreamConfig().batch_groups == 64
+
+
+def test_default_batch_bytes_follows_a_small_max_frame_bytes():
+    # A consumer configured for small frames needs no batch setting of its own.
+    assert StreamConfig(max_frame_bytes=1024 * 1024).batch_bytes == 512 * 1024
+    assert StreamConfig(max_frame_bytes=64 * 1024 * 1024).batch_bytes == 4 * 1024 * 1024
