@@ -8,8 +8,15 @@ logprobs, versions arrays) go from one process to another through:
 
 (a) ``stream``: asyncrl's StreamProducer -> StreamConsumer, end to end: encode, credit, decode
     into Group records, and an ack per group from the consumer;
-(b) ``raw_zmq``: ZeroMQ PUSH -> PULL re-sending one group's pre-encoded frames (the same bytes
-    and framing as (a)'s payload) with no encode, decode, credit or acks: the physical limit;
+(b) ``raw_zmq``: ZeroMQ PUSH -> PULL re-sending one group's pre-encoded frames, one group per
+    message (the same bytes as (a)'s payload) with no encode, decode, credit or acks: the
+    physical limit of sending groups one by one, the baseline of the targets. Its processes get
+    the same allocator setting as (a)'s (`asyncrl.queue.transport.keep_freed_memory`, which
+    speeds raw ZeroMQ up too), so the ratio measures the stream's own work;
+(b2) ``raw_zmq_batched``: the same, but each message carries as many groups as (a)'s messages
+    held on average in the same run (the stream lets groups waiting to leave share a message):
+    the physical limit for (a)'s own framing, shown beside (b) so that (a)'s batching is not
+    mistaken for a faster wire;
 (c) ``ray_queue``: a Ray actor queue receiving cloudpickled groups through actor calls from a
     producer actor, drained by a consumer actor that unpickles them (the design of verl's
     fully-async MessageQueue).
@@ -104,7 +111,7 @@ def _stream_consumer(port: int, count: int, window: int, out) -> None:
 
     from asyncrl.queue import StreamConfig, StreamConsumer
 
-    async def run() -> list[float]:
+    async def run() -> tuple[list[float], float]:
         times = []
         async with StreamConsumer(StreamConfig(endpoint=ENDPOINT.format(port=port), window=window)) as c:
             out.put("ready")
@@ -113,7 +120,7 @@ def _stream_consumer(port: int, count: int, window: int, out) -> None:
                 c.ack([g.sample_id])
                 times.append(time.monotonic())
             assert len(g.trajectories) == N_RESPONSES
-        return times
+            return times, c.stats.received / c.stats.messages
 
     out.put(asyncio.run(run()))
 
@@ -121,33 +128,48 @@ def _stream_consumer(port: int, count: int, window: int, out) -> None:
 # ---------------------------------------------------------------------------------- (b) raw zmq
 
 
-def _raw_producer(port: int, tokens: int, count: int) -> None:
+def _raw_producer(port: int, tokens: int, messages: int, per_message: int) -> None:
     import zmq
 
-    from asyncrl.queue import pack
+    from asyncrl.queue.codec import pack_groups, prepare_group
+    from asyncrl.queue.transport import keep_freed_memory
 
-    frames = pack(make_group(0, _arrays(tokens, 1)))
+    keep_freed_memory()  # the allocator setting the stream's processes get (StreamConfig.keep_freed_memory)
+    arrays = _arrays(tokens, 1)
+    frames = pack_groups([prepare_group(make_group(i, arrays)) for i in range(per_message)])
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(ENDPOINT.format(port=port))
-    for _ in range(count):
+    for _ in range(messages):
         sock.send_multipart(frames, copy=False)
     sock.close(linger=-1)
     ctx.term()  # returns once every queued message went out
 
 
-def _raw_consumer(port: int, count: int, out) -> None:
+def _raw_consumer(port: int, messages: int, out) -> None:
     import zmq
+
+    from asyncrl.queue.transport import keep_freed_memory
+
+    keep_freed_memory()
 
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.bind(ENDPOINT.format(port=port))
     out.put("ready")
     times = []
-    for _ in range(count):
+    for _ in range(messages):
         sock.recv_multipart(copy=False)
         times.append(time.monotonic())
     sock.close()
     out.put(times)
+
+
+def _raw_rate(tokens: int, count: int, warmup: int, per_message: int) -> float:
+    """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message."""
+    messages = max(count // per_message, warmup // per_message + 10)
+    port = _free_port()
+    times = _run_pair(_raw_producer, _raw_consumer, (port, tokens, messages, per_message), (port, messages))
+    return per_message * _rate(times, warmup // per_message)
 
 
 def _run_pair(producer, consumer, producer_args, consumer_args) -> list[float]:
@@ -157,15 +179,30 @@ def _run_pair(producer, consumer, producer_args, consumer_args) -> list[float]:
     out = ctx.Queue()
     c = ctx.Process(target=consumer, args=(*consumer_args, out))
     c.start()
-    assert out.get(timeout=60) == "ready"
+    assert _get(out, [c], 60) == "ready"
     p = ctx.Process(target=producer, args=producer_args)
     p.start()
-    times = out.get(timeout=300)
+    times = _get(out, [c, p], 300)
     for proc in (p, c):
         proc.join(timeout=120)
         if proc.exitcode != 0:
             raise RuntimeError(f"{proc.name} exited with {proc.exitcode}")
     return times
+
+
+def _get(out, procs, timeout: float):
+    """The next item from ``out``; fails at once (not after ``timeout``) if a process died."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with {dead[0].exitcode} (its traceback is above)")
+    raise TimeoutError(f"no result within {timeout}s")
 
 
 def _free_port() -> int:
@@ -235,15 +272,19 @@ def main() -> None:
     cases = {"1k": (1024, args.groups_1k), "8k": (8192, args.groups_8k)}
     cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
     rates: dict[str, dict[str, float]] = {}
+    batch: dict[str, float] = {}  # groups per stream message, mean of the last run
     for name, (tokens, count) in cases.items():
-        r = rates[name] = {"stream": 0.0, "raw_zmq": 0.0}
-        for _ in range(args.repeat):  # alternating, so a noisy neighbour hits both paths alike
+        r = rates[name] = {"stream": 0.0, "raw_zmq": 0.0, "raw_zmq_batched": 0.0}
+        for _ in range(args.repeat):  # alternating, so a noisy neighbour hits all paths alike
             port = _free_port()
-            times = _run_pair(_stream_producer, _stream_consumer, (port, tokens, count, args.window), (port, count, args.window))
+            times, per_message = _run_pair(
+                _stream_producer, _stream_consumer, (port, tokens, count, args.window), (port, count, args.window)
+            )
             r["stream"] = max(r["stream"], _rate(times, args.warmup))
-            port = _free_port()
-            times = _run_pair(_raw_producer, _raw_consumer, (port, tokens, count), (port, count))
-            r["raw_zmq"] = max(r["raw_zmq"], _rate(times, args.warmup))
+            batch[name] = per_message
+            r["raw_zmq"] = max(r["raw_zmq"], _raw_rate(tokens, count, args.warmup, 1))
+            per_message = max(1, round(per_message))
+            r["raw_zmq_batched"] = max(r["raw_zmq_batched"], _raw_rate(tokens, count, args.warmup, per_message))
     if not args.skip_ray:
         import ray
 
@@ -255,18 +296,22 @@ def main() -> None:
         finally:
             ray.shutdown()
 
-    print(f"{'case':<5} {'path':<10} {'groups/s':>10} {'MB/s':>10}")
+    print(f"{'case':<5} {'path':<16} {'groups/s':>10} {'MB/s':>10}")
     for name, (tokens, _) in cases.items():
         mb = group_nbytes(tokens) / 1e6
         suffix = "" if name == "1k" else f"_{name}"
         for path, gps in rates[name].items():
-            print(f"{name:<5} {path:<10} {gps:>10.0f} {gps * mb:>10.1f}")
+            print(f"{name:<5} {path:<16} {gps:>10.0f} {gps * mb:>10.1f}")
             results[f"{path}_mb_s{suffix}"] = round(gps * mb, 1)
             results[f"{path}_groups_s{suffix}"] = round(gps, 1)
         results[f"vs_raw{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq"], 3)
+        results[f"vs_raw_batched{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq_batched"], 3)
+        results[f"groups_per_message{suffix}"] = round(batch[name], 1)
         if "ray_queue" in rates[name]:
             results[f"vs_ray{suffix}"] = round(rates[name]["stream"] / rates[name]["ray_queue"], 2)
         results[f"group_mb{suffix}"] = round(mb, 3)
+    for name in cases:
+        print(f"{name}: the stream's messages held {batch[name]:.1f} groups on average; raw_zmq_batched used that many")
     print(f"ratios: {', '.join(f'{k}={v}' for k, v in results.items() if k.startswith('vs_'))}  (targets: vs_raw >= 0.7, vs_ray >= 10)")
     if args.json:
         print(json.dumps(results))

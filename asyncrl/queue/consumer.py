@@ -32,7 +32,7 @@ import zmq
 from asyncrl.queue import protocol as P
 from asyncrl.queue.codec import CodecError, unpack_groups
 from asyncrl.queue.protocol import StreamConfig, StreamError
-from asyncrl.queue.transport import StreamSocket
+from asyncrl.queue.transport import StreamSocket, keep_freed_memory
 from asyncrl.types import Group
 
 log = logging.getLogger("asyncrl.queue")
@@ -105,6 +105,8 @@ class StreamConsumer:
         """Bind the ROUTER and start the I/O loop; producers get credit as they say hello."""
         if self._sock is not None:
             raise StreamError("consumer already started")
+        if self.config.keep_freed_memory:
+            keep_freed_memory()
         sock = StreamSocket(zmq.ROUTER, max_frame_bytes=self.config.max_frame_bytes)
         try:
             sock.bind(self.config.endpoint)

@@ -33,7 +33,7 @@ import zmq
 from asyncrl.queue import protocol as P
 from asyncrl.queue.codec import CodecError, PoolBuffers, PreparedGroup, pack_groups, prepare_group
 from asyncrl.queue.protocol import StreamConfig, StreamError
-from asyncrl.queue.transport import StreamSocket
+from asyncrl.queue.transport import StreamSocket, keep_freed_memory
 from asyncrl.types import Group
 
 log = logging.getLogger("asyncrl.queue")
@@ -103,6 +103,8 @@ class StreamProducer:
         """Connect and say hello; returns at once (credit arrives when the consumer is up)."""
         if self._sock is not None:
             raise StreamError("producer already started")
+        if self.config.keep_freed_memory:
+            keep_freed_memory()
         sock = StreamSocket(zmq.DEALER, routing_id=f"{self.producer_id}/{self.incarnation}".encode())
         sock.connect(self.config.endpoint)
         self._sock = sock

@@ -71,6 +71,10 @@ class StreamConfig:
     group never waits for company. None: 4 MiB, or ``max_frame_bytes // 2`` if smaller."""
     batch_groups: int = 64
     """Most groups in one message."""
+    keep_freed_memory: bool = True
+    """Let the process reuse freed multi-MB blocks (glibc mallopt, once per process; see
+    `asyncrl.queue.transport.keep_freed_memory`): without it each large message page-faults
+    its memory in again. Off leaves the process's allocator as it was."""
     send_timeout_s: float | None = None
     """Deadline of ``producer.send`` waiting for credit; None waits as long as the consumer
     needs (backpressure by design)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -239,3 +241,26 @@ def test_default_batch_bytes_follows_a_small_max_frame_bytes():
     # A consumer configured for small frames needs no batch setting of its own.
     assert StreamConfig(max_frame_bytes=1024 * 1024).batch_bytes == 512 * 1024
     assert StreamConfig(max_frame_bytes=64 * 1024 * 1024).batch_bytes == 4 * 1024 * 1024
+
+
+_KEEP_PROBE = """
+import asyncio, sys
+from asyncrl.queue import StreamConfig, StreamConsumer, transport
+
+async def main():
+    config = StreamConfig(endpoint="tcp://127.0.0.1:*", keep_freed_memory=sys.argv[1] == "on")
+    async with StreamConsumer(config):
+        pass
+    print(transport._kept)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+@pytest.mark.parametrize("setting, expected", [("on", "True"), ("off", "None")])
+def test_keep_freed_memory_is_applied_by_a_started_stream_unless_turned_off(setting, expected):
+    # Process-wide allocator state: probed in a fresh interpreter each time.
+    out = subprocess.run([sys.executable, "-c", _KEEP_PROBE, setting], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
