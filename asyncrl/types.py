@@ -52,7 +52,7 @@ def _as_array(value, dtype, name: str) -> np.ndarray:
     return arr.astype(dtype, copy=False)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Trajectory:
     """One response to one prompt."""
 
@@ -98,10 +98,8 @@ class Trajectory:
         if finish_reason not in FINISH_REASONS:
             raise ValueError(f"{sample_id}[{index}]: finish_reason {finish_reason!r} is not one of {FINISH_REASONS}")
         t = object.__new__(cls)
-        t.__dict__ = {
-            "sample_id": sample_id, "index": index, "prompt_ids": prompt_ids, "response_ids": response_ids,
-            "logprobs": logprobs, "versions": versions, "finish_reason": finish_reason, "reward": reward, "age": age,
-        }
+        t.sample_id, t.index, t.finish_reason, t.reward, t.age = sample_id, index, finish_reason, reward, age
+        t.prompt_ids, t.response_ids, t.logprobs, t.versions = prompt_ids, response_ids, logprobs, versions
         return t
 
     @property
@@ -125,7 +123,7 @@ class Trajectory:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Group:
     """The ``n`` responses of one ``sample_id``: what the sample stream carries."""
 
@@ -157,8 +155,8 @@ class Group:
         if status not in ("ok", "failed"):
             raise ValueError(f"{sample_id}: status {status!r} is not 'ok' or 'failed'")
         g = object.__new__(cls)
-        g.__dict__ = {"sample_id": sample_id, "trajectories": trajectories, "expected": expected, "status": status,
-                      "error": error, "meta": meta}
+        g.sample_id, g.trajectories, g.expected, g.status, g.error, g.meta = (
+            sample_id, trajectories, expected, status, error, meta)
         return g
 
     @property
