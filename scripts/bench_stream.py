@@ -10,9 +10,10 @@ logprobs, versions arrays) go from one process to another through:
     into Group records, and an ack per group from the consumer;
 (b) ``raw_zmq``: ZeroMQ PUSH -> PULL re-sending one group's pre-encoded frames, one group per
     message (the same bytes as (a)'s payload) with no encode, decode, credit or acks: the
-    physical limit of sending groups one by one, the baseline of the targets. Its processes get
-    the same allocator setting as (a)'s (`asyncrl.queue.transport.keep_freed_memory`, which
-    speeds raw ZeroMQ up too), so the ratio measures the stream's own work;
+    physical limit of sending groups one by one, the baseline of the targets. Its processes and
+    sockets get the settings (a)'s get (`StreamConfig.keep_freed_memory` and
+    ``socket_buffer_bytes``, which speed raw ZeroMQ up as much), so the ratio measures the
+    stream's own work; ``raw_zmq_untuned`` is the same with glibc's and ZeroMQ's defaults;
 (b2) ``raw_zmq_batched``: the same, but each message carries as many groups as (a)'s messages
     held on average in the same run (the stream lets groups waiting to leave share a message):
     the physical limit for (a)'s own framing, shown beside (b) so that (a)'s batching is not
@@ -128,17 +129,29 @@ def _stream_consumer(port: int, count: int, window: int, out) -> None:
 # ---------------------------------------------------------------------------------- (b) raw zmq
 
 
-def _raw_producer(port: int, tokens: int, messages: int, per_message: int) -> None:
+def _tune(sock, tuned: bool) -> None:
+    """Give a raw socket's process and socket the settings the stream's get, when ``tuned``."""
+    import zmq
+
+    from asyncrl.queue import StreamConfig
+    from asyncrl.queue.transport import keep_freed_memory
+
+    if tuned:
+        keep_freed_memory()  # StreamConfig.keep_freed_memory
+        sock.setsockopt(zmq.SNDBUF, StreamConfig.socket_buffer_bytes)
+        sock.setsockopt(zmq.RCVBUF, StreamConfig.socket_buffer_bytes)
+
+
+def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned: bool) -> None:
     import zmq
 
     from asyncrl.queue.codec import pack_groups, prepare_group
-    from asyncrl.queue.transport import keep_freed_memory
 
-    keep_freed_memory()  # the allocator setting the stream's processes get (StreamConfig.keep_freed_memory)
     arrays = _arrays(tokens, 1)
     frames = pack_groups([prepare_group(make_group(i, arrays)) for i in range(per_message)])
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
+    _tune(sock, tuned)
     sock.connect(ENDPOINT.format(port=port))
     for _ in range(messages):
         sock.send_multipart(frames, copy=False)
@@ -146,14 +159,11 @@ def _raw_producer(port: int, tokens: int, messages: int, per_message: int) -> No
     ctx.term()  # returns once every queued message went out
 
 
-def _raw_consumer(port: int, messages: int, out) -> None:
+def _raw_consumer(port: int, messages: int, tuned: bool, out) -> None:
     import zmq
 
-    from asyncrl.queue.transport import keep_freed_memory
-
-    keep_freed_memory()
-
     sock = zmq.Context.instance().socket(zmq.PULL)
+    _tune(sock, tuned)
     sock.bind(ENDPOINT.format(port=port))
     out.put("ready")
     times = []
@@ -164,11 +174,11 @@ def _raw_consumer(port: int, messages: int, out) -> None:
     out.put(times)
 
 
-def _raw_rate(tokens: int, count: int, warmup: int, per_message: int) -> float:
+def _raw_rate(tokens: int, count: int, warmup: int, per_message: int, tuned: bool = True) -> float:
     """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message."""
     messages = max(count // per_message, warmup // per_message + 10)
     port = _free_port()
-    times = _run_pair(_raw_producer, _raw_consumer, (port, tokens, messages, per_message), (port, messages))
+    times = _run_pair(_raw_producer, _raw_consumer, (port, tokens, messages, per_message, tuned), (port, messages, tuned))
     return per_message * _rate(times, warmup // per_message)
 
 
@@ -274,7 +284,7 @@ def main() -> None:
     rates: dict[str, dict[str, float]] = {}
     batch: dict[str, float] = {}  # groups per stream message, mean of the last run
     for name, (tokens, count) in cases.items():
-        r = rates[name] = {"stream": 0.0, "raw_zmq": 0.0, "raw_zmq_batched": 0.0}
+        r = rates[name] = {"stream": 0.0, "raw_zmq": 0.0, "raw_zmq_batched": 0.0, "raw_zmq_untuned": 0.0}
         for _ in range(args.repeat):  # alternating, so a noisy neighbour hits all paths alike
             port = _free_port()
             times, per_message = _run_pair(
@@ -283,6 +293,7 @@ def main() -> None:
             r["stream"] = max(r["stream"], _rate(times, args.warmup))
             batch[name] = per_message
             r["raw_zmq"] = max(r["raw_zmq"], _raw_rate(tokens, count, args.warmup, 1))
+            r["raw_zmq_untuned"] = max(r["raw_zmq_untuned"], _raw_rate(tokens, count, args.warmup, 1, tuned=False))
             per_message = max(1, round(per_message))
             r["raw_zmq_batched"] = max(r["raw_zmq_batched"], _raw_rate(tokens, count, args.warmup, per_message))
     if not args.skip_ray:
@@ -306,6 +317,7 @@ def main() -> None:
             results[f"{path}_groups_s{suffix}"] = round(gps, 1)
         results[f"vs_raw{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq"], 3)
         results[f"vs_raw_batched{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq_batched"], 3)
+        results[f"vs_raw_untuned{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq_untuned"], 3)
         results[f"groups_per_message{suffix}"] = round(batch[name], 1)
         if "ray_queue" in rates[name]:
             results[f"vs_ray{suffix}"] = round(rates[name]["stream"] / rates[name]["ray_queue"], 2)

@@ -533,9 +533,9 @@ def prepare_group(group: Group) -> PreparedGroup:
         plens = [len(a) for a in p]
         rlens = [len(a) for a in r]
         # dtype objects of numpy's built-in types are singletons: `is` is the cheap test here.
-        typed = (all([a.dtype is _I8 and a.ndim == 1 for a in p]) and all([a.dtype is _I8 and a.ndim == 1 for a in r])
-                 and all([a.dtype is _F4 and a.ndim == 1 for a in lp]) and all([a.dtype is _I8 and a.ndim == 1 for a in v])
-                 and list(map(len, lp)) == rlens and list(map(len, v)) == rlens)
+        typed = all([a.dtype is _I8 and b.dtype is _I8 and c.dtype is _F4 and d.dtype is _I8
+                     and a.ndim == 1 and b.ndim == 1 and c.ndim == 1 and d.ndim == 1 and len(c) == n == len(d)
+                     for a, b, c, d, n in zip(p, r, lp, v, rlens)])
         fields = [sid, group.expected, group.status, group.error, group.meta, [t.index for t in ts],
                   [t.finish_reason for t in ts], [t.reward for t in ts], [t.age for t in ts], plens, rlens]
     except (AttributeError, TypeError) as e:

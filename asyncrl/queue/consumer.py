@@ -107,7 +107,9 @@ class StreamConsumer:
             raise StreamError("consumer already started")
         if self.config.keep_freed_memory:
             keep_freed_memory()
-        sock = StreamSocket(zmq.ROUTER, max_frame_bytes=self.config.max_frame_bytes)
+        sock = StreamSocket(
+            zmq.ROUTER, max_frame_bytes=self.config.max_frame_bytes, buffer_bytes=self.config.socket_buffer_bytes
+        )
         try:
             sock.bind(self.config.endpoint)
         except zmq.ZMQError as e:

@@ -105,7 +105,10 @@ class StreamProducer:
             raise StreamError("producer already started")
         if self.config.keep_freed_memory:
             keep_freed_memory()
-        sock = StreamSocket(zmq.DEALER, routing_id=f"{self.producer_id}/{self.incarnation}".encode())
+        sock = StreamSocket(
+            zmq.DEALER, routing_id=f"{self.producer_id}/{self.incarnation}".encode(),
+            buffer_bytes=self.config.socket_buffer_bytes,
+        )
         sock.connect(self.config.endpoint)
         self._sock = sock
         self._last_heard = time.monotonic()

@@ -66,13 +66,19 @@ def keep_freed_memory() -> bool:
 class StreamSocket:
     """A ROUTER or DEALER socket owned by the running event loop; every method runs on that loop."""
 
-    def __init__(self, kind: int, *, routing_id: bytes | None = None, max_frame_bytes: int | None = None) -> None:
+    def __init__(
+        self, kind: int, *, routing_id: bytes | None = None, max_frame_bytes: int | None = None,
+        buffer_bytes: int | None = None,
+    ) -> None:
         # An own context, so close() can wait for the last messages to leave (ctx.term).
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(kind)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        if buffer_bytes is not None:  # kernel socket buffers (SO_SNDBUF / SO_RCVBUF)
+            self._sock.setsockopt(zmq.SNDBUF, buffer_bytes)
+            self._sock.setsockopt(zmq.RCVBUF, buffer_bytes)
         if routing_id is not None:
             self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
         if max_frame_bytes is not None:

@@ -264,3 +264,9 @@ def test_keep_freed_memory_is_applied_by_a_started_stream_unless_turned_off(sett
     out = subprocess.run([sys.executable, "-c", _KEEP_PROBE, setting], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected
+
+
+def test_socket_buffer_bytes_is_checked_and_none_keeps_the_os_default():
+    with pytest.raises(ValueError, match="socket_buffer_bytes"):
+        StreamConfig(socket_buffer_bytes=100)
+    assert StreamConfig(socket_buffer_bytes=None).socket_buffer_bytes is None
