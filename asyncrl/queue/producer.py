@@ -78,7 +78,7 @@ class StreamProducer:
         for g in unacked:
             if not isinstance(g, Group):
                 raise TypeError(f"unacked must hold Group records, got {type(g).__name__}")
-            self._unacked[g.sample_id] = prepare_group(g)
+            self._unacked[g.sample_id] = self._prepare(g)
         self._buffers = PoolBuffers(keep=8)  # pool frames reused once ZeroMQ has let go of them
         self._resend: deque[str] = deque()
         # Groups sent under credit but not yet handed to ZeroMQ: they leave together in one
