@@ -486,6 +486,9 @@ def unpack(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
 # group batches: the sample stream's own fast path
 
 
+_BATCH = "groups"  # the second field of a group batch's header
+
+
 class PreparedGroup:
     """A `Group` checked and laid out for `pack_groups`: done once, when the producer accepts it.
 
@@ -592,9 +595,6 @@ def pack_groups(batch: list[PreparedGroup], *, buffers: PoolBuffers | None = Non
             np.concatenate(parts, out=pool[start : start + count * dt.itemsize].view(dt))
     header = msgpack.packb([CODEC_VERSION, _BATCH, offset, columns, [g.record for g in batch]], use_bin_type=True)
     return [header, pool]
-
-
-_BATCH = "groups"
 
 
 def unpack_groups(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[Group]:
