@@ -413,6 +413,34 @@ def _build(cls: type, **kwargs: Any) -> Any:
         raise CodecError(f"invalid {cls.__name__}: {e}") from e
 
 
+def _slice_responses(
+    sid: str, per_response: list[list[Any]], columns: tuple[np.ndarray, ...], po: int, ro: int
+) -> tuple[list[Trajectory], int, int]:
+    """One group's trajectories, sliced from the token ``columns`` starting at prompt token
+    ``po`` and response token ``ro``; returns them with the positions after them.
+
+    ``per_response`` is ``[index, finish, reward, age, plens, rlens]``, lists of one length
+    (the caller checked). The columns are typed (int64, int64, float32, int64) and the response
+    columns equally long, so each record is built without re-checking its arrays
+    (Trajectory._from_typed checks what is left: finish_reason).
+    """
+    index, finish, reward, age, plens, rlens = per_response
+    p, r, lp, v = columns
+    make, trajectories = Trajectory._from_typed, []
+    try:
+        for i in range(len(index)):
+            pe, re = po + plens[i], ro + rlens[i]
+            if not (po <= pe <= len(p) and ro <= re <= len(r)):
+                raise CodecError(f"group {sid!r}: response {i}'s lengths run outside the token columns")
+            trajectories.append(make(sid, index[i], p[po:pe], r[ro:re], lp[ro:re], v[ro:re], finish[i], reward[i], age[i]))
+            po, ro = pe, re
+    except CodecError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"invalid Trajectory in group {sid!r}: {e}") from e
+    return trajectories, po, ro
+
+
 def _group_from_columns(c: list[Any]) -> Group:
     sample_id, expected, status, error, meta, index, finish, reward, age, plens, rlens, p, r, lp, v = c
     n = len(index) if isinstance(index, list) else -1
@@ -427,18 +455,7 @@ def _group_from_columns(c: list[Any]) -> Group:
             raise CodecError(f"group {sample_id!r}: lengths must be non-negative ints")
         if sum(plens) != len(p) or not sum(rlens) == len(r) == len(lp) == len(v):
             raise CodecError(f"group {sample_id!r}: lengths do not add up to the token columns")
-        # The columns are typed and sized above, so each record is built without re-checking its
-        # arrays (Trajectory._from_typed checks what is left: finish_reason).
-        make = Trajectory._from_typed
-        po = ro = 0
-        try:
-            for i in range(n):
-                pe, re = po + plens[i], ro + rlens[i]
-                trajectories.append(make(sample_id, index[i], p[po:pe], r[ro:re], lp[ro:re], v[ro:re],
-                                         finish[i], reward[i], age[i]))
-                po, ro = pe, re
-        except ValueError as e:
-            raise CodecError(f"invalid Trajectory: {e}") from e
+        trajectories, _, _ = _slice_responses(sample_id, c[5:11], (p, r, lp, v), 0, 0)
     return _build(Group, sample_id=sample_id, trajectories=trajectories, expected=expected, status=status,
                   error=error, meta=meta)
 
@@ -639,7 +656,7 @@ def unpack_groups(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME
 
 def _groups_from_records(records: list[Any], p: np.ndarray, r: np.ndarray, lp: np.ndarray, v: np.ndarray) -> list[Group]:
     """Slice the batch's columns back into groups, checking each record on the way."""
-    make, groups = Trajectory._from_typed, []
+    groups = []
     po = ro = 0  # next prompt token, next response token
     for rec in records:
         try:
@@ -654,18 +671,10 @@ def _groups_from_records(records: list[Any], p: np.ndarray, r: np.ndarray, lp: n
         n = len(index) if type(index) is list else -1
         if n < 0 or not all(type(col) is list and len(col) == n for col in (finish, reward, age, plens, rlens)):
             raise CodecError(f"group {sid!r}: per-response columns disagree in length")
+        trajectories, po, ro = _slice_responses(sid, c[5:11], (p, r, lp, v), po, ro)
         try:
-            trajectories = []
-            for i in range(n):
-                pe, re = po + plens[i], ro + rlens[i]
-                if not (po <= pe <= len(p) and ro <= re <= len(r)):
-                    raise CodecError(f"group {sid!r}: response {i}'s lengths run outside the token columns")
-                trajectories.append(make(sid, index[i], p[po:pe], r[ro:re], lp[ro:re], v[ro:re], finish[i], reward[i], age[i]))
-                po, ro = pe, re
             groups.append(Group._from_typed(sid, trajectories, expected, status, error, meta))
-        except (TypeError, ValueError) as e:
-            if isinstance(e, CodecError):
-                raise
+        except ValueError as e:
             raise CodecError(f"invalid group {sid!r}: {e}") from e
     if po != len(p) or ro != len(r):
         raise CodecError(f"group records cover {po} prompt and {ro} response tokens, the columns hold {len(p)} and {len(r)}")
