@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -426,11 +427,12 @@ def _slice_responses(
     """
     index, finish, reward, age, plens, rlens = per_response
     p, r, lp, v = columns
+    np_, nr = len(p), len(r)
     make, trajectories = Trajectory._from_typed, []
     try:
         for i in range(len(index)):
             pe, re = po + plens[i], ro + rlens[i]
-            if not (po <= pe <= len(p) and ro <= re <= len(r)):
+            if not (po <= pe <= np_ and ro <= re <= nr):
                 raise CodecError(f"group {sid!r}: response {i}'s lengths run outside the token columns")
             trajectories.append(make(sid, index[i], p[po:pe], r[ro:re], lp[ro:re], v[ro:re], finish[i], reward[i], age[i]))
             po, ro = pe, re
@@ -535,6 +537,17 @@ def _plain(obj: Any) -> Any:
     raise TypeError(f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__} (no pickle)")
 
 
+_local = threading.local()  # one msgpack Packer per thread: a Packer is reusable but not shared
+
+
+def _record_packer() -> msgpack.Packer:
+    try:
+        return _local.packer
+    except AttributeError:
+        _local.packer = msgpack.Packer(default=_plain, use_bin_type=True)  # a failed pack() leaves it empty
+        return _local.packer
+
+
 def prepare_group(group: Group) -> PreparedGroup:
     """Check ``group`` for `pack_groups` and lay it out; `CodecError` says what is wrong with it.
 
@@ -550,8 +563,8 @@ def prepare_group(group: Group) -> PreparedGroup:
         r = [t.response_ids for t in ts]
         lp = [t.logprobs for t in ts]
         v = [t.versions for t in ts]
-        plens = [len(a) for a in p]
-        rlens = [len(a) for a in r]
+        plens = list(map(len, p))
+        rlens = list(map(len, r))
         # dtype objects of numpy's built-in types are singletons: `is` is the cheap test here.
         typed = all([a.dtype is _I8 and b.dtype is _I8 and c.dtype is _F4 and d.dtype is _I8
                      and a.ndim == 1 and b.ndim == 1 and c.ndim == 1 and d.ndim == 1 and len(c) == n == len(d)
@@ -564,7 +577,7 @@ def prepare_group(group: Group) -> PreparedGroup:
     if not typed:
         _explain_untyped(group)
     try:
-        record = msgpack.packb(fields, default=_plain, use_bin_type=True)
+        record = _record_packer().pack(fields)
     except (OverflowError, TypeError, ValueError) as e:
         raise CodecError(f"group {sid!r}: {e}") from e
     return PreparedGroup(group, record, (p, r, lp, v), (sum(plens), sum(rlens)))
@@ -656,7 +669,7 @@ def unpack_groups(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME
 
 def _groups_from_records(records: list[Any], p: np.ndarray, r: np.ndarray, lp: np.ndarray, v: np.ndarray) -> list[Group]:
     """Slice the batch's columns back into groups, checking each record on the way."""
-    groups = []
+    groups, columns = [], (p, r, lp, v)
     po = ro = 0  # next prompt token, next response token
     for rec in records:
         try:
@@ -669,9 +682,10 @@ def _groups_from_records(records: list[Any], p: np.ndarray, r: np.ndarray, lp: n
         if type(sid) is not str or type(expected) is not int or type(meta) is not dict or not (error is None or type(error) is str):
             raise CodecError(f"group record {sid!r}: sample_id, expected, error or meta has the wrong type")
         n = len(index) if type(index) is list else -1
-        if n < 0 or not all(type(col) is list and len(col) == n for col in (finish, reward, age, plens, rlens)):
+        if not (n >= 0 and type(finish) is list and type(reward) is list and type(age) is list and type(plens) is list
+                and type(rlens) is list and len(finish) == n == len(reward) == len(age) == len(plens) == len(rlens)):
             raise CodecError(f"group {sid!r}: per-response columns disagree in length")
-        trajectories, po, ro = _slice_responses(sid, c[5:11], (p, r, lp, v), po, ro)
+        trajectories, po, ro = _slice_responses(sid, c[5:11], columns, po, ro)
         try:
             groups.append(Group._from_typed(sid, trajectories, expected, status, error, meta))
         except ValueError as e:

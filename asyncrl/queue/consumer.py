@@ -92,8 +92,12 @@ class StreamConsumer:
         self._ready: deque[Group] = deque()
         self._peers: dict[bytes, _Peer] = {}
         self._dirty: set[bytes] = set()
+        self._ack_batch = max(1, self.config.window // 4)  # acks that go out at once, not after _ACK_COALESCE_S
+        self._flush_now = False  # a dirty peer has _ack_batch acks waiting
         self._wake_reader = asyncio.Event()
-        self._flush_timer: asyncio.TimerHandle | None = None  # a pending coalesced credit flush
+        # The coalescing timer is not cancelled when a batch of acks goes out early: it fires
+        # once, within _ACK_COALESCE_S, and sends what is dirty by then (often nothing).
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
         self._sock: StreamSocket | None = None
@@ -204,14 +208,15 @@ class StreamConsumer:
         is a no-op; an id never handed out by ``recv`` raises ValueError.
         """
         sample_ids = [sample_ids] if isinstance(sample_ids, str) else list(sample_ids)
-        unknown = [s for s in sample_ids if s not in self._delivered and s not in self._committed]
+        delivered, committed = self._delivered, self._committed
+        unknown = [s for s in sample_ids if s not in delivered and s not in committed]
         if unknown:
             raise ValueError(f"ack of sample_ids never delivered by recv(): {unknown[:5]}")
         for sid in sample_ids:
-            if sid in self._committed:
+            if sid in committed:
                 continue
-            self._delivered.discard(sid)
-            self._committed.add(sid)
+            delivered.discard(sid)
+            committed.add(sid)
             if reason is None:
                 self.stats.acked += 1
             else:
@@ -235,6 +240,8 @@ class StreamConsumer:
             peer.finished += 1
             peer.acks.append(sid)
             self._dirty.add(peer_id)
+            if len(peer.acks) >= self._ack_batch:
+                self._flush_now = True
 
     async def _read_loop(self) -> None:
         assert self._sock is not None
@@ -335,18 +342,19 @@ class StreamConsumer:
         A burst of acks then shares one credit message; the window leaves producers plenty of
         credit meanwhile.
         """
-        batch = max(1, self.config.window // 4)
-        if any(len(self._peers[p].acks) >= batch for p in self._dirty):
+        if self._flush_now:
             self._flush()
         elif self._flush_timer is None and self._dirty and not self._closed:
-            self._flush_timer = asyncio.get_running_loop().call_later(_ACK_COALESCE_S, self._flush)
+            self._flush_timer = asyncio.get_running_loop().call_later(_ACK_COALESCE_S, self._on_flush_timer)
+
+    def _on_flush_timer(self) -> None:
+        self._flush_timer = None
+        self._flush()
 
     def _flush(self) -> None:
         """Send every dirty peer its credit, session and pending acks (sends never block)."""
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
-        if self._sock is None:
+        self._flush_now = False
+        if self._sock is None or not self._dirty:
             return
         dirty, self._dirty = self._dirty, set()
         for peer_id in dirty:

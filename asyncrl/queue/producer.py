@@ -204,7 +204,7 @@ class StreamProducer:
             raise ValueError(f"group {group.sample_id} was already sent and is not acked yet")
         prepared = self._prepare(group)
         timeout = self.config.send_timeout_s if timeout is None else timeout
-        if not await self._wait_until(self._may_send, timeout):
+        if not self._may_send() and not await self._wait_until(self._may_send, timeout):
             raise P.StreamTimeout(
                 f"no credit for {group.sample_id} within {timeout}s (StreamConfig.send_timeout_s); "
                 f"consumer {'connected' if self._connected else 'not heard from'}, "

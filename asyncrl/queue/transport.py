@@ -27,6 +27,7 @@ import zmq
 log = logging.getLogger("asyncrl.queue")
 
 _BURST = 64  # most messages taken per wake-up, so one busy peer cannot starve the loop
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum flags cost a Python call per `&`
 
 # glibc mallopt parameters and the values `keep_freed_memory` sets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -97,23 +98,25 @@ class StreamSocket:
     def send(self, frames: list[Any], copy: bool = True) -> None:
         """Queue a message; big frames given with ``copy=False`` are sent without a copy."""
         self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self._sock.get(_EVENTS) & _POLLIN:
             self._readable.set()  # the send may have taken the edge that announced them
 
     async def recv_burst(self) -> list[list[Any]]:
         """Wait for messages, then return every one waiting, up to a burst (as zmq Frames)."""
+        sock = self._sock
         while True:
             messages = []
-            while len(messages) < _BURST:
+            # ZMQ_EVENTS says whether a whole message waits (and re-arms the descriptor's edge):
+            # asking it is cheaper than the zmq.Again a blind non-blocking receive raises.
+            while len(messages) < _BURST and sock.get(_EVENTS) & _POLLIN:
                 try:
-                    messages.append(self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+                    messages.append(sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
                 except zmq.Again:
                     break
             if messages:
                 return messages
-            self._readable.clear()
-            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                await self._readable.wait()
+            self._readable.clear()  # nothing waits and the edge is re-armed: the next message sets it
+            await self._readable.wait()
 
     async def close(self, linger_s: float = 0.0) -> None:
         """Close; queued messages get up to ``linger_s`` seconds to leave before they are dropped."""

@@ -147,6 +147,25 @@ async def test_close_right_after_send_flushes_the_outbox(config):
         assert consumer.stats.messages == 1
 
 
+
+async def test_acks_reach_the_producer_without_waiting_for_a_heartbeat(config):
+    # Heartbeats 100 s apart: every credit message below is an ack flush, by batch or by timer.
+    config = dataclasses.replace(config, heartbeat_s=100.0, peer_timeout_s=1000.0, window=64)  # a batch: 16 acks
+    async with StreamConsumer(config) as consumer, StreamProducer(config, producer_id="p") as producer:
+        sent = [group(i) for i in range(40)]
+        for g in sent[:17]:
+            await producer.send(g, timeout=10)
+        got = [await consumer.recv(timeout=5) for _ in range(17)]
+        consumer.ack([got[0].sample_id])  # a lone ack: goes out within the coalescing delay
+        await asyncio.wait_for(_until(lambda: len(producer.unacked) == 16), 5)
+        consumer.ack([g.sample_id for g in got[1:]])  # a full batch: goes out at once
+        await asyncio.wait_for(_until(lambda: not producer.unacked), 5)
+        for g in sent[17:]:  # and acks keep flowing, one by one, batch after batch
+            await producer.send(g, timeout=10)
+            consumer.ack([(await consumer.recv(timeout=5)).sample_id])
+        await asyncio.wait_for(_until(lambda: not producer.unacked), 5)
+        assert producer.stats.acked == 40 and consumer.stats.acked == 40
+
 # ----------------------------------------------------------------------------- replay
 
 
