@@ -506,6 +506,7 @@ def unpack(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
 
 
 _BATCH = "groups"  # the second field of a group batch's header
+_ZEROS = bytes(_ALIGN)  # column padding
 
 
 class PreparedGroup:
@@ -605,24 +606,33 @@ def _explain_untyped(group: Group) -> None:
             raise CodecError(f"group {sid!r} response {t.index}: response_ids, logprobs, versions differ in length")
 
 
-def pack_groups(batch: list[PreparedGroup], *, buffers: PoolBuffers | None = None) -> list[Any]:
+def pack_groups(batch: list[PreparedGroup]) -> list[Any]:
     """Encode prepared groups as one message, ``[header, pool]``.
 
     The pool holds four token columns (prompt ids, response ids, logprobs, versions), each
-    gathered across every response of every group in one copy; the header holds each group's
-    record and where the columns lie. `unpack_groups` slices them back into views.
+    gathered across every response of every group; the header holds each group's record and
+    where the columns lie. `unpack_groups` slices them back into views.
+
+    The pool is one ``bytes`` joined from the arrays themselves: one memcpy per array into a
+    fresh frame, about half the cost of numpy gathering the same arrays into a recycled
+    buffer (its per-array setup and copy loop), and no buffer to track while ZeroMQ sends it.
     """
     np_ = sum(g.counts[0] for g in batch)
     nr = sum(g.counts[1] for g in batch)
-    columns, offset = [], 0
-    for dt, count in zip(_COLUMN_DTYPES, (np_, nr, nr, nr)):
+    columns, parts, offset = [], [], 0
+    for k, (dt, count) in enumerate(zip(_COLUMN_DTYPES, (np_, nr, nr, nr))):
         columns.append([dt.str, count, offset])
-        offset += -(-count * dt.itemsize // _ALIGN) * _ALIGN
-    pool = np.empty(offset, np.uint8) if buffers is None else buffers.take(offset)
-    for k, ((_, count, start), dt) in enumerate(zip(columns, _COLUMN_DTYPES)):
-        if count:
-            parts = [a for g in batch for a in g.sources[k]] if len(batch) > 1 else batch[0].sources[k]
-            np.concatenate(parts, out=pool[start : start + count * dt.itemsize].view(dt))
+        for g in batch:
+            parts += g.sources[k]
+        nbytes = count * dt.itemsize
+        pad = -nbytes % _ALIGN  # the next column starts aligned
+        if pad:
+            parts.append(_ZEROS[:pad])
+        offset += nbytes + pad
+    try:
+        pool = b"".join(parts)
+    except TypeError:  # a strided view has no contiguous buffer to copy from: numpy lays it out
+        pool = b"".join([np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a for a in parts])
     header = msgpack.packb([CODEC_VERSION, _BATCH, offset, columns, [g.record for g in batch]], use_bin_type=True)
     return [header, pool]
 

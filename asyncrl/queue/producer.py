@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import zmq
 
 from asyncrl.queue import protocol as P
-from asyncrl.queue.codec import CodecError, PoolBuffers, PreparedGroup, pack_groups, prepare_group
+from asyncrl.queue.codec import CodecError, PreparedGroup, pack_groups, prepare_group
 from asyncrl.queue.protocol import StreamConfig, StreamError
 from asyncrl.queue.transport import StreamSocket, keep_freed_memory
 from asyncrl.types import Group
@@ -72,14 +72,12 @@ class StreamProducer:
         self.producer_id = producer_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.stats = ProducerStats()
-        # Groups are kept checked and laid out (not encoded): a resend (rare) encodes again, and
-        # a pool buffer freed right after its send is reused by the next message, hot in cache.
+        # Groups are kept checked and laid out (not encoded): a resend (rare) encodes again.
         self._unacked: OrderedDict[str, PreparedGroup] = OrderedDict()
         for g in unacked:
             if not isinstance(g, Group):
                 raise TypeError(f"unacked must hold Group records, got {type(g).__name__}")
             self._unacked[g.sample_id] = self._prepare(g)
-        self._buffers = PoolBuffers(keep=8)  # pool frames reused once ZeroMQ has let go of them
         self._resend: deque[str] = deque()
         # Groups sent under credit but not yet handed to ZeroMQ: they leave together in one
         # message at the next turn of the event loop (or once they fill batch_bytes).
@@ -267,7 +265,7 @@ class StreamProducer:
             return
         batch, self._outbox, self._outbox_bytes = self._outbox, [], 0
         try:
-            frames = pack_groups(batch, buffers=self._buffers)
+            frames = pack_groups(batch)
             head = P.envelope(P.GROUPS, {"session": self._session, "sample_ids": [g.sample_id for g in batch]})
             self._sock.send([head, *frames], copy=False)
         except Exception as e:  # groups were checked by send(): this is out of memory or a dead socket

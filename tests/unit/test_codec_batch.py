@@ -1,7 +1,7 @@
 """The sample stream's group-batch codec: prepare_group / pack_groups / unpack_groups.
 
 Round trips (many groups, empty responses, failed groups, numpy scalars, strided arrays),
-zero-copy decoding, recycled pool buffers, what prepare_group refuses, and malformed input:
+zero-copy decoding, the pool frame's layout, what prepare_group refuses, and malformed input:
 every malformed batch must raise CodecError, never another exception or a wrong group.
 """
 
@@ -16,7 +16,6 @@ import pytest
 from asyncrl.queue.codec import (
     CODEC_VERSION,
     CodecError,
-    PoolBuffers,
     pack,
     pack_groups,
     prepare_group,
@@ -139,35 +138,31 @@ def test_decoding_the_sender_frames_shares_the_pool_array():
     out = unpack_groups(frames)
     assert out == groups
     arr = out[1].trajectories[1].response_ids
-    assert np.shares_memory(arr, frames[1])
+    assert np.shares_memory(arr, np.frombuffer(frames[1], np.uint8))
 
 
-# ----------------------------------------------------------------------------- pool buffers
+# ----------------------------------------------------------------------------- the pool frame
 
 
-def _pool_address(frames) -> int:
-    return np.asarray(frames[1]).__array_interface__["data"][0]
-
-
-def test_pool_buffers_never_overwrite_a_message_still_referenced():
-    buffers = PoolBuffers()
+def test_each_batch_gets_its_own_immutable_pool():
     first = [group(0), group(1)]
-    second = [group(2), group(3)]  # same sizes: a recycled buffer would fit
-    f1 = pack_groups([prepare_group(g) for g in first], buffers=buffers)
-    f2 = pack_groups([prepare_group(g) for g in second], buffers=buffers)
-    assert not np.shares_memory(np.asarray(f1[1]), np.asarray(f2[1]))
-    assert unpack_groups(f1) == first
-    assert unpack_groups(f2) == second
+    second = [group(2), group(3)]  # same sizes
+    f1 = pack_groups([prepare_group(g) for g in first])
+    f2 = pack_groups([prepare_group(g) for g in second])
+    assert type(f1[1]) is bytes and f1[1] is not f2[1]
+    out1 = unpack_groups(f1)
+    assert unpack_groups(f2) == second and out1 == first  # packing the second left the first as it was
+    assert not out1[0].trajectories[0].response_ids.flags.writeable  # views on immutable bytes
 
 
-def test_pool_buffers_are_reused_once_a_message_is_dropped():
-    buffers = PoolBuffers()
-    f1 = pack_groups([prepare_group(group(0))], buffers=buffers)
-    address = _pool_address(f1)
-    del f1  # nobody refers to the first pool any more: it is handed out again
-    f2 = pack_groups([prepare_group(group(1))], buffers=buffers)
-    assert _pool_address(f2) == address
-    assert unpack_groups(f2) == [group(1)]
+def test_the_pool_holds_each_column_aligned_and_padded_with_zeros():
+    g = group(0, n=1, plen=3, rlen=5)  # 24 prompt bytes, 40 response bytes, 20 logprob bytes
+    header, pool = pack_groups([prepare_group(g)])
+    columns = msgpack.unpackb(header, raw=False)[3]
+    assert [c[2] for c in columns] == [0, 32, 80, 112] and len(pool) == 160
+    t = g.trajectories[0]
+    assert pool[24:32] == bytes(8) and pool[100:112] == bytes(12)
+    assert pool[32:72] == t.response_ids.tobytes() and pool[80:100] == t.logprobs.tobytes()
 
 
 # ----------------------------------------------------------------------------- prepare_group errors
