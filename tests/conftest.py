@@ -24,3 +24,19 @@ def _quiet_threads():
     # multi-process tests from oversubscribing the machine.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     yield
+
+
+@pytest.fixture(params=["accelerated", "pure-python"])
+def codec_path(request, monkeypatch):
+    """Run a test on both paths of the group codec: the C accelerator and pure Python.
+
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("codec_path")``.
+    """
+    from asyncrl.queue import codec
+
+    if request.param == "accelerated":
+        if codec._fast is None:
+            pytest.skip("asyncrl.queue._fastgroups is not built (or ASYNCRL_PURE_PYTHON is set)")
+    else:
+        monkeypatch.setattr(codec, "_fast", None)
+    return request.param

@@ -39,6 +39,7 @@ frame whose length does not match dtype x shape, a frame over ``max_frame_bytes`
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import warnings
@@ -47,7 +48,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from asyncrl.types import Group, Trajectory
+from asyncrl.types import FINISH_REASONS, Group, Trajectory
 
 CODEC_VERSION = 1
 """Bumped on any change to the header layout; a peer with another version is refused."""
@@ -406,6 +407,19 @@ _I8, _F4 = np.dtype(np.int64), np.dtype(np.float32)
 _COLUMN_DTYPES = (_I8, _I8, _F4, _I8)  # prompt_ids, response_ids, logprobs, versions
 _NP_DTYPES = {np.dtype(c).str: np.dtype(c) for c in "?bBhHiIlLqQefdFD"}
 
+# The optional C accelerator (asyncrl/queue/_fastgroups.c) runs the per-response loops of
+# prepare_group and unpack_groups; where it is not built, or ASYNCRL_PURE_PYTHON is set, the
+# Python code below does the same. It takes only the path where all is as expected and
+# returns None otherwise, so every error message and every odd-but-valid case stays here.
+_fast: Any = None
+if not os.environ.get("ASYNCRL_PURE_PYTHON"):
+    try:
+        from asyncrl.queue import _fastgroups as _fast
+    except ImportError:
+        _fast = None
+    else:
+        _fast.setup(Trajectory, FINISH_REASONS, _I8, _F4)
+
 
 def _build(cls: type, **kwargs: Any) -> Any:
     try:
@@ -425,6 +439,10 @@ def _slice_responses(
     columns equally long, so each record is built without re-checking its arrays
     (Trajectory._from_typed checks what is left: finish_reason).
     """
+    if _fast is not None:
+        done = _fast.trajectories(sid, *per_response, *columns, po, ro)
+        if done is not None:
+            return done
     index, finish, reward, age, plens, rlens = per_response
     p, r, lp, v = columns
     np_, nr = len(p), len(r)
@@ -559,6 +577,11 @@ def prepare_group(group: Group) -> PreparedGroup:
     if not isinstance(group, Group):
         raise CodecError(f"the stream carries Group records, got {type(group).__module__}.{type(group).__qualname__}")
     sid, ts = group.sample_id, group.trajectories
+    laid_out = _fast.columns(ts) if _fast is not None else None
+    if laid_out is not None:
+        p, r, lp, v, index, finish, reward, age, plens, rlens, np_, nr = laid_out
+        fields = [sid, group.expected, group.status, group.error, group.meta, index, finish, reward, age, plens, rlens]
+        return PreparedGroup(group, _record(sid, fields), (p, r, lp, v), (np_, nr))
     try:
         p = [t.prompt_ids for t in ts]
         r = [t.response_ids for t in ts]
@@ -577,11 +600,14 @@ def prepare_group(group: Group) -> PreparedGroup:
         raise CodecError(f"group {sid!r}: {type(e).__name__}: {e}") from e  # e.g. a field deleted
     if not typed:
         _explain_untyped(group)
+    return PreparedGroup(group, _record(sid, fields), (p, r, lp, v), (sum(plens), sum(rlens)))
+
+
+def _record(sid: str, fields: list[Any]) -> bytes:
     try:
-        record = _record_packer().pack(fields)
+        return _record_packer().pack(fields)
     except (OverflowError, TypeError, ValueError) as e:
         raise CodecError(f"group {sid!r}: {e}") from e
-    return PreparedGroup(group, record, (p, r, lp, v), (sum(plens), sum(rlens)))
 
 
 def _explain_untyped(group: Group) -> None:

@@ -14,6 +14,8 @@ from asyncrl.queue import CodecError, pack, unpack
 from asyncrl.queue.codec import CODEC_VERSION, frames_nbytes
 from asyncrl.types import Group, Trajectory
 
+pytestmark = pytest.mark.usefixtures("codec_path")  # each test runs on both codec paths
+
 NP_DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
              np.float16, np.float32, np.float64, np.complex64, np.complex128]
 TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

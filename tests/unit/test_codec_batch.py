@@ -23,6 +23,8 @@ from asyncrl.queue.codec import (
 )
 from asyncrl.types import Group, Trajectory
 
+pytestmark = pytest.mark.usefixtures("codec_path")  # each test runs on both codec paths
+
 DTYPES = (np.int64, np.int64, np.float32, np.int64)  # prompt_ids, response_ids, logprobs, versions
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "logprobs", "versions")
 
