@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -67,6 +68,20 @@ async def test_64_concurrent_requests_across_two_actors(actors):
     assert all(s["running"] == 0 and s["queued"] == 0 for s in stats)
 
 
+async def _until_generated(actor, request_id: str, n_tokens: int, timeout_s: float = 60.0) -> int:
+    """``request_id``'s token count once it reached ``n_tokens``.
+
+    Ray may start an async actor's calls out of submission order, so `wait_for_tokens` can run
+    before `generate` has queued the request; it then returns 0 at once, and is asked again.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await actor.wait_for_tokens.remote(request_id, n_tokens)
+        if got >= n_tokens or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.01)
+
+
 async def test_pause_keep_weight_load_and_abort_through_the_actor(actors, model_path):
     actor = actors[0]
     local = make_engine("torch", model_path=str(model_path))
@@ -78,7 +93,7 @@ async def test_pause_keep_weight_load_and_abort_through_the_actor(actors, model_
         await local.close()
     greedy = SamplingParams(greedy=True)
     kept = actor.generate.remote(GenerateRequest("kept", np.arange(3, 9), max_tokens=40, sampling=greedy))
-    assert await actor.wait_for_tokens.remote("kept", 3) >= 3
+    assert await _until_generated(actor, "kept", 3) >= 3
     await actor.pause.remote("keep")
     await actor.load_weights.remote(weights)
     await actor.finish_weight_update.remote(5)
@@ -90,7 +105,7 @@ async def test_pause_keep_weight_load_and_abort_through_the_actor(actors, model_
     np.testing.assert_array_equal(result.versions, [0] * k + [5] * (40 - k))
 
     cut = actor.generate.remote(GenerateRequest("cut", np.arange(3, 9), max_tokens=200, sampling=greedy))
-    assert await actor.wait_for_tokens.remote("cut", 2) >= 2
+    assert await _until_generated(actor, "cut", 2) >= 2
     await actor.abort.remote(["cut"])
     partial = await cut
     assert partial.finish_reason == "abort" and 2 <= len(partial.response_ids) < 200
