@@ -136,7 +136,8 @@ async def _run(args: argparse.Namespace) -> int:
     from asyncrl.rollouter.actor import remote_engine_actor
     from asyncrl.sync import WeightSyncConfig, WeightSyncCoordinator
     from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
-    from asyncrl.trainer.ranks import RankGroup, free_port
+    from asyncrl.net import free_port
+    from asyncrl.trainer.ranks import RankGroup
     from asyncrl.trainer.trainer import Trainer
 
     gpu = args.rollouter_gpus > 0

@@ -36,6 +36,8 @@ import os
 import sys
 import time
 
+from asyncrl.net import free_port
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 N_RESPONSES = 8
@@ -177,7 +179,7 @@ def _raw_consumer(port: int, messages: int, tuned: bool, out) -> None:
 def _raw_rate(tokens: int, count: int, warmup: int, per_message: int, tuned: bool = True) -> float:
     """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message."""
     messages = max(count // per_message, warmup // per_message + 10)
-    port = _free_port()
+    port = free_port()
     times = _run_pair(_raw_producer, _raw_consumer, (port, tokens, messages, per_message, tuned), (port, messages, tuned))
     return per_message * _rate(times, warmup // per_message)
 
@@ -213,14 +215,6 @@ def _get(out, procs, timeout: float):
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited with {dead[0].exitcode} (its traceback is above)")
     raise TimeoutError(f"no result within {timeout}s")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------- (c) ray queue
@@ -286,7 +280,7 @@ def main() -> None:
     for name, (tokens, count) in cases.items():
         r = rates[name] = {"stream": 0.0, "raw_zmq": 0.0, "raw_zmq_batched": 0.0, "raw_zmq_untuned": 0.0}
         for _ in range(args.repeat):  # alternating, so a noisy neighbour hits all paths alike
-            port = _free_port()
+            port = free_port()
             times, per_message = _run_pair(
                 _stream_producer, _stream_consumer, (port, tokens, count, args.window), (port, count, args.window)
             )

@@ -46,7 +46,6 @@ without CUDA and vLLM; the geometry and packing are pure torch and tested on CPU
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -54,6 +53,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from asyncrl.net import free_port
 
 VLLM_DEFAULT_BUCKET_BYTES = 1024 * 1024 * 1024
 """vLLM 0.33's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES`` (1 GiB)."""
@@ -204,13 +205,6 @@ def iter_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         yield name, full.detach()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (vLLM's TCPStore binds it at `connect`)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def broadcast_packed(

@@ -14,19 +14,12 @@ Every call has a deadline whose error names the setting that bounds it.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Sequence
 from typing import Any
 
+from asyncrl.net import free_port
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.worker import TrainerWorker
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (for the process-group rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RankGroup:

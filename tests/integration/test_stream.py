@@ -22,13 +22,9 @@ import psutil
 import pytest
 import zmq
 
+from asyncrl.net import free_port
+
 CHILD = Path(__file__).with_name("stream_child.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Child:
@@ -92,7 +88,7 @@ def spawn():
 
 @pytest.fixture
 def endpoint() -> str:
-    return f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def _committed_ids(log: Path) -> list[str]:

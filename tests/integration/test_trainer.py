@@ -260,7 +260,7 @@ async def test_sigkill_between_steps_then_resume_loses_nothing_and_trains_nothin
 
     from asyncrl.models.tiny import build_tiny_model
     from asyncrl.queue import StreamProducer
-    from asyncrl.trainer.ranks import free_port
+    from asyncrl.net import free_port
 
     model = build_tiny_model(tmp_path / "model")
     endpoint = f"tcp://127.0.0.1:{free_port()}"

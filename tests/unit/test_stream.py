@@ -7,7 +7,6 @@ foreign messages, the blocking facade. Multi-process behaviour is in tests/integ
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 
 import msgpack
@@ -16,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from asyncrl.net import free_port
 from asyncrl.queue import (
     BlockingStreamConsumer,
     BlockingStreamProducer,
@@ -29,15 +29,9 @@ from asyncrl.queue.protocol import ProtocolError, envelope, parse_envelope
 from asyncrl.types import Group, Trajectory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def config() -> StreamConfig:
-    return StreamConfig(endpoint=f"tcp://127.0.0.1:{_free_port()}", window=4, heartbeat_s=0.05, peer_timeout_s=1.0)
+    return StreamConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", window=4, heartbeat_s=0.05, peer_timeout_s=1.0)
 
 
 def group(i: int, n: int = 2, length: int = 8) -> Group:

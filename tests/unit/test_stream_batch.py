@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import subprocess
 import sys
 
@@ -18,21 +17,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from asyncrl.net import free_port
 from asyncrl.queue import StreamConfig, StreamConsumer, StreamProducer, StreamTimeout
 from asyncrl.queue.codec import pack_groups, prepare_group
 from asyncrl.queue.protocol import envelope, parse_envelope
 from asyncrl.types import Group, Trajectory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def config() -> StreamConfig:
-    return StreamConfig(endpoint=f"tcp://127.0.0.1:{_free_port()}", window=64, heartbeat_s=0.05, peer_timeout_s=1.0)
+    return StreamConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", window=64, heartbeat_s=0.05, peer_timeout_s=1.0)
 
 
 def group(i: int, n: int = 2, length: int = 8) -> Group:
