@@ -327,6 +327,11 @@ class TorchEngine:
             **self._counters,
         )
 
+    def kv_memory(self) -> dict[str, int]:
+        """KV cache memory: ``bytes`` held now, ``peak_bytes`` ever held, ``peak_tokens`` ever cached at once."""
+        cache = self._runner.cache
+        return dict(bytes=cache.nbytes(), peak_bytes=cache.peak_bytes, peak_tokens=self._runner.peak_tokens)
+
     # ---------------------------------------------------------------- scheduler
 
     def _has_work(self) -> bool:
