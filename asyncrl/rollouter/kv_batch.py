@@ -10,9 +10,10 @@ rows in use stay contiguous.
 
 `SlotKVCache` is what the model sees as ``past_key_values``: transformers' attention layers
 call ``update(keys, values, layer_idx)`` and attend over what it returns, under the 4-d
-mask `step_masks` builds. Capacity grows by doubling (rarely: about log2(longest
-sequence) times), so the memory held is ``slots x longest sequence so far``, not
-``slots x max_model_len``. Left out: paged memory, prefix sharing, sliding-window KV
+mask `step_masks` builds. Capacity grows in steps of ``GROW_TOKENS`` columns (a copy of the
+buffers each time, once per 256 tokens of the longest request), so the memory held is about
+``slots x longest sequence so far``, not ``slots x max_model_len``: dense rows waste what a
+paged cache saves when one request is much longer than the others (figures in docs/engine.md). Left out: paged memory, prefix sharing, sliding-window KV
 eviction (a sliding-window layer gets its window through the mask, over the full cache).
 """
 
@@ -20,15 +21,17 @@ from __future__ import annotations
 
 import torch
 
+#: Capacity grows to the next multiple of this many tokens (as a 256-token page would).
+GROW_TOKENS = 256
+
 
 class SlotKVCache:
     """Per-layer ``[slots, kv_heads, capacity, head_dim]`` key/value buffers, one row per request."""
 
-    def __init__(self, n_slots: int, device, min_capacity: int = 64) -> None:
+    def __init__(self, n_slots: int, device) -> None:
         self.n_slots = n_slots
         self.device = torch.device(device)
         self.capacity = 0
-        self._min_capacity = min_capacity
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         """Per layer; allocated at the first write (head count and size come from the model)."""
@@ -46,12 +49,10 @@ class SlotKVCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def reserve(self, length: int) -> None:
-        """Make room for columns ``0..length-1`` in every row (doubling, so growth is rare)."""
+        """Make room for columns ``0..length-1`` in every row."""
         if length <= self.capacity:
             return
-        new = max(self._min_capacity, self.capacity)
-        while new < length:
-            new *= 2
+        new = -(-length // GROW_TOKENS) * GROW_TOKENS
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 grown = old.new_zeros(*old.shape[:2], new, old.shape[3])
