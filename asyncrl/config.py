@@ -483,12 +483,6 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     if cfg.engine.tensor_parallel_size > 1 and cfg.engine_kind != "vllm":
         raise ConfigError(f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} needs engine.kind=vllm "
                           f"(the built-in engine runs on one device), got engine.kind={cfg.engine_kind}")
-    if p.gpus_per_node is not None and cfg.gpu and p.nodes > 1:
-        for name, gpus in (("rollouter_gpus", p.rollouter_gpus), ("trainer_gpus", p.trainer_gpus)):
-            if gpus > p.gpus_per_node * (p.nodes - 1):
-                raise ConfigError(f"{named('placement.' + name)}={gpus} do not fit on "
-                                  f"{named('placement.nodes')}={p.nodes} nodes of placement.gpus_per_node={p.gpus_per_node} "
-                                  "with the other part on a node of its own")
 
     per_sync = cfg.groups_per_step * t.trigger_parameter_sync_step
     if r.groups_per_sync != per_sync:
