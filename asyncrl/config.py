@@ -503,6 +503,8 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     if was_given("stream.endpoint") and cfg.stream.endpoint != StreamConfig().endpoint:
         raise ConfigError("stream.endpoint is chosen by the launcher (the Trainer's node and a port bound there); "
                           "remove it")
+    if cfg.stream.curve is not None:
+        raise ConfigError("stream.curve keys are made per run by the launcher (and never written down); remove them")
     threshold = cfg.partial_rollout.threshold
     if cfg.partial_rollout.enable and threshold is not None:
         reachable = int((1 + r.staleness_threshold) * per_sync) * r.n
