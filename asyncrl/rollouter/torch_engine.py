@@ -17,7 +17,8 @@ lives on the event loop of its first call (its scheduler task is created there).
 
 Why not transformers' own continuous-batching manager: it has no pause that keeps requests
 with their KV cache, no in-place weight update between steps with per-token versions, and
-returns no sampled-token log-probs; the scheduler here is small enough to read in one go.
+returns no sampled-token log-probs; the scheduler here is small enough to read in one go, and
+faster than the manager on ``scripts/bench_engine.py`` (``docs/engine.md``).
 
 Log-probs: ``log_softmax(logits / T)[token]`` of the sampled token under the weights that
 produced it, after temperature and before top-k/top-p (greedy: ``T = 1``). This equals vLLM
