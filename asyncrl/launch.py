@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--reward", default=None,
                       help="reward as module:function(prompt_text, response_text) -> float (default: built-in task)")
     algo = p.add_argument_group("algorithm")
+    algo.add_argument("--mode", choices=("async", "sync"), default="async",
+                      help="async: fully asynchronous; sync: generate a batch, train, sync, in lockstep "
+                           "(on-policy; ignores --staleness-threshold)")
     algo.add_argument("--steps", type=int, default=100, help="train steps to run")
     algo.add_argument("--n", type=int, default=8, help="responses per prompt (group size)")
     algo.add_argument("--groups-per-step", type=int, default=8, help="groups per train step")
@@ -45,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     algo.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the task's)")
     algo.add_argument("--lr", type=float, default=None, help="learning rate (default: tuned for the demo)")
     algo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    part = p.add_argument_group("partial rollout (async mode)")
+    part.add_argument("--partial-rollout", action="store_true",
+                      help="truncate each round's long tail across all engines; truncated responses resume next round")
+    part.add_argument("--partial-threshold", type=int, default=None,
+                      help="finished trajectories that end a round (default: groups per sync x n)")
+    part.add_argument("--partial-max-age", type=int, default=4, help="truncations a response may survive")
+    part.add_argument("--long-tail", type=int, default=1, metavar="FACTOR",
+                      help="built-in task only: per-prompt response budgets up to FACTOR x the median "
+                           "(a power of 2; engines then ignore EOS so responses really are that long)")
     out = p.add_argument_group("output")
     out.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<time>)")
     out.add_argument("--seed", type=int, default=0)
@@ -58,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give both --rollouter-gpus and --trainer-gpus (GPU run) or neither (CPU run)")
     if args.staleness_threshold < 0:
         p.error("--staleness-threshold must be >= 0")
+    if args.mode == "sync" and args.partial_rollout:
+        p.error("--partial-rollout needs --mode async (sync mode generates every batch to the end)")
+    if args.mode == "sync" and args.sync_every != 1:
+        p.error("--mode sync syncs after every step: --sync-every must be 1")
+    if args.long_tail < 1 or args.long_tail & (args.long_tail - 1) or (args.long_tail > 1 and args.dataset):
+        p.error("--long-tail must be a power of 2 (1 = off) and is for the built-in task (no --dataset)")
     return args
 
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter, RolloutState, encode_prompts
+from asyncrl.rollouter.partial import PartialRolloutConfig
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState, encode_prompts
 
 
 def load_callable(spec: str):
@@ -58,14 +59,18 @@ class RolloutWorker:
     """The Rollouter process: tokenizer, dataset, reward, producer and `Rollouter` (a Ray actor)."""
 
     def __init__(self, cfg: RolloutConfig, engines: list, endpoint: str, window: int, model_path: str,
-                 dataset: str | None, reward: str | None, seed: int, state: dict | None = None):
+                 dataset: str | None, reward: str | None, seed: int, state: dict | None = None,
+                 aggregator: Any = None, prompts: list[Prompt] | None = None, long_tail: int = 1):
         from transformers import AutoTokenizer
 
         from asyncrl.tasks import arithmetic
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if dataset is None:
-            rows = arithmetic.generate_dataset(4096, seed=seed)
+        if prompts is not None:
+            pass
+        elif dataset is None:
+            task = arithmetic.ArithmeticTaskConfig(long_tail_factor=long_tail)
+            rows = arithmetic.generate_dataset(4096, seed=seed, config=task)
             prompts = encode_prompts(self.tokenizer, rows, encode=arithmetic.encode_prompt)
         else:
             prompts = encode_prompts(self.tokenizer, load_jsonl(dataset))
@@ -79,28 +84,47 @@ class RolloutWorker:
             return score(prompt_text, self.tokenizer.decode(ids, skip_special_tokens=True))
 
         self.cfg, self.engines, self.prompts, self.reward_fn = cfg, engines, prompts, reward_fn
-        self.endpoint, self.window = endpoint, window
+        self.endpoint, self.window, self.aggregator = endpoint, window, aggregator
         self.state = RolloutState(**(state or {}))
         self.version = 0
         self.rollouter: Rollouter | None = None
+        self._dropped: list[str] = []
 
     async def run(self, num_groups: int | None = None) -> dict:
         from asyncrl.queue import StreamConfig, StreamProducer
 
         producer = StreamProducer(StreamConfig(endpoint=self.endpoint, window=self.window), producer_id="rollouter-0")
         await producer.start()
-        self.rollouter = Rollouter(self.cfg, self.engines, producer, self.prompts, self.reward_fn, state=self.state)
+        self.rollouter = Rollouter(self.cfg, self.engines, producer, self.prompts, self.reward_fn, state=self.state,
+                                   aggregator=self.aggregator)
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
+        await self.rollouter.on_dropped(self._dropped)
         try:
             await self.rollouter.run(num_groups)
         finally:
             await producer.close()
         return self.progress()
 
+    async def on_pause(self) -> None:
+        if self.rollouter is not None:
+            await self.rollouter.on_pause()
+
     async def on_sync(self, version: int) -> None:
         self.version = version
         if self.rollouter is not None:
             await self.rollouter.on_sync(version)
+
+    async def on_dropped(self, sample_ids: list[str]) -> None:
+        self._dropped.extend(sample_ids)
+        if self.rollouter is not None:
+            await self.rollouter.on_dropped(sample_ids)
+
+    def stats(self) -> dict:
+        """Cumulative counters and timers (see `RolloutStats`), for the step metrics."""
+        r = self.rollouter
+        if r is None:
+            return {}
+        return r.stats_now()
 
     def feed_state(self) -> dict:
         """The feed position, for the Trainer's checkpoint (``rollouter_state`` slot)."""
@@ -113,12 +137,14 @@ class RolloutWorker:
 
 
 class NotifyingSyncer:
-    """The coordinator's sync, then tell the Rollouter which version the engines now serve."""
+    """Tell the Rollouter a sync pauses the engines, run the coordinator's sync, then tell it
+    which version the engines now serve."""
 
     def __init__(self, coordinator: Any, rollouter: Any):
         self.coordinator, self.rollouter = coordinator, rollouter
 
     async def sync(self) -> int:
+        await self.rollouter.on_pause.remote()
         version = await self.coordinator.sync()
         await self.rollouter.on_sync.remote(version)
         return version
@@ -133,7 +159,9 @@ async def _run(args: argparse.Namespace) -> int:
     import ray
 
     from asyncrl.queue import StreamConfig, StreamConsumer
+    from asyncrl.modes import mode_settings
     from asyncrl.rollouter.actor import remote_engine_actor
+    from asyncrl.rollouter.aggregator import remote_aggregator_actor
     from asyncrl.sync import WeightSyncConfig, WeightSyncCoordinator
     from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
     from asyncrl.net import free_port
@@ -162,7 +190,10 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"asyncrl: run dir {run_dir}; model {model_path}; {n_engines} engine(s), {n_ranks} trainer rank(s)",
               flush=True)
         engine_cls = remote_engine_actor(num_cpus=1, num_gpus=1 if gpu else 0)
-        engines = [engine_cls.remote(kind="vllm" if gpu else "torch", model_path=model_path) for _ in range(n_engines)]
+        # A long-tail workload ends each response at its drawn budget, not at the model's EOS.
+        eos = {"eos_token_ids": ()} if args.long_tail > 1 else {}
+        engines = [engine_cls.remote(kind="vllm" if gpu else "torch", model_path=model_path, **eos)
+                   for _ in range(n_engines)]
         await asyncio.gather(*(e.ready.remote() for e in engines))
 
         checkpoint_every = max(1, min(10, args.steps))
@@ -179,25 +210,37 @@ async def _run(args: argparse.Namespace) -> int:
         )
         ranks = RankGroup.start_ray(cfg)
 
+        mode = mode_settings(args.mode, staleness_threshold=args.staleness_threshold,
+                             trigger_parameter_sync_step=args.sync_every,
+                             partial=PartialRolloutConfig(enable=args.partial_rollout, threshold=args.partial_threshold,
+                                                          max_age=args.partial_max_age))
         # Groups are acked only once the checkpoint holding their step is written, so the window
         # must cover a checkpoint interval plus what the Rollouter may run ahead.
-        per_sync = args.groups_per_step * args.sync_every
-        window = args.groups_per_step * checkpoint_every + int((1 + args.staleness_threshold) * per_sync) + 1
+        per_sync = cfg.groups_per_sync
+        window = args.groups_per_step * checkpoint_every + int((1 + mode.staleness_threshold) * per_sync) + 1
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         consumer = StreamConsumer(StreamConfig(endpoint=endpoint, window=window))
         await consumer.start()
 
         rollout_cfg = RolloutConfig(n=args.n, max_tokens=max_tokens, temperature=args.temperature,
-                                    groups_per_sync=per_sync, staleness_threshold=args.staleness_threshold,
-                                    max_concurrent=max(4, args.groups_per_step), seed=args.seed)
+                                    groups_per_sync=per_sync, staleness_threshold=mode.staleness_threshold,
+                                    max_concurrent=max(4, int((1 + mode.staleness_threshold) * per_sync)),
+                                    seed=args.seed, partial=mode.partial)
+        aggregator = None
+        if mode.partial.enable:
+            aggregator = remote_aggregator_actor().remote(
+                engines, mode.partial.resolved_threshold(per_sync, args.n))
         rollouter = ray.remote(RolloutWorker).options(num_cpus=1).remote(
-            rollout_cfg, engines, endpoint, window, model_path, args.dataset, args.reward, args.seed)
+            rollout_cfg, engines, endpoint, window, model_path, args.dataset, args.reward, args.seed,
+            aggregator=aggregator, long_tail=args.long_tail)
         rollout_ref = rollouter.run.remote()
 
         coordinator = WeightSyncCoordinator(ranks.workers, engines, WeightSyncConfig())
         trainer = Trainer(cfg, ranks, consumer, NotifyingSyncer(coordinator, rollouter),
-                          rollouter_state=lambda: rollouter.feed_state.remote())
-        await _train(trainer, args.steps, run_dir, rollout_ref)
+                          rollouter_state=lambda: rollouter.feed_state.remote(),
+                          on_dropped=lambda ids: rollouter.on_dropped.remote(ids))
+        print(f"asyncrl: mode {args.mode}" + (", partial rollout" if mode.partial.enable else ""), flush=True)
+        await _train(trainer, args.steps, run_dir, rollout_ref, rollouter)
         return 0
     finally:
         if rollouter is not None:
@@ -211,12 +254,13 @@ async def _run(args: argparse.Namespace) -> int:
         ray.shutdown()
 
 
-async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> None:
+async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, rollouter: Any) -> None:
     """Run the steps, print one progress line each and append metrics to metrics.jsonl."""
     import ray
 
     rewards: list[float] = []
     t0 = time.monotonic()
+    last: dict = {}
     rollout_task = asyncio.wrap_future(rollout_ref.future())
     # The Rollouter is killed at shutdown; its run() then ends with ActorDiedError, expected.
     rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -230,6 +274,9 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> N
                 raise RuntimeError("the Rollouter stopped before training finished")
             m = step_task.result().metrics
             m["time_s"] = round(time.monotonic() - t0, 2)
+            now = await rollouter.stats.remote()
+            m.update(rollouter_step_metrics(last, now))
+            last = now
             out.write(json.dumps(m) + "\n")
             out.flush()
             rewards.append(m["reward_mean"])
@@ -240,6 +287,24 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> N
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
     print(f"asyncrl: mean reward of the first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+
+
+def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
+    """The Rollouter's share of a step's metrics, from two `RolloutWorker.stats` readings."""
+    if not now:
+        return {}
+    d = {k: now[k] - last.get(k, 0.0) for k in ("gate_blocked_s", "credit_blocked_s", "idle_s", "truncated",
+                                                "resumed", "timed_out")}
+    span = now["time_s"] - last["time_s"] if last else 0.0
+    return {
+        "timing_s/rollouter/gate_blocked": d["gate_blocked_s"],
+        "timing_s/rollouter/credit_blocked": d["credit_blocked_s"],
+        "fully_async/rollouter/idle_ratio": min(1.0, d["idle_s"] / span) if span > 0 else 0.0,
+        "fully_async/partial/truncated": float(d["truncated"]),
+        "fully_async/partial/resumed": float(d["resumed"]),
+        "fully_async/partial/waiting": float(now["waiting_partials"]),
+        "rollouter/timed_out": float(d["timed_out"]),
+    }
 
 
 def _default_model(run_dir: Path) -> str:

@@ -370,6 +370,15 @@ class Rollouter:
         raise TimeoutError(f"{request.request_id}: no result within request_timeout_s={self.cfg.request_timeout_s} "
                            "(time paused for weight syncs not counted); aborted on its engine")
 
+    def stats_now(self) -> dict:
+        """`RolloutStats` as a dict, the idle span in progress included, with ``time_s`` (monotonic)."""
+        now = time.monotonic()
+        out = {k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__}
+        if self._in_flight == 0 and self._idle_since is not None:
+            out["idle_s"] += now - self._idle_since
+        out.update(time_s=now, waiting_partials=len(self.partials))
+        return out
+
     def _busy(self, delta: int) -> None:
         now = time.monotonic()
         if self._in_flight == 0 and self._idle_since is not None:
@@ -405,12 +414,16 @@ def _actor_died(exc: BaseException) -> bool:
 
 
 def encode_prompts(tokenizer, rows: Iterable[dict], encode: Callable[[Any, str], np.ndarray] | None = None) -> list[Prompt]:
-    """Rows with a ``prompt`` text column (verl's convention) -> `Prompt`s."""
+    """Rows with a ``prompt`` text column (verl's convention) -> `Prompt`s; a row may carry its own
+    response budget in a ``max_tokens`` column."""
     out = []
     for i, row in enumerate(rows):
         text = row.get("prompt")
         if not isinstance(text, str):
             raise ValueError(f"dataset row {i}: needs a 'prompt' column of text, got {type(text).__name__}")
         ids = encode(tokenizer, text) if encode else np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
-        out.append(Prompt(text=text, prompt_ids=ids))
+        budget = row.get("max_tokens")
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"dataset row {i}: 'max_tokens' must be a positive int, got {budget!r}")
+        out.append(Prompt(text=text, prompt_ids=ids, max_tokens=budget))
     return out
