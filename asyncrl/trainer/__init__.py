@@ -4,7 +4,7 @@
 - `algorithm`: advantages and the policy loss; `batch`: Groups -> TensorDict, fail closed;
 - `fsdp`: ``parallelize(model, mesh)``; `worker`: `TrainerWorker` (one rank); `ranks`: `RankGroup`;
 - `trainer`: `Trainer` (the driver loop), `GroupSource`, `WeightSyncer`, `MemorySource`;
-- `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: on-policy synchronous GRPO.
+- `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: `DirectEngineSyncer` (in-process weight load).
 
 Names are imported lazily so ``import asyncrl.trainer`` stays cheap (no torch until used).
 """
