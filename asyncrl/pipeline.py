@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialRolloutConfig
-from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState, encode_prompts
+from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter, RolloutState, encode_prompts
 
 
 def load_callable(spec: str):
@@ -60,15 +60,13 @@ class RolloutWorker:
 
     def __init__(self, cfg: RolloutConfig, engines: list, endpoint: str, window: int, model_path: str,
                  dataset: str | None, reward: str | None, seed: int, state: dict | None = None,
-                 aggregator: Any = None, prompts: list[Prompt] | None = None, long_tail: int = 1):
+                 aggregator: Any = None, long_tail: int = 1):
         from transformers import AutoTokenizer
 
         from asyncrl.tasks import arithmetic
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if prompts is not None:
-            pass
-        elif dataset is None:
+        if dataset is None:
             task = arithmetic.ArithmeticTaskConfig(long_tail_factor=long_tail)
             rows = arithmetic.generate_dataset(4096, seed=seed, config=task)
             prompts = encode_prompts(self.tokenizer, rows, encode=arithmetic.encode_prompt)
