@@ -14,8 +14,9 @@ to its budget (the reward reads the answer before the first EOS). The modes:
 - ``async_partial``: the same plus ``--partial-rollout`` (each round's long tail is truncated
   when the Trainer has its groups, and resumes next round).
 
-Time is the launcher's ``time_s`` of step N (from the first step's start: Ray and model
-start-up are not counted). The modes run interleaved, ``--repeats`` times each, and the
+Time is from the end of step 1 to the end of step N + 1 (the launcher's ``time_s``): Ray,
+model start-up and the first step (the Rollouter's own start, tens of seconds on a loaded
+machine, the same in every mode) are not counted. The modes run interleaved, ``--repeats`` times each, and the
 median counts; rewards are the mean sampled reward of the last ``--window`` steps, averaged
 over the repeats. With ``--json`` the last line is one JSON object::
 
@@ -63,7 +64,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "asyncrl.launch", *MODES[mode], "--steps", str(args.steps), "--n", str(args.n),
+    cmd = [sys.executable, "-m", "asyncrl.launch", *MODES[mode], "--steps", str(args.steps + 1), "--n", str(args.n),
            "--groups-per-step", str(args.groups_per_step), "--long-tail", str(args.long_tail),
            "--lr", str(args.lr), "--seed", str(seed), "--run-dir", str(run_dir)]
     if mode != "sync":
@@ -74,9 +75,11 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> d
     if out.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({out.returncode}):\n{(out.stdout + out.stderr)[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    elapsed = rows[-1]["time_s"] - rows[0]["time_s"]  # steps 2..N+1
+    rows = rows[1:]
     w = min(args.window, len(rows))
     return {
-        "time_s": rows[-1]["time_s"],
+        "time_s": elapsed,
         "reward_end": sum(r["reward_mean"] for r in rows[-w:]) / w,
         "reward_start": sum(r["reward_mean"] for r in rows[:w]) / w,
         "len_mean": statistics.mean(r["response_length_mean"] for r in rows),
