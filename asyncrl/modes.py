@@ -7,8 +7,9 @@ only in how far the Rollouter may run ahead of the Trainer, which the staleness 
 - ``async``: the gate admits up to ``(version + 1 + staleness_threshold) * groups_per_sync``
   prompts, so generation of the next groups overlaps training and weight syncs; with partial
   rollout on, the aggregator truncates each round's long tail.
-- ``sync``: ``staleness_threshold = 0``, one train step per sync, no partial rollout. The gate
-  then admits exactly one step's prompts per weight version, so each step is
+- ``sync`` (``mode=sync``, ``--mode sync``): ``staleness_threshold = 0``, one train step per
+  sync, no partial rollout. The gate then admits exactly one step's prompts per weight
+  version, so each step is
 
       generate a batch (version v) -> train on it -> sync (version v + 1) -> generate ...
 
@@ -21,31 +22,23 @@ only in how far the Rollouter may run ahead of the Trainer, which the staleness 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from asyncrl.rollouter.partial import PartialRolloutConfig
 
 MODES: tuple[str, ...] = ("async", "sync")
 
 
-@dataclass(frozen=True)
-class ModeSettings:
-    """What a mode fixes of the Rollouter's settings."""
-
-    staleness_threshold: float
-    partial: PartialRolloutConfig
-
-
-def mode_settings(mode: str, *, staleness_threshold: float, partial: PartialRolloutConfig,
-                  trigger_parameter_sync_step: int) -> ModeSettings:
-    """The Rollouter settings of ``mode``; ValueError names a setting the mode cannot honour."""
+def check_mode(mode: str, *, staleness_threshold: float, partial: PartialRolloutConfig,
+               trigger_parameter_sync_step: int) -> None:
+    """Raise ValueError naming a setting that ``mode`` cannot honour."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "async":
-        return ModeSettings(staleness_threshold=staleness_threshold, partial=partial)
+        return
     if partial.enable:
-        raise ValueError("mode 'sync' generates each batch to the end before training: turn partial rollout off")
+        raise ValueError("mode 'sync' generates each batch to the end before training: "
+                         "set partial_rollout.enable=false")
     if trigger_parameter_sync_step != 1:
-        raise ValueError(f"mode 'sync' syncs after every step: trigger_parameter_sync_step must be 1, "
+        raise ValueError(f"mode 'sync' syncs after every step: trainer.trigger_parameter_sync_step must be 1, "
                          f"got {trigger_parameter_sync_step}")
-    return ModeSettings(staleness_threshold=0.0, partial=PartialRolloutConfig(enable=False))
+    if staleness_threshold != 0:
+        raise ValueError(f"mode 'sync' is on-policy: rollout.staleness_threshold must be 0, got {staleness_threshold}")

@@ -37,7 +37,7 @@ import concurrent.futures
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +76,6 @@ class RolloutConfig:
     """Threads that run a synchronous reward function (an async one is awaited instead)."""
     seed: int = 0
     """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
-    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
-    """Long-tail truncation (partial rollout); needs an aggregator."""
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "groups_per_sync", "max_concurrent", "reward_workers"):
@@ -137,25 +135,28 @@ class Rollouter:
     """Generates groups from ``prompts`` on ``engines`` and sends them on ``producer``.
 
     ``engines`` are EngineActor handles (``.generate.remote``) or in-process engines
-    (awaitable ``generate``); ``reward_fn(prompt_text, response_ids) -> float`` (sync or async).
-    ``aggregator`` (an `AggregatorActor` handle or instance) is needed for partial rollout.
+    (awaitable ``generate``); ``reward_fn(prompt, response_ids) -> float`` (or an awaitable of
+    one) gets the `Prompt` (its text and row meta) and the response's token ids; a synchronous
+    one runs on the Rollouter's reward threads, off its event loop.
+    ``partial`` turns partial rollout on; it needs ``aggregator`` (an `AggregatorActor` handle or instance).
     """
 
     def __init__(self, cfg: RolloutConfig, engines: Sequence[Any], producer: Any, prompts: Sequence[Prompt],
-                 reward_fn: Callable[[str, np.ndarray], Any], *, state: RolloutState | None = None,
-                 aggregator: Any = None):
+                 reward_fn: Callable[[Prompt, np.ndarray], float | Awaitable[float]], *, state: RolloutState | None = None,
+                 partial: PartialRolloutConfig | None = None, aggregator: Any = None):
         if not engines:
             raise ValueError("Rollouter needs at least one engine")
         if not prompts:
             raise ValueError("Rollouter needs a non-empty dataset")
-        if cfg.partial.enable and aggregator is None:
-            raise ValueError("RolloutConfig.partial.enable needs an aggregator (AggregatorActor over the engines)")
+        self.partial = partial or PartialRolloutConfig()
+        if self.partial.enable and aggregator is None:
+            raise ValueError("partial_rollout.enable needs an aggregator (AggregatorActor over the engines)")
         self.cfg = cfg
         self.engines = list(engines)
         self.producer = producer
         self.prompts = list(prompts)
         self.reward_fn = reward_fn
-        self.aggregator = aggregator if cfg.partial.enable else None
+        self.aggregator = aggregator if self.partial.enable else None
         self.state = state or RolloutState()
         self.version = 0
         self.admitted = 0
@@ -290,7 +291,7 @@ class Rollouter:
         budget = prompt.max_tokens or cfg.max_tokens
         parts = PartialResponse()
         while True:
-            truncatable = self.aggregator is not None and parts.age < cfg.partial.max_age
+            truncatable = self.aggregator is not None and parts.age < self.partial.max_age
             ids, _, _ = parts.joined()
             request = GenerateRequest(
                 request_id=f"{sample_id}/{k}" + (f"/{parts.age}" if parts.age else ""),
@@ -321,16 +322,17 @@ class Rollouter:
         trajectory = Trajectory(
             sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=response_ids,
             logprobs=logprobs, versions=versions, finish_reason=finish, age=parts.age,
-            reward=await self._reward(prompt.text, response_ids),
+            reward=await self._reward(prompt, response_ids),
         )
         return trajectory, replica
 
-    async def _reward(self, text: str, response_ids: np.ndarray) -> float:
+    async def _reward(self, prompt: Prompt, response_ids: np.ndarray) -> float:
         """Run the reward off the event loop: awaited when async, else on the reward threads."""
         if inspect.iscoroutinefunction(self.reward_fn):
-            return float(await self.reward_fn(text, response_ids))
+            return float(await self.reward_fn(prompt, response_ids))
         loop = asyncio.get_running_loop()
-        return float(await loop.run_in_executor(self._reward_pool, self.reward_fn, text, response_ids))
+        reward = await loop.run_in_executor(self._reward_pool, self.reward_fn, prompt, response_ids)
+        return float(await reward if inspect.isawaitable(reward) else reward)
 
     async def _generate(self, request: GenerateRequest, truncatable: bool) -> tuple[GenerateResult, int]:
         """Run ``request`` on the least-loaded live engine under the (pause-aware) deadline."""
@@ -414,16 +416,12 @@ def _actor_died(exc: BaseException) -> bool:
 
 
 def encode_prompts(tokenizer, rows: Iterable[dict], encode: Callable[[Any, str], np.ndarray] | None = None) -> list[Prompt]:
-    """Rows with a ``prompt`` text column (verl's convention) -> `Prompt`s; a row may carry its own
-    response budget in a ``max_tokens`` column."""
+    """Rows with a ``prompt`` text column (verl's convention) -> `Prompt`s."""
     out = []
     for i, row in enumerate(rows):
         text = row.get("prompt")
         if not isinstance(text, str):
             raise ValueError(f"dataset row {i}: needs a 'prompt' column of text, got {type(text).__name__}")
         ids = encode(tokenizer, text) if encode else np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
-        budget = row.get("max_tokens")
-        if budget is not None and (not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"dataset row {i}: 'max_tokens' must be a positive int, got {budget!r}")
-        out.append(Prompt(text=text, prompt_ids=ids, max_tokens=budget))
+        out.append(Prompt(text=text, prompt_ids=ids))
     return out

@@ -59,11 +59,12 @@ async def test_engine_killed_mid_round_fails_its_groups_and_the_run_finishes(ray
     await asyncio.gather(*(e.ready.remote() for e in engines))
     aggregator = remote_aggregator_actor().remote(engines, G * N, signal_timeout_s=10.0)
     cfg = RolloutConfig(n=N, max_tokens=4, groups_per_sync=G, staleness_threshold=1.0, max_concurrent=8,
-                        request_timeout_s=60, partial=PartialRolloutConfig(enable=True, max_age=2))
+                        request_timeout_s=60)
     prompts = [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64),
                       max_tokens=64 if i % 2 == 0 else 4) for i in range(8)]
     producer = ListProducer()
-    r = Rollouter(cfg, engines, producer, prompts, lambda text, ids: 1.0, aggregator=aggregator)
+    r = Rollouter(cfg, engines, producer, prompts, lambda prompt, ids: 1.0,
+                  partial=PartialRolloutConfig(enable=True, max_age=2), aggregator=aggregator)
     run = asyncio.create_task(r.run(num_groups=10))
     victim_pid = await engines[1].__ray_call__.remote(lambda self: os.getpid())
     # Kill replica 1 once it is generating (a long request is in flight on it).

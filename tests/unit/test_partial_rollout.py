@@ -92,11 +92,12 @@ async def test_long_tail_truncated_at_threshold_and_resumed_across_versions(mode
     engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(2)]
     snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
     cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=1.0,
-                        max_concurrent=8, partial=PartialRolloutConfig(enable=True, max_age=max_age))
-    aggregator = AggregatorActor(engines, threshold=cfg.partial.resolved_threshold(GROUPS_PER_SYNC, N))
+                        max_concurrent=8)
+    partial = PartialRolloutConfig(enable=True, max_age=max_age)
+    aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(GROUPS_PER_SYNC, N))
     producer = ListProducer()
-    r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda text, ids: float(len(ids)),
-                  aggregator=aggregator)
+    r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda prompt, ids: float(len(ids)),
+                  partial=partial, aggregator=aggregator)
     try:
         await run_with_syncs(r, engines, producer, 12, snapshots)
     finally:
@@ -161,5 +162,5 @@ def test_partial_config_errors_name_the_field():
         PartialRolloutConfig(max_age=-1)
     assert PartialRolloutConfig().resolved_threshold(3, 8) == 24
     with pytest.raises(ValueError, match="aggregator"):
-        Rollouter(RolloutConfig(partial=PartialRolloutConfig(enable=True)), [object()], ListProducer(),
-                  long_tail_prompts(1), lambda t, i: 0.0)
+        Rollouter(RolloutConfig(), [object()], ListProducer(), long_tail_prompts(1), lambda p, i: 0.0,
+                  partial=PartialRolloutConfig(enable=True))

@@ -1,0 +1,136 @@
+"""`RolloutWorker`: the Rollouter process (a Ray actor): tokenizer, prompts, reward, stream producer, `Rollouter`.
+
+The launcher builds it with plain values (configs, engine handles, the stream's settings, the
+`AggregatorActor` when partial rollout is on) and calls `run`; the Trainer's side calls
+`on_pause` / `on_sync` around every weight sync, `on_dropped` when it drops groups by policy,
+`feed_state` for its checkpoints and `stats` for each step's metrics. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
+the built-in arithmetic task. Data and reward were checked by the launcher before Ray
+started; here they are loaded again in the process that uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from asyncrl.rollouter.partial import PartialRolloutConfig
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
+
+BUILTIN_TASK_ROWS = 4096
+"""Prompts of the built-in task per epoch."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataSpec:
+    """Where the prompts and the reward come from (plain values: it crosses Ray)."""
+
+    train: str | None = None
+    """verl-layout JSONL/parquet; None: the built-in arithmetic task."""
+    reward: str | None = None
+    """``module:function``; None: the built-in task's reward."""
+    seed: int = 0
+    """Seed of the built-in task's prompts."""
+    long_tail: int = 1
+    """Built-in task: per-prompt response budgets up to this many times the median (1: off)."""
+
+
+def load_prompts(tokenizer, spec: DataSpec) -> list[Prompt]:
+    """The dataset's rows as `Prompt`s (text as the model sees it, token ids, reward meta)."""
+    from asyncrl import data
+
+    if spec.train is None:
+        from asyncrl.tasks import arithmetic
+
+        task = arithmetic.ArithmeticTaskConfig(long_tail_factor=spec.long_tail)
+        rows = arithmetic.generate_dataset(BUILTIN_TASK_ROWS, seed=spec.seed, config=task)
+        return [Prompt(text=r["prompt"], prompt_ids=arithmetic.encode_prompt(tokenizer, r["prompt"]),
+                       meta={"data_source": r["data_source"], "ground_truth": r["reward_model"]["ground_truth"],
+                             "extra_info": {}}, max_tokens=r.get("max_tokens")) for r in rows]
+    rows = data.read_rows(spec.train)
+    data.check_renderable(tokenizer, rows, spec.train)
+    prompts = []
+    for row in rows:
+        text, ids = data.prompt_text_and_ids(tokenizer, row)
+        prompts.append(Prompt(text=text, prompt_ids=ids, meta=row.reward_meta))
+    return prompts
+
+
+def make_reward_fn(tokenizer, spec: DataSpec):
+    """``reward_fn(prompt, response_ids)`` for the `Rollouter`: decode, then the user's (or built-in) reward."""
+    from asyncrl import data
+
+    reward = data.load_reward(spec.reward or data.BUILTIN_REWARD)
+
+    async def reward_fn(prompt: Prompt, response_ids: np.ndarray) -> float:
+        return await reward(prompt.text, prompt.meta, data.decode_response(tokenizer, response_ids))
+
+    return reward_fn
+
+
+class RolloutWorker:
+    """The Rollouter process; build it as a Ray actor (``ray.remote(RolloutWorker)``)."""
+
+    def __init__(self, cfg: RolloutConfig, engines: list, stream, model_path: str, data_spec: DataSpec,
+                 state: dict | None = None, *, partial: PartialRolloutConfig | None = None, aggregator=None):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.cfg, self.engines, self.stream = cfg, engines, stream
+        self.prompts = load_prompts(tokenizer, data_spec)
+        self.reward_fn = make_reward_fn(tokenizer, data_spec)
+        self.state = RolloutState(**(state or {}))
+        self.partial, self.aggregator = partial, aggregator
+        self.version = 0
+        self.dropped: list[str] = []
+        self.rollouter: Rollouter | None = None
+
+    def ready(self) -> int:
+        """Returns once the dataset is loaded: the number of prompts."""
+        return len(self.prompts)
+
+    async def run(self, num_groups: int | None = None) -> dict:
+        """Feed prompts and send groups until ``num_groups`` were sent (forever when None)."""
+        from asyncrl.queue import StreamProducer
+
+        producer = StreamProducer(self.stream, producer_id="rollouter-0")
+        await producer.start()
+        self.rollouter = Rollouter(self.cfg, self.engines, producer, self.prompts, self.reward_fn, state=self.state,
+                                   partial=self.partial, aggregator=self.aggregator)
+        await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
+        await self.rollouter.on_dropped(self.dropped)
+        try:
+            await self.rollouter.run(num_groups)
+        finally:
+            await producer.close()
+        return self.progress()
+
+    async def on_pause(self) -> None:
+        """A weight sync is about to pause the engines (request deadlines stand still)."""
+        if self.rollouter is not None:
+            await self.rollouter.on_pause()
+
+    async def on_sync(self, version: int) -> None:
+        """The engines now serve ``version``: release truncated responses, open the gate for it."""
+        self.version = version
+        if self.rollouter is not None:
+            await self.rollouter.on_sync(version)
+
+    async def on_dropped(self, sample_ids: list[str]) -> None:
+        """The Trainer dropped these groups by policy: their budget goes back to the gate."""
+        self.dropped.extend(sample_ids)
+        if self.rollouter is not None:
+            await self.rollouter.on_dropped(sample_ids)
+
+    def stats(self) -> dict:
+        """Cumulative counters and timers (`RolloutStats`, ``time_s``), for the step metrics."""
+        return {} if self.rollouter is None else self.rollouter.stats_now()
+
+    def feed_state(self) -> dict:
+        """The feed position, for the Trainer's checkpoint (``rollouter_state`` slot)."""
+        return dataclasses.asdict(self.state)
+
+    def progress(self) -> dict:
+        r = self.rollouter
+        return {} if r is None else {"admitted": r.admitted, "sent": r.sent, "failed": r.failed,
+                                     "next_index": r.state.next_index}
