@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "sync": ["--mode", "sync"],
     "async": ["--mode", "async"],
-    "async_partial": ["--mode", "async", "--partial-rollout"],
+    "async_partial": ["--mode", "async", "--partial-rollout", "true"],
 }
 
 
@@ -68,7 +68,9 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> d
            "--groups-per-step", str(args.groups_per_step), "--long-tail", str(args.long_tail),
            "--lr", str(args.lr), "--seed", str(seed), "--run-dir", str(run_dir)]
     if mode != "sync":
-        cmd += ["--staleness-threshold", str(args.staleness_threshold)]
+        # Room for the run-ahead: as many prompts in flight as the gate may admit.
+        ahead = int((1 + args.staleness_threshold) * args.groups_per_step)
+        cmd += ["--staleness-threshold", str(args.staleness_threshold), f"rollout.max_concurrent={ahead}"]
     if args.model:
         cmd += ["--model", args.model]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
