@@ -10,6 +10,10 @@ On a GPU cluster (Ray already running, or under ``ray job submit``)::
     python -m asyncrl.launch --rollouter-gpus 8 --trainer-gpus 8 \\
         --model /models/Qwen2.5-1.5B --dataset data/train.jsonl --reward mypkg.rewards:score
 
+Replay the rollouts of earlier runs instead of generating them (`asyncrl.skip`)::
+
+    python -m asyncrl.launch --skip async_rollout.enable=true --skip async_rollout.steps=[0,1,2]
+
 Heavy packages (torch, ray, transformers) are imported only after the flags are parsed, so
 ``--help`` is instant.
 """
@@ -45,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     algo.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the task's)")
     algo.add_argument("--lr", type=float, default=None, help="learning rate (default: tuned for the demo)")
     algo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    skip = p.add_argument_group("skip (cache and replay rollouts, asyncrl.skip)")
+    skip.add_argument("--skip-config", default=None, metavar="FILE",
+                      help="YAML with a 'skip:' section: experiment, and per role (async_rollout) enable, "
+                           "dump_dir, steps, action")
+    skip.add_argument("--skip", action="append", default=[], metavar="KEY=VALUE",
+                      help="skip override, repeatable: --skip async_rollout.enable=true --skip async_rollout.steps=[0,1,2]")
     out = p.add_argument_group("output")
     out.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<time>)")
     out.add_argument("--seed", type=int, default=0)
@@ -58,6 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give both --rollouter-gpus and --trainer-gpus (GPU run) or neither (CPU run)")
     if args.staleness_threshold < 0:
         p.error("--staleness-threshold must be >= 0")
+    args.skip_cfg = None
+    if args.skip_config or args.skip:
+        from asyncrl.skip.config import load_skip_config
+
+        try:
+            args.skip_cfg = load_skip_config(args.skip_config, args.skip)
+        except (ValueError, OSError) as e:
+            p.error(f"--skip-config/--skip: {e}")
+        if args.skip_cfg.rollout.enable:
+            p.error("--skip: skip.rollout is the synchronous path's role; this pipeline's Rollouter uses "
+                    "skip.async_rollout (step = the feed index of sample_{epoch}_{index})")
     return args
 
 

@@ -58,9 +58,11 @@ class RolloutWorker:
     """The Rollouter process: tokenizer, dataset, reward, producer and `Rollouter` (a Ray actor)."""
 
     def __init__(self, cfg: RolloutConfig, engines: list, endpoint: str, window: int, model_path: str,
-                 dataset: str | None, reward: str | None, seed: int, state: dict | None = None):
+                 dataset: str | None, reward: str | None, seed: int, state: dict | None = None,
+                 skip: Any = None):
         from transformers import AutoTokenizer
 
+        from asyncrl import skip as skipping
         from asyncrl.tasks import arithmetic
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -78,6 +80,11 @@ class RolloutWorker:
                 ids = ids[: ids.index(eos)]
             return score(prompt_text, self.tokenizer.decode(ids, skip_special_tokens=True))
 
+        # The skip registry is per process: this actor's generate_group calls consult it.
+        skipping.SkipManager.init(skip, shape=skipping.rollout_shape(
+            cfg, model=skipping.model_fingerprint(model_path),
+            data=skipping.prompts_fingerprint((p.prompt_ids for p in prompts), dataset or f"builtin:arithmetic:{seed}"),
+            reward=reward or "builtin:arithmetic"))
         self.cfg, self.engines, self.prompts, self.reward_fn = cfg, engines, prompts, reward_fn
         self.endpoint, self.window = endpoint, window
         self.state = RolloutState(**(state or {}))
@@ -108,8 +115,11 @@ class RolloutWorker:
 
     def progress(self) -> dict:
         r = self.rollouter
+        from asyncrl.skip import SkipManager
+
         return {} if r is None else {"admitted": r.admitted, "sent": r.sent, "failed": r.failed,
-                                     "next_index": r.state.next_index}
+                                     "replayed": r.replayed, "next_index": r.state.next_index,
+                                     "skip": SkipManager.stats()}
 
 
 class NotifyingSyncer:
@@ -191,13 +201,15 @@ async def _run(args: argparse.Namespace) -> int:
                                     groups_per_sync=per_sync, staleness_threshold=args.staleness_threshold,
                                     max_concurrent=max(4, args.groups_per_step), seed=args.seed)
         rollouter = ray.remote(RolloutWorker).options(num_cpus=1).remote(
-            rollout_cfg, engines, endpoint, window, model_path, args.dataset, args.reward, args.seed)
+            rollout_cfg, engines, endpoint, window, model_path, args.dataset, args.reward, args.seed,
+            skip=getattr(args, "skip_cfg", None))
         rollout_ref = rollouter.run.remote()
 
         coordinator = WeightSyncCoordinator(ranks.workers, engines, WeightSyncConfig())
         trainer = Trainer(cfg, ranks, consumer, NotifyingSyncer(coordinator, rollouter),
                           rollouter_state=lambda: rollouter.feed_state.remote())
         await _train(trainer, args.steps, run_dir, rollout_ref)
+        await _report_rollouts(rollouter, engines)
         return 0
     finally:
         if rollouter is not None:
@@ -240,6 +252,16 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> N
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
     print(f"asyncrl: mean reward of the first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+
+
+async def _report_rollouts(rollouter: Any, engines: list) -> None:
+    """One line: what the Rollouter generated or replayed, and how many requests the engines served."""
+    progress = await rollouter.progress.remote()
+    requests = sum([(await e.stats.remote()).get("requests", 0) for e in engines])
+    skip = "; ".join(f"skip.{role} {json.dumps(c, sort_keys=True)}" for role, c in progress.get("skip", {}).items())
+    print(f"asyncrl: rollouter admitted {progress.get('admitted', 0)} groups, sent {progress.get('sent', 0)}, "
+          f"replayed {progress.get('replayed', 0)} from skip dumps; engines served {requests} requests"
+          + (f"; {skip}" if skip else ""), flush=True)
 
 
 def _default_model(run_dir: Path) -> str:

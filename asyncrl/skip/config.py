@@ -80,3 +80,35 @@ class SkipConfig:
     def roles(self) -> dict[str, SkipRoleConfig]:
         """Every field that configures a role, by role name."""
         return {name: value for name, value in vars(self).items() if isinstance(value, SkipRoleConfig)}
+
+
+def load_skip_config(path: str | None = None, overrides: list[str] = ()) -> SkipConfig:
+    """`SkipConfig` from a YAML file (its ``skip:`` section, or the fields at top level) and dotted
+    overrides such as ``async_rollout.steps=[0,1,2]`` (a leading ``skip.`` is accepted).
+
+    Relative ``dump_dir``s are made absolute here, so every process of the run finds the same
+    directory whatever its working directory. ValueError names the file, key or value at fault.
+    """
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged = OmegaConf.structured(SkipConfig)
+    try:
+        if path is not None:
+            loaded = OmegaConf.load(path)
+            section = loaded.get("skip", loaded) if hasattr(loaded, "get") else loaded
+            merged = OmegaConf.merge(merged, section)
+        dotted = [o[len("skip."):] if o.startswith("skip.") else o for o in overrides]
+        bad = [o for o in dotted if "=" not in o]
+        if bad:
+            raise ValueError(f"skip overrides look like role.key=value, got {bad}")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotted))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        where = f" in {path}" if path else ""
+        raise ValueError(f"skip config{where}: {str(e).splitlines()[0]}") from None
+    for role in cfg.roles().values():
+        role.dump_dir = str(Path(role.dump_dir).resolve())
+    return cfg

@@ -72,6 +72,7 @@ class BaseSkip:
         self.store = DumpStore(config.dump_dir, DumpKey(experiment=experiment, role=self.role, shape=dict(shape)))
         self.counts: collections.Counter[str] = collections.Counter()
         """``replayed``, ``dumped`` and ``ran`` (listed step, nothing dumped) calls of this role."""
+        self.warned_foreign = False
 
     # ------------------------------------------------------------------ the interface
 
@@ -278,6 +279,9 @@ def _replay(skip: BaseSkip, step: int, call: SkipCall) -> Any:
             return value
     else:
         for why in skip.store.foreign(step):
-            log.info("skip.%s: step %d: not loading %s", skip.role, step, why)
+            # Once loudly per role (a changed shape usually affects every step), then quietly.
+            log.log(logging.INFO if skip.warned_foreign else logging.WARNING, "skip.%s: step %d: not loading %s%s",
+                    skip.role, step, why, "" if skip.warned_foreign else " (further such lines at INFO level)")
+            skip.warned_foreign = True
     return _MISS
 

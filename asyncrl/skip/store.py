@@ -157,28 +157,25 @@ class DumpStore:
     def valid(self, step: int) -> bool:
         """Whether ``step`` has a dump that passes the cheap checks (`meta`); the hash is checked on load."""
         try:
-            self.meta(step)
+            with _locked(self.step_dir(step), shared=True):
+                self.meta(step)
             return True
         except FileNotFoundError:
             return False
         except DumpError as e:
-            log.info("skip.%s: step %d's dump is not usable: %s", self.key.role, step, e)
+            log.warning("skip.%s: step %d's dump is not usable: %s", self.key.role, step, e)
             return False
 
     def load(self, step: int) -> Any:
         """Decode the step's dump after checking its SHA-256; raises FileNotFoundError or `DumpError`."""
         from asyncrl.queue import CodecError, unpack
 
-        for attempt in range(2):
+        # Shared lock: a writer's commit (rename data, rename meta, remove superseded data) is
+        # never seen half-done.
+        with _locked(self.step_dir(step), shared=True):
             meta = self.meta(step)
             path = self.step_dir(step) / meta["data_file"]
-            try:
-                buf = _read(path)
-            except FileNotFoundError:  # superseded by a concurrent writer between meta and open
-                if attempt == 0:
-                    continue
-                raise DumpError(f"{path} vanished twice while loading") from None
-            break
+            buf = _read(path)
         digest = hashlib.sha256(buf).hexdigest()
         if digest != meta["data_sha256"]:
             raise DumpError(f"{path}: SHA-256 {digest[:16]}... does not match meta.json's {meta['data_sha256'][:16]}...")
@@ -306,17 +303,29 @@ def _fsync_dir(path: Path) -> None:
 
 
 class _locked:
-    """Exclusive ``flock`` on ``<dir>/.lock``: commits of one step run one at a time (released
-    by the kernel if the holder dies)."""
+    """``flock`` on ``<dir>/.lock``: exclusive for a writer's commit, shared for readers (released
+    by the kernel if the holder dies). A reader of a directory it cannot write, or of one that
+    does not exist, goes without."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, shared: bool = False):
         self.path = directory / ".lock"
+        self.shared = shared
+        self.fd: int | None = None
 
     def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            if not self.shared:
+                raise
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY)
+            except OSError:
+                return self
+        fcntl.flock(self.fd, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)

@@ -11,6 +11,11 @@ without checkpoints they are acked right after the optimizer step. Groups droppe
 (incomplete with ``on_incomplete_group="drop"``, or older than ``max_version_gap``) are
 counted and acked at once with their reason. Incomplete groups otherwise fail the run closed.
 
+Groups replayed by the SkipManager (`asyncrl.skip.is_replayed`) get their token versions
+re-based to the current version before screening, so ``max_version_gap`` judges them as
+produced now rather than by the dumping run's timeline; their behaviour log-probs are kept
+(see `Trainer._replayed`). ``replayed_groups`` counts them per step.
+
 The source is anything with ``recv``/``ack`` (`GroupSource`): the ZeroMQ `StreamConsumer`,
 or `MemorySource` in tests. Leaves out: the metrics pipeline (each step returns a dict).
 """
@@ -25,6 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from asyncrl.skip.rollout_skip import REPLAY_KEY, is_replayed, rebase_versions
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
 from asyncrl.trainer.config import TrainerConfig
@@ -153,6 +159,8 @@ class Trainer:
                     self.source.ack([group.sample_id])
                 continue
             seen.add(group.sample_id)
+            if is_replayed(group):
+                group = self._replayed(group)
             ok, out = screen_groups([group], on_incomplete=self.cfg.on_incomplete_group,
                                     max_version_gap=self.cfg.max_version_gap, current_version=self.version)
             kept.extend(ok)
@@ -161,6 +169,22 @@ class Trainer:
                 self.committed.add(sid)
                 dropped.append((sid, reason))
         return kept, dropped
+
+    def _replayed(self, group: Group) -> Group:
+        """A group the SkipManager replayed from a dump, made fit for this run (see `rebase_versions`).
+
+        Its behaviour log-probs are kept: they are the probabilities under which its tokens were
+        really sampled, so the importance ratio against them is correct whatever run dumped them
+        (and exactly 1 before the first update when the replay starts from the same initial
+        weights). They are only comparable with this Trainer's log-probs at the same
+        temperature: a mismatch fails the run rather than train with wrong ratios.
+        """
+        temperature = group.meta[REPLAY_KEY].get("temperature")
+        if temperature is not None and temperature != self.cfg.worker.algorithm.temperature:
+            raise ValueError(f"replayed group {group.sample_id}: its behaviour log-probs were taken at temperature "
+                             f"{temperature}, but algorithm.temperature={self.cfg.worker.algorithm.temperature}; "
+                             "the importance ratios would be wrong (dump again with this temperature)")
+        return rebase_versions(group, self.version)
 
     async def train_step(self) -> StepResult:
         """Collect the groups of one step, run its mini-batches, commit, maybe sync and checkpoint."""
@@ -186,7 +210,7 @@ class Trainer:
         elif self.step % cfg.checkpoint_every == 0:
             await self.save_checkpoint()
         metrics = _step_metrics(per_batch, batches, dropped)
-        metrics.update(step=self.step, version=self.version)
+        metrics.update(step=self.step, version=self.version, replayed_groups=float(sum(map(is_replayed, groups))))
         return StepResult(step=self.step, version=self.version, sample_ids=ids, dropped=dropped, metrics=metrics)
 
     async def _train_minibatch(self, batch) -> dict[str, float]:
