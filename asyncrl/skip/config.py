@@ -82,9 +82,11 @@ class SkipConfig:
         return {name: value for name, value in vars(self).items() if isinstance(value, SkipRoleConfig)}
 
 
-def load_skip_config(path: str | None = None, overrides: list[str] = ()) -> SkipConfig:
+def load_skip_config(path: str | None = None, overrides: list[str] = (), *,
+                     schema: type[SkipConfig] = SkipConfig) -> SkipConfig:
     """`SkipConfig` from a YAML file (its ``skip:`` section, or the fields at top level) and dotted
     overrides such as ``async_rollout.steps=[0,1,2]`` (a leading ``skip.`` is accepted).
+    ``schema`` is a subclass of `SkipConfig` when custom roles add fields.
 
     Relative ``dump_dir``s are made absolute here, so every process of the run finds the same
     directory whatever its working directory. ValueError names the file, key or value at fault.
@@ -94,7 +96,7 @@ def load_skip_config(path: str | None = None, overrides: list[str] = ()) -> Skip
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    merged = OmegaConf.structured(SkipConfig)
+    merged = OmegaConf.structured(schema)
     try:
         if path is not None:
             loaded = OmegaConf.load(path)

@@ -143,8 +143,10 @@ def register_skip(role: str) -> Callable[[type[BaseSkip]], type[BaseSkip]]:
     def deco(cls: type[BaseSkip]) -> type[BaseSkip]:
         if not (isinstance(cls, type) and issubclass(cls, BaseSkip)):
             raise TypeError(f"@register_skip({role!r}) needs a BaseSkip subclass, got {cls!r}")
-        if role in _REGISTRY and _REGISTRY[role] is not cls:
-            raise ValueError(f"skip role {role!r} is already registered by {_REGISTRY[role].__qualname__}")
+        old = _REGISTRY.get(role)
+        # The same class defined again (a reloaded module, a re-run notebook cell) replaces itself.
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"skip role {role!r} is already registered by {old.__module__}.{old.__qualname__}")
         cls.role = role
         _REGISTRY[role] = cls
         return cls
