@@ -73,8 +73,8 @@ async def main(args) -> dict:
     rows = arithmetic.generate_dataset(args.groups, seed=0)
     prompts = encode_prompts(tokenizer, rows, encode=arithmetic.encode_prompt)
 
-    def reward(text, response_ids):
-        return arithmetic.reward(text, arithmetic.decode_response(tokenizer, response_ids))
+    def reward(prompt, response_ids):
+        return arithmetic.reward(prompt.text, arithmetic.decode_response(tokenizer, response_ids))
 
     cfg = RolloutConfig(n=args.n, max_tokens=arithmetic.ArithmeticTaskConfig().max_response_tokens,
                         groups_per_sync=args.groups, max_concurrent=args.groups, seed=0)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
+from typing import Literal
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class SkipAction(str, Enum):
+class SkipAction(StrEnum):
     """What a role does on a listed step."""
 
     CACHE = "cache"
@@ -37,14 +38,13 @@ class SkipRoleConfig:
     steps: list[int] | None = None
     """Steps eligible for skip logic; None means every step. What a step is depends on the role:
     the train step for ``rollout``, the feed index of ``sample_{epoch}_{index}`` for ``async_rollout``."""
-    action: SkipAction = SkipAction.CACHE
+    action: Literal["cache", "repeat"] = "cache"
     """``cache`` or ``repeat`` (see `SkipAction`)."""
 
     def __post_init__(self) -> None:
-        try:
-            self.action = SkipAction(self.action)
-        except ValueError:
-            raise ValueError(f"skip action must be one of {[a.value for a in SkipAction]}, got {self.action!r}") from None
+        if self.action not in tuple(SkipAction):
+            raise ValueError(f"skip action must be one of {[a.value for a in SkipAction]}, got {self.action!r}")
+        self.action = str(self.action)  # plain text, as OmegaConf's Literal field wants it
         if self.steps is not None:
             steps = list(self.steps)
             bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int) or s < 0]
@@ -91,8 +91,6 @@ def load_skip_config(path: str | None = None, overrides: list[str] = (), *,
     Relative ``dump_dir``s are made absolute here, so every process of the run finds the same
     directory whatever its working directory. ValueError names the file, key or value at fault.
     """
-    from pathlib import Path
-
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -111,6 +109,16 @@ def load_skip_config(path: str | None = None, overrides: list[str] = (), *,
     except OmegaConfBaseException as e:
         where = f" in {path}" if path else ""
         raise ValueError(f"skip config{where}: {str(e).splitlines()[0]}") from None
+    return absolute_dump_dirs(cfg)
+
+
+def absolute_dump_dirs(cfg: SkipConfig) -> SkipConfig:
+    """A copy of ``cfg`` whose ``dump_dir``s are absolute (resolved against this process's cwd), so
+    processes started elsewhere (Ray actors) find the same directories."""
+    import copy
+    from pathlib import Path
+
+    cfg = copy.deepcopy(cfg)
     for role in cfg.roles().values():
         role.dump_dir = str(Path(role.dump_dir).resolve())
     return cfg

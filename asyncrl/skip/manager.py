@@ -66,7 +66,7 @@ class BaseSkip:
 
     def __init__(self, config: SkipRoleConfig, *, experiment: str, shape: dict):
         if config.action not in self.support_actions:
-            raise ValueError(f"skip.{self.role}.action={config.action.value!r} is not supported by this role; "
+            raise ValueError(f"skip.{self.role}.action={config.action!r} is not supported by this role; "
                              f"use one of {[a.value for a in self.support_actions]}")
         self.config = config
         self.store = DumpStore(config.dump_dir, DumpKey(experiment=experiment, role=self.role, shape=dict(shape)))
@@ -116,7 +116,7 @@ class BaseSkip:
     def sources(self, step: int) -> list[int]:
         """Steps whose dump may stand in for ``step``, best first: ``cache`` only ``step`` itself;
         ``repeat`` ``step``, then earlier dumps nearest first, then later ones nearest first."""
-        if self.config.action is SkipAction.CACHE:
+        if self.config.action == SkipAction.CACHE:
             return [step]
         have = self.store.steps()
         earlier = sorted((s for s in have if s < step), reverse=True)
@@ -187,7 +187,7 @@ class SkipManager:
                 raise ValueError(f"skip.{role} is enabled but no skip module is registered for role {role!r} "
                                  f"(registered: {sorted(_REGISTRY)}); import the module that registers it")
             cls.skip_instances[role] = _REGISTRY[role](role_cfg, experiment=config.experiment, shape=shape or {})
-            log.info("skip.%s: %s on steps %s, dumps in %s", role, role_cfg.action.value,
+            log.info("skip.%s: %s on steps %s, dumps in %s", role, role_cfg.action,
                      "all" if role_cfg.steps is None else role_cfg.steps, cls.skip_instances[role].store.dir)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""``python -m asyncrl.launch --skip ...``: a second run with the same skip config generates
+"""``python -m asyncrl.launch skip.async_rollout.enable=true ...``: a second run with the same skip config generates
 nothing for the listed steps (the Trainer trains on replayed groups only, the engines serve
 no request for them)."""
 
@@ -24,8 +24,8 @@ def launch(model: Path, run_dir: Path, dumps: Path) -> tuple[list[dict], dict]:
     cmd = [sys.executable, "-m", "asyncrl.launch", "--model", str(model), "--steps", str(STEPS), "--n", str(N),
            "--groups-per-step", str(GROUPS_PER_STEP), "--sync-every", "1", "--staleness-threshold", "0",
            "--max-tokens", "4", "--lr", "1e-3", "--run-dir", str(run_dir),
-           "--skip", "experiment=e2e", "--skip", "async_rollout.enable=true",
-           "--skip", f"async_rollout.dump_dir={dumps}", "--skip", "async_rollout.steps=[0,1,2,3,4,5]"]
+           "skip.experiment=e2e", "skip.async_rollout.enable=true", f"skip.async_rollout.dump_dir={dumps}",
+           "skip.async_rollout.steps=[0,1,2,3,4,5]"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     try:

@@ -134,7 +134,7 @@ def test_config_from_yaml_and_overrides(tmp_path):
     cfg = load_skip_config(str(path), ["async_rollout.action=repeat", "skip.rollout.dump_dir=rel"])
     assert cfg.experiment == "e1"
     assert cfg.async_rollout.enable and cfg.async_rollout.steps == [1, 3]
-    assert cfg.async_rollout.action is SkipAction.REPEAT
+    assert cfg.async_rollout.action == SkipAction.REPEAT == "repeat"
     assert cfg.rollout.dump_dir.endswith("/rel") and cfg.rollout.dump_dir.startswith("/")
     with pytest.raises(ValueError, match="nope"):
         load_skip_config(None, ["async_rollout.nope=1"])
