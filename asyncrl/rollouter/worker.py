@@ -4,7 +4,9 @@ The launcher builds it with plain values (configs, engine handles, the stream's 
 calls `run`; the Trainer's side calls `on_sync` after every weight sync and `feed_state` for
 its checkpoints. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
 the built-in arithmetic task. Data and reward were checked by the launcher before Ray
-started; here they are loaded again in the process that uses them.
+started; here they are loaded again in the process that uses them. The skip registry is
+per process, so this actor calls `SkipManager.init` with the run's ``skip`` config and the
+shape of its rollouts (model, prompts, reward, n, token budget, sampling).
 """
 
 from __future__ import annotations

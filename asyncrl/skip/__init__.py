@@ -8,7 +8,7 @@ and ``async_rollout`` (`AsyncRolloutSkip`, step from each call's ``sample_id``).
 `asyncrl.skip.store` (codec-encoded, atomic, keyed by experiment and shape).
 """
 
-from asyncrl.skip.config import SkipAction, SkipConfig, SkipRoleConfig
+from asyncrl.skip.config import SkipAction, SkipConfig, SkipRoleConfig, absolute_dump_dirs, load_skip_config
 from asyncrl.skip.manager import BaseSkip, SkipCall, SkipManager, register_skip
 from asyncrl.skip.rollout_skip import REPLAY_KEY, AsyncRolloutSkip, RolloutSkip, is_replayed, rebase_versions
 from asyncrl.skip.shape import model_fingerprint, prompts_fingerprint, rollout_shape
@@ -27,7 +27,9 @@ __all__ = [
     "SkipConfig",
     "SkipManager",
     "SkipRoleConfig",
+    "absolute_dump_dirs",
     "is_replayed",
+    "load_skip_config",
     "model_fingerprint",
     "prompts_fingerprint",
     "rebase_versions",
