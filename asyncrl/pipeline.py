@@ -161,6 +161,10 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         print(f"asyncrl: run dir {run_dir}; model {model_path}; {n_engines} engine(s), {n_ranks} trainer rank(s)",
               flush=True)
+        if gpu:
+            from asyncrl.rollouter.vllm_engine import check_vllm_temperature
+
+            check_vllm_temperature(args.temperature, "--temperature")
         engine_cls = remote_engine_actor(num_cpus=1, num_gpus=1 if gpu else 0)
         engines = [engine_cls.remote(kind="vllm" if gpu else "torch", model_path=model_path) for _ in range(n_engines)]
         await asyncio.gather(*(e.ready.remote() for e in engines))
@@ -169,7 +173,6 @@ async def _run(args: argparse.Namespace) -> int:
         cfg = TrainerConfig(
             worker=WorkerConfig(
                 model_path=model_path, pad_token_id=tokenizer_pad, seed=args.seed, micro_batch_size=16,
-                engine_kind="vllm" if gpu else "torch",
                 algorithm=AlgorithmConfig(temperature=args.temperature),
                 optim=OptimConfig(lr=args.lr or (1e-5 if args.model else 2e-3), warmup_steps=0),
             ),
@@ -194,7 +197,8 @@ async def _run(args: argparse.Namespace) -> int:
             rollout_cfg, engines, endpoint, window, model_path, args.dataset, args.reward, args.seed)
         rollout_ref = rollouter.run.remote()
 
-        coordinator = WeightSyncCoordinator(ranks.workers, engines, WeightSyncConfig())
+        coordinator = WeightSyncCoordinator(ranks.workers, engines,
+                                            WeightSyncConfig(method="vllm" if gpu else "broadcast"))
         trainer = Trainer(cfg, ranks, consumer, NotifyingSyncer(coordinator, rollouter),
                           rollouter_state=lambda: rollouter.feed_state.remote())
         await _train(trainer, args.steps, run_dir, rollout_ref)

@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.rollouter.torch_engine import TorchEngine
-from asyncrl.sync.receiver import WeightReceiver
-from asyncrl.sync.sender import WeightSender, WeightSyncError
+from asyncrl.sync.broadcast import BroadcastReceiver as WeightReceiver
+from asyncrl.sync.broadcast import BroadcastSender as WeightSender
+from asyncrl.sync.wire import WeightSyncError
 
 N_ENGINES = 2
 
@@ -68,7 +69,7 @@ def _run_syncs(model_path, bucket_mb, versions=(1, 2, 3)):
     model = AutoModelForCausalLM.from_pretrained(model_path)
     group = dict(master_addr="127.0.0.1", world_size=1 + N_ENGINES, timeout_s=20.0)
     sender = WeightSender(model, rank=0, bucket_mb=bucket_mb, **group)
-    port = sender.connect()["master_port"]
+    port = sender.connect()[0].group.master_port
     engines = [_EngineThread(model_path, 1 + i, {**group, "master_port": port}, versions) for i in range(N_ENGINES)]
     for e in engines:
         e.start()
@@ -122,7 +123,7 @@ def test_mismatched_engine_model_is_refused_by_name(model_path, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(other)
     group = dict(master_addr="127.0.0.1", world_size=2, timeout_s=30.0)
     sender = WeightSender(model, rank=0, bucket_mb=1.0, **group)
-    port = sender.connect()["master_port"]
+    port = sender.connect()[0].group.master_port
     engine = _EngineThread(model_path, 1, {**group, "master_port": port}, versions=(1,))
     engine.start()
     with pytest.raises(WeightSyncError, match="version 1"):
