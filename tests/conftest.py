@@ -32,7 +32,7 @@ def codec_path(request, monkeypatch):
 
     Modules opt in with ``pytestmark = pytest.mark.usefixtures("codec_path")``.
     """
-    from asyncrl.queue import codec
+    from asyncrl.queue import group_codec as codec
 
     if request.param == "accelerated":
         if codec._fast is None:

@@ -30,7 +30,8 @@ from typing import Any, Iterable
 import zmq
 
 from asyncrl.queue import protocol as P
-from asyncrl.queue.codec import CodecError, unpack_groups
+from asyncrl.queue.codec_base import CodecError
+from asyncrl.queue.group_codec import unpack_groups
 from asyncrl.queue.protocol import StreamConfig, StreamError
 from asyncrl.queue.transport import StreamSocket, keep_freed_memory
 from asyncrl.types import Group

@@ -2,7 +2,7 @@
 
 Every message is ``[envelope, *payload]``; the ROUTER side also sees the peer's routing id
 in front. The envelope is msgpack ``[MAGIC, PROTOCOL_VERSION, kind, fields]``; only
-``groups`` messages carry a payload: `asyncrl.queue.codec.pack_groups`'s ``[header, pool]``
+``groups`` messages carry a payload: `asyncrl.queue.group_codec.pack_groups`'s ``[header, pool]``
 of one or more groups.
 
 Producer -> consumer
@@ -29,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from asyncrl.queue.codec import DEFAULT_MAX_FRAME_BYTES
+from asyncrl.queue.codec_base import DEFAULT_MAX_FRAME_BYTES
 
 MAGIC = b"asyncrl-stream"
 PROTOCOL_VERSION = 2

@@ -16,6 +16,6 @@ def test_the_codec_accelerator_is_built_where_ci_runs():
     if os.environ.get("ASYNCRL_PURE_PYTHON"):
         pytest.skip("ASYNCRL_PURE_PYTHON turns the accelerator off")
     import asyncrl.queue._fastgroups  # noqa: F401  (ImportError: it was not built)
-    from asyncrl.queue import codec
+    from asyncrl.queue import group_codec as codec
 
     assert codec._fast is not None

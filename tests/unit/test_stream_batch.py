@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from asyncrl.net import free_port
 from asyncrl.queue import StreamConfig, StreamConsumer, StreamProducer, StreamTimeout
-from asyncrl.queue.codec import pack_groups, prepare_group
+from asyncrl.queue.group_codec import pack_groups, prepare_group
 from asyncrl.queue.protocol import envelope, parse_envelope
 from asyncrl.types import Group, Trajectory
 
