@@ -20,9 +20,6 @@ from asyncrl.sync.wire import WeightSyncError
 N_ENGINES = 2
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
 def _perturb(model, seed):
@@ -133,3 +130,13 @@ def test_mismatched_engine_model_is_refused_by_name(model_path, tmp_path):
     assert not engine.is_alive()
     assert isinstance(engine.error, WeightSyncError)
     assert "mlp.gate_proj.weight has shape [192, 64] in the engine, [96, 64] from the trainer" in str(engine.error)
+
+
+def test_rank0_close_does_not_wait_for_engines_that_never_join():
+    sender = WeightSender(torch.nn.Linear(2, 2), rank=0, world_size=2, master_addr="auto", timeout_s=30.0)
+    (init,) = sender.connect()  # one ReceiverInit per engine
+    assert init.method == "broadcast" and init.rank_offset == 1
+    assert init.group.master_addr == "127.0.0.1" and init.group.master_port > 0  # "auto" without Ray: loopback
+    sender.close()  # returns at once although no engine joined
+    with pytest.raises(WeightSyncError, match="not connected"):
+        sender.send(version=1)

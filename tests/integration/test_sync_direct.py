@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.models.tiny import build_tiny_model
 from asyncrl.rollouter.engine import EngineError
 from asyncrl.rollouter.torch_engine import TorchEngine
 from asyncrl.sync.broadcast import BroadcastReceiver as WeightReceiver
@@ -23,9 +22,6 @@ from asyncrl.sync.broadcast import BroadcastSender as WeightSender
 VERSIONS = (1, 2)
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
 class _CountingEngine(TorchEngine):
