@@ -35,7 +35,7 @@ _EXPORTS = {
     "plan_buckets": "asyncrl.sync.buckets",
     "InProcessSyncer": "asyncrl.sync.inprocess",
     "WeightSyncCoordinator": "asyncrl.sync.coordinator",
-    "WeightSyncConfig": "asyncrl.sync.coordinator",
+    "WeightSyncConfig": "asyncrl.sync.config",
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -25,14 +25,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from asyncrl.sync.config import SYNC_METHODS, SyncMethod
 from asyncrl.sync.wire import WeightSyncError
-
-SyncMethod = Literal["broadcast", "vllm"]
-SYNC_METHODS: tuple[str, ...] = ("broadcast", "vllm")
 
 
 @runtime_checkable

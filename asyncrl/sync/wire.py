@@ -6,7 +6,10 @@ protocol cannot drift apart.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # this module loads without torch (configs import it)
+    import torch
 
 # -- the built-in broadcast (asyncrl.sync.broadcast) ------------------------------------------
 
@@ -32,6 +35,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: str) -> torch.dtype:
     """Inverse of `dtype_name`; ValueError names an unknown dtype."""
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in weight-sync metadata")

@@ -33,7 +33,7 @@ def test_bad_flags_name_the_flag():
     assert out.returncode == 2 and "--trainer-gpus" in out.stderr
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--steps", "0"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 2 and "--steps must be >= 1" in out.stderr
+    assert out.returncode == 2 and "steps (--steps) must be >= 1" in out.stderr
 
 
 @pytest.mark.timeout(400)

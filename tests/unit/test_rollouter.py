@@ -28,7 +28,7 @@ def make_prompts(k=3):
     return [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64)) for i in range(k)]
 
 
-def length_reward(prompt_text, response_ids):
+def length_reward(prompt, response_ids):
     return float(len(response_ids))
 
 

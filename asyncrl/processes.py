@@ -1,0 +1,127 @@
+"""Start the run's processes on their planned places, and close them: the launcher's *start* and *close*.
+
+::
+
+    EngineActor x R ◄── RolloutWorker (Rollouter) ──► StreamProducer ══ZeroMQ══► StreamConsumer (here)
+          ▲                                                                       │
+          └──── WeightSyncCoordinator ◄── every K steps ── Trainer (here) ◄───────┘
+                 (pause keep, broadcast, load, resume)         └─► TrainerWorker x T (FSDP2)
+
+The Trainer's driver loop runs in the launcher's process, with the stream's consumer; the
+Rollouter, the engines and the trainer ranks are Ray actors in the placement groups of the
+`asyncrl.placement.Plan`. Every wait for a process to be ready has a deadline naming its setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Processes:
+    """Handles of everything `start` started; `close` stops them in reverse order."""
+
+    plan: Any
+    engines: list
+    ranks: Any = None
+    consumer: Any = None
+    rollouter: Any = None
+    trainer: Any = None
+    rollout_run: Any = None
+    """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
+
+    async def close(self) -> None:
+        import ray
+
+        if self.rollouter is not None:
+            ray.kill(self.rollouter)
+        if self.consumer is not None:
+            await self.consumer.close()
+        if self.ranks is not None:
+            self.ranks.close()
+        for e in self.engines:
+            ray.kill(e)
+        self.plan.release()
+
+
+class NotifyingSyncer:
+    """The coordinator's sync, then tell the Rollouter which version the engines now serve."""
+
+    def __init__(self, coordinator: Any, rollouter: Any):
+        self.coordinator, self.rollouter = coordinator, rollouter
+
+    async def sync(self) -> int:
+        version = await self.coordinator.sync()
+        await self.rollouter.on_sync.remote(version)
+        return version
+
+
+async def start(cfg, plan, run_dir: Path) -> Processes:
+    """Reserve the plan's placement groups and start engines, ranks, stream and Rollouter on them."""
+    import ray
+
+    from asyncrl.net import free_port
+    from asyncrl.queue import StreamConsumer
+    from asyncrl.rollouter.actor import remote_engine_actor
+    from asyncrl.rollouter.worker import DataSpec, RolloutWorker
+    from asyncrl.sync import WeightSyncCoordinator
+    from asyncrl.trainer.ranks import RankGroup
+    from asyncrl.trainer.trainer import Trainer
+
+    model_path = cfg.model.path or _default_model()
+    print(f"asyncrl: run dir {run_dir}; model {model_path}; {cfg.engine_replicas} engine replica(s), "
+          f"{cfg.trainer_world_size} trainer rank(s)", flush=True)
+    plan.reserve()
+    procs = Processes(plan=plan, engines=[])
+    try:
+        kind = cfg.engine_kind
+        procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
+                         for slot in plan.engines]
+        await _ready([e.ready.remote() for e in procs.engines], plan.ready_timeout_s, "engine replicas")
+
+        tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=_pad_token_id(model_path),
+                                  checkpoint_dir=str(run_dir / "checkpoints"))
+        procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks])
+
+        stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://127.0.0.1:{free_port()}")
+        procs.consumer = StreamConsumer(stream)
+        await procs.consumer.start()
+
+        data = DataSpec(train=cfg.data.train, reward=cfg.data.reward, seed=cfg.seed)
+        procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
+            cfg.rollout, procs.engines, stream, model_path, data)
+        await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
+        procs.rollout_run = procs.rollouter.run.remote()
+
+        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, cfg.weight_sync_config())
+        procs.trainer = Trainer(tcfg, procs.ranks, procs.consumer, NotifyingSyncer(coordinator, procs.rollouter),
+                                rollouter_state=lambda: procs.rollouter.feed_state.remote())
+        return procs
+    except BaseException:
+        await procs.close()
+        raise
+
+
+async def _ready(refs: list, timeout_s: float, what: str) -> list:
+    try:
+        return await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"{what} not ready within placement.ready_timeout_s={timeout_s}") from None
+
+
+def _default_model() -> str:
+    from asyncrl.models import default_model_path
+
+    print("asyncrl: preparing the tiny warm-started model (cached after the first run)...", flush=True)
+    return str(default_model_path())
+
+
+def _pad_token_id(model_path: str) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
