@@ -58,7 +58,7 @@ from asyncrl.queue.group_codec import _slice_responses
 from asyncrl.types import Group, Trajectory
 
 __all__ = ["CODEC_VERSION", "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_OWN_FRAME_BYTES", "CodecError", "PoolBuffers",
-           "frames_nbytes", "pack", "unpack"]
+           "pack", "unpack"]
 
 
 DEFAULT_OWN_FRAME_BYTES = 64 * 1024
@@ -266,11 +266,6 @@ def pack(obj: Any, *, own_frame_bytes: int = DEFAULT_OWN_FRAME_BYTES, buffers: P
     body = enc.packb(obj)
     header = msgpack.packb([CODEC_VERSION, 1 + len(enc.own), enc.pool_nbytes, body], use_bin_type=True)
     return [header, enc.pool(buffers), *enc.own]
-
-
-def frames_nbytes(frames: list[Any]) -> int:
-    """Total bytes of a frame list as `pack` returns it (header included)."""
-    return sum(_buffer(f).nbytes for f in frames)
 
 
 # --------------------------------------------------------------------------------------

@@ -263,9 +263,6 @@ class BroadcastSender:
         if self._bufs is not None:
             self._bufs.release()
 
-    def describe(self) -> dict:
-        """Plain-value summary (for logs): group settings and bucket size."""
-        return {**asdict(self.group_config), "bucket_bytes": self.bucket_bytes, "rank": self.rank}
 
 
 
