@@ -99,6 +99,12 @@ class Plan:
                 self.release()
                 raise PlacementError(f"the {name} placement group was not reserved within "
                                      f"placement.ready_timeout_s={self.ready_timeout_s} (see `ray status`)")
+        for name, slots in (("rollout", [self.rollouter, *self.engines]), ("trainer", self.ranks)):
+            reserved = self.reserved_nodes(name)
+            moved = [s.process for s in slots if reserved.get(s.bundle) != s.node.node_id]
+            if moved:
+                self.release()
+                raise PlacementError(f"Ray reserved {moved} on other nodes than planned")
         del ray
 
     def reserved_nodes(self, name: str) -> dict[int, str]:
