@@ -177,7 +177,8 @@ async def run(cfg, plan, run_dir: Path) -> int:
 
     procs = await start(cfg, plan, run_dir)                                        # start
     try:
-        await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n)  # run
+        await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
+                    validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every)
         return 0
     finally:
         await procs.close()                                               # close

@@ -34,6 +34,10 @@ class Processes:
     rollout_run: Any = None
     """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
 
+    async def validate(self, step: int) -> dict[str, float]:
+        """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
+        return await self.rollouter.validate.remote(step)
+
     async def close(self) -> None:
         import ray
 
@@ -97,7 +101,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         stream = dataclasses.replace(net.consumer_stream, endpoint=procs.consumer.endpoint,
                                      curve=net.curve.for_producer() if net.curve else None)
 
-        data = DataSpec(train=cfg.data.train, reward=cfg.data.reward, seed=cfg.seed)
+        data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
             cfg.rollout, procs.engines, stream, model_path, data)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")

@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,10 @@ import numpy as np
 
 
 def step_line(m: dict, steps: int) -> str:
+    val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
     return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
             f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s")
+            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{val}")
 
 
 class ProgressView:
@@ -52,8 +54,13 @@ class ProgressView:
             self._bar.stop()
 
 
-async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int) -> list[dict]:
-    """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first."""
+async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
+                validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10) -> list[dict]:
+    """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first.
+
+    With ``validate``, every ``val_every`` steps and after the last one its ``val/`` metrics join
+    the step's metrics.
+    """
     import ray
 
     rows: list[dict] = []
@@ -75,7 +82,9 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
                 m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
-                last = now
+                if validate is not None and (m["step"] % val_every == 0 or m["step"] == steps):
+                    m.update(await validate(m["step"]))
+                last = time.monotonic()
                 metrics.write(json.dumps(m) + "\n")
                 metrics.flush()
                 log.write(step_line(m, steps) + "\n")
