@@ -29,7 +29,7 @@ def step_line(m: dict, steps: int) -> str:
 class ProgressView:
     """A rich progress bar on a terminal, plain per-step lines otherwise."""
 
-    def __init__(self, steps: int, live: bool | None = None):
+    def __init__(self, steps: int, live: bool | None = None, console=None):
         self.steps = steps
         self.live = sys.stdout.isatty() if live is None else live
         self._bar = None
@@ -37,7 +37,7 @@ class ProgressView:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=console)
             self._task = self._bar.add_task("train", total=steps, stats="waiting for the first groups")
             self._bar.start()
 
