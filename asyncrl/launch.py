@@ -146,7 +146,11 @@ def preflight(cfg) -> None:
     if cfg.data.reward is not None:
         data.load_reward(cfg.data.reward)
     chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
-    if chat and cfg.model.path is not None:
+    if chat and cfg.model.path is None:
+        name = next(iter(chat))
+        raise data.DataError(f"{getattr(cfg.data, name)}: chat-message prompts need a model with a chat template; "
+                             "the built-in demo model has none (set model.path)")
+    if chat:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
