@@ -492,12 +492,6 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     if cfg.engine.tensor_parallel_size > 1 and cfg.engine_kind != "vllm":
         raise ConfigError(f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} needs engine.kind=vllm "
                           f"(the built-in engine runs on one device), got engine.kind={cfg.engine_kind}")
-    if p.gpus_per_node is not None and cfg.gpu and p.nodes > 1:
-        for name, gpus in (("rollouter_gpus", p.rollouter_gpus), ("trainer_gpus", p.trainer_gpus)):
-            if gpus > p.gpus_per_node * (p.nodes - 1):
-                raise ConfigError(f"{named('placement.' + name)}={gpus} do not fit on "
-                                  f"{named('placement.nodes')}={p.nodes} nodes of placement.gpus_per_node={p.gpus_per_node} "
-                                  "with the other part on a node of its own")
 
     per_sync = cfg.groups_per_step * t.trigger_parameter_sync_step
     if r.groups_per_sync != per_sync:
@@ -533,6 +527,8 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     if was_given("stream.endpoint") and cfg.stream.endpoint != StreamConfig().endpoint:
         raise ConfigError("stream.endpoint is chosen by the launcher (the Trainer's node and a port bound there); "
                           "remove it")
+    if cfg.stream.curve is not None:
+        raise ConfigError("stream.curve keys are made per run by the launcher (and never written down); remove them")
     threshold = cfg.partial_rollout.threshold
     if cfg.partial_rollout.enable and threshold is not None:
         reachable = int((1 + r.staleness_threshold) * per_sync) * r.n
@@ -549,3 +545,13 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
         skip = getattr(cfg.skip, role)
         if skip.enable and not skip.dump_dir:
             raise ConfigError(f"skip.{role}.enable=true needs skip.{role}.dump_dir")
+    # Sections whose parts have not landed yet: asking for them must not pass silently.
+    # (Remove each line when its part is wired into the launcher.)
+    if cfg.partial_rollout.enable:
+        raise ConfigError("partial_rollout.enable=true: partial rollout is not wired into the launcher yet")
+    enabled = [role for role in ("rollout", "async_rollout") if getattr(cfg.skip, role).enable]
+    if enabled:
+        raise ConfigError(f"skip.{enabled[0]}.enable=true: the SkipManager is not wired into the launcher yet")
+    extra = [s for s in cfg.metrics.sinks if s not in ("jsonl", "console")]
+    if extra:
+        raise ConfigError(f"metrics.sinks={cfg.metrics.sinks}: only jsonl and console exist yet, not {extra}")

@@ -119,12 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             plan = placement.make_plan(cfg, cluster)                     # plan
+            if args.dry_run:
+                print(dry_run(plan))
+                print(to_yaml(resolved), end="")
+                return 0
         except PlacementError as e:
             return _usage_error(e)
-        if args.dry_run:
-            print(dry_run(plan))
-            print(to_yaml(resolved), end="")
-            return 0
         run_dir = _make_run_dir(cfg, resolved)
         return asyncio.run(run(cfg, plan, run_dir))                      # start, run, close
     finally:
@@ -146,7 +146,11 @@ def preflight(cfg) -> None:
     if cfg.data.reward is not None:
         data.load_reward(cfg.data.reward)
     chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
-    if chat and cfg.model.path is not None:
+    if chat and cfg.model.path is None:
+        name = next(iter(chat))
+        raise data.DataError(f"{getattr(cfg.data, name)}: chat-message prompts need a model with a chat template; "
+                             "the built-in demo model has none (set model.path)")
+    if chat:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -156,17 +160,9 @@ def preflight(cfg) -> None:
 
 def dry_run(plan) -> str:
     """Reserve the plan's placement groups (no process starts), describe them, release them."""
-    plan.reserve()
-    try:
-        for name in plan.groups:
-            reserved = plan.reserved_nodes(name)
-            slots = [plan.rollouter, *plan.engines] if name == "rollout" else plan.ranks
-            moved = [s.process for s in slots if reserved.get(s.bundle) != s.node.node_id]
-            if moved:
-                raise RuntimeError(f"Ray reserved {moved} on other nodes than planned")
-        return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
-    finally:
-        plan.release()
+    plan.reserve()  # checks that Ray put every bundle on its planned node
+    plan.release()
+    return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
 
 
 def _make_run_dir(cfg, resolved) -> Path:
@@ -185,7 +181,8 @@ async def run(cfg, plan, run_dir: Path) -> int:
 
     procs = await start(cfg, plan, run_dir)                                        # start
     try:
-        await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n)  # run
+        await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
+                    validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every)
         return 0
     finally:
         await procs.close()                                               # close

@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,16 @@ import numpy as np
 
 
 def step_line(m: dict, steps: int) -> str:
+    val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
     return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
             f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s")
+            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{val}")
 
 
 class ProgressView:
     """A rich progress bar on a terminal, plain per-step lines otherwise."""
 
-    def __init__(self, steps: int, live: bool | None = None):
+    def __init__(self, steps: int, live: bool | None = None, console=None):
         self.steps = steps
         self.live = sys.stdout.isatty() if live is None else live
         self._bar = None
@@ -35,7 +37,7 @@ class ProgressView:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=console)
             self._task = self._bar.add_task("train", total=steps, stats="waiting for the first groups")
             self._bar.start()
 
@@ -52,8 +54,13 @@ class ProgressView:
             self._bar.stop()
 
 
-async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int) -> list[dict]:
-    """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first."""
+async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
+                validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10) -> list[dict]:
+    """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first.
+
+    With ``validate``, every ``val_every`` steps and after the last one its ``val/`` metrics join
+    the step's metrics.
+    """
     import ray
 
     rows: list[dict] = []
@@ -75,7 +82,9 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
                 m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
-                last = now
+                if validate is not None and (m["step"] % val_every == 0 or m["step"] == steps):
+                    m.update(await validate(m["step"]))
+                last = time.monotonic()
                 metrics.write(json.dumps(m) + "\n")
                 metrics.flush()
                 log.write(step_line(m, steps) + "\n")
