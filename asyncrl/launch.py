@@ -40,8 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     algo.add_argument("--n", type=int, default=8, help="responses per prompt (group size)")
     algo.add_argument("--groups-per-step", type=int, default=8, help="groups per train step")
     algo.add_argument("--sync-every", type=int, default=1, help="train steps per weight sync (trigger_parameter_sync_step)")
-    algo.add_argument("--staleness-threshold", type=float, default=0.5,
-                      help="extra fraction of a sync's groups the Rollouter may generate ahead")
+    algo.add_argument("--staleness-threshold", type=float, default=1.0,
+                      help="extra fraction of a sync's groups the Rollouter may generate ahead; 1 (default) lets "
+                           "it generate the next step's groups while the Trainer trains, so steps do not wait for "
+                           "generation after each sync, and samples are at most about 1 version stale")
     algo.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the task's)")
     algo.add_argument("--lr", type=float, default=None, help="learning rate (default: tuned for the demo)")
     algo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
