@@ -154,7 +154,8 @@ async def _run(args: argparse.Namespace) -> int:
         ray.init(address=address)
     else:
         # Every actor reserves one CPU; on a laptop they share the cores (torch uses 1 thread each).
-        ray.init(num_cpus=n_engines + n_ranks + 2, include_dashboard=False, log_to_driver=True,
+        # address="local": a new instance even where another local one runs (a bare init would join it).
+        ray.init(address="local", num_cpus=n_engines + n_ranks + 2, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     ranks = consumer = rollouter = None
     engines: list = []
@@ -236,7 +237,7 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> N
             print(f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
                   f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  "
                   f"len {m['response_length_mean']:.1f}  {m['time_s']:.0f}s", flush=True)
-    k = max(1, min(5, len(rewards) // 3))
+    k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
     print(f"asyncrl: mean reward of the first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
@@ -245,8 +246,7 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> N
 def _default_model(run_dir: Path) -> str:
     from asyncrl.models import default_model_path
 
-    print("asyncrl: preparing the tiny warm-started model (cached after the first run)...", flush=True)
-    return str(default_model_path())
+    return str(default_model_path())  # shipped in the package: nothing to prepare
 
 
 def _pad_token_id(model_path: str) -> int:
