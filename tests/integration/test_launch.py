@@ -33,17 +33,22 @@ def test_bad_flags_name_the_flag():
     assert out.returncode == 2 and "--trainer-gpus" in out.stderr
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--steps", "0"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 2 and "--steps must be >= 1" in out.stderr
+    assert out.returncode == 2 and "steps (--steps) must be >= 1" in out.stderr
 
 
 @pytest.mark.timeout(400)
 def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
+    from asyncrl.tasks import arithmetic
+
     model = build_tiny_model(tmp_path / "model")
     run_dir = tmp_path / "run"
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in arithmetic.generate_dataset(5, seed=99)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "asyncrl.launch", "--model", str(model), "--steps", "4", "--n", "4",
            "--groups-per-step", "3", "--sync-every", "2", "--max-tokens", "4", "--lr", "1e-3",
-           "--run-dir", str(run_dir)]
+           "--run-dir", str(run_dir), "--val-dataset", str(val), "--reward", "asyncrl.tasks.arithmetic:reward",
+           "data.val_every=2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     try:
         out, _ = proc.communicate(timeout=360)
@@ -58,7 +63,17 @@ def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
     assert [r["version"] for r in rows] == [0, 1, 1, 2]
     assert all(r["groups"] == 3 for r in rows)
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    # The validation file is scored every 2 steps, under val/.
+    assert [r.get("val/samples") for r in rows] == [None, 5.0, None, 5.0]
+    assert all(0.0 <= r["val/reward_mean"] <= 1.0 for r in rows[1::2])
     assert "step   4/4" in out and "mean reward" in out
+    # The resolved config and the per-step log are in the run directory.
+    from asyncrl.config import load_config
+
+    cfg, _ = load_config([str(run_dir / "config.yaml")], [])
+    assert (cfg.steps, cfg.rollout.n, cfg.trainer.trigger_parameter_sync_step, cfg.model.path) == (4, 4, 2, str(model))
+    log = (run_dir / "train.log").read_text().splitlines()
+    assert len(log) == 4 and log[-1].startswith("step   4/4")
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert ckpts
     sidecars = [json.loads(p.read_text()) for p in (run_dir / "checkpoints").rglob("*.json")]
