@@ -56,7 +56,7 @@ class ModelConfig:
 
     path: str | None = None
     """Local Hugging Face model directory (config.json + weights + tokenizer); None: the tiny
-    warm-started demo model (built at first use, cached)."""
+    warm-started demo model shipped in the package (`asyncrl.models.default_model_path`)."""
 
 
 @dataclass(kw_only=True)
@@ -238,7 +238,9 @@ class RunConfig:
     """Where config.yaml, metrics.jsonl, the log and checkpoints go; None: runs/<time>."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(staleness_threshold=1.0))
+    """The launcher generates up to one step ahead (``staleness_threshold=1``): the next step's
+    groups are generated while the Trainer trains, samples stay at most ~1 version stale."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)  # type: ignore[valid-type]
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

@@ -161,7 +161,6 @@ async def _ready(refs: list, timeout_s: float, what: str) -> list:
 def _default_model() -> str:
     from asyncrl.models import default_model_path
 
-    print("asyncrl: preparing the tiny warm-started model (cached after the first run)...", flush=True)
     return str(default_model_path())
 
 
