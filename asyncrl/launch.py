@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out = p.add_argument_group("output")
     out.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<time>)")
     out.add_argument("--seed", type=int, default=0)
+    # metrics (asyncrl.metrics, README "Metrics")
+    out.add_argument("--dashboard", action="store_true", help="serve the live dashboard on 127.0.0.1 (port 8050)")
+    out.add_argument("--metrics-sinks", default="jsonl,console",
+                     help="comma-separated: jsonl (always on), console, tensorboard, prometheus, wandb")
+    out.add_argument("--no-metrics", action="store_true", help="no metric stream (only a plain progress line)")
     args = p.parse_args(argv)
     for name in ("steps", "n", "groups_per_step", "sync_every", "engines", "trainer_ranks"):
         if getattr(args, name) < 1:
@@ -58,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give both --rollouter-gpus and --trainer-gpus (GPU run) or neither (CPU run)")
     if args.staleness_threshold < 0:
         p.error("--staleness-threshold must be >= 0")
+    from asyncrl.metrics.config import SINKS
+
+    args.metrics_sinks = tuple(s for s in args.metrics_sinks.split(",") if s)
+    if unknown := [s for s in args.metrics_sinks if s not in SINKS]:
+        p.error(f"--metrics-sinks: unknown {unknown}; choose from {','.join(SINKS)}")
     return args
 
 

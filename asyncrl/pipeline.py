@@ -8,8 +8,9 @@
                  (pause keep, broadcast, load, resume)       └─► TrainerWorker x T (FSDP2)
 
 The Trainer's driver loop runs in this process, with the stream's consumer; the Rollouter,
-the engines and the trainer ranks are Ray actors (separate processes). Metrics go to
-``<run_dir>/metrics.jsonl``, checkpoints to ``<run_dir>/checkpoints``.
+the engines and the trainer ranks are Ray actors (separate processes). Every process emits
+metrics on the run's metric stream (`asyncrl.metrics`), whose sinks write
+``<run_dir>/metrics.jsonl`` (and more); checkpoints go to ``<run_dir>/checkpoints``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class RolloutWorker:
     """The Rollouter process: tokenizer, dataset, reward, producer and `Rollouter` (a Ray actor)."""
 
     def __init__(self, cfg: RolloutConfig, engines: list, endpoint: str, window: int, model_path: str,
-                 dataset: str | None, reward: str | None, seed: int, state: dict | None = None):
+                 dataset: str | None, reward: str | None, seed: int, state: dict | None = None,
+                 metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0):
         from transformers import AutoTokenizer
 
         from asyncrl.tasks import arithmetic
@@ -80,6 +82,7 @@ class RolloutWorker:
 
         self.cfg, self.engines, self.prompts, self.reward_fn = cfg, engines, prompts, reward_fn
         self.endpoint, self.window = endpoint, window
+        self.metrics_endpoint, self.metrics_interval_s = metrics_endpoint, metrics_interval_s
         self.state = RolloutState(**(state or {}))
         self.version = 0
         self.rollouter: Rollouter | None = None
@@ -89,11 +92,25 @@ class RolloutWorker:
 
         producer = StreamProducer(StreamConfig(endpoint=self.endpoint, window=self.window), producer_id="rollouter-0")
         await producer.start()
-        self.rollouter = Rollouter(self.cfg, self.engines, producer, self.prompts, self.reward_fn, state=self.state)
+        engines, report = self.engines, None
+        if self.metrics_endpoint:  # metrics (#16): idle clock on the engines, periodic report
+            from asyncrl.metrics.report import IdleClock, MeteredEngine, RolloutReporter, report_rollouter
+            from asyncrl.metrics.stream import MetricsEmitter
+
+            clock, emitter = IdleClock(), MetricsEmitter(self.metrics_endpoint, "rollouter")
+            engines = [MeteredEngine(e, clock) for e in self.engines]
+            report = asyncio.create_task(report_rollouter(
+                emitter, RolloutReporter(self.engines, clock, self.cfg.n), lambda: (self.rollouter, producer),
+                self.metrics_interval_s))
+        self.rollouter = Rollouter(self.cfg, engines, producer, self.prompts, self.reward_fn, state=self.state)
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
         try:
             await self.rollouter.run(num_groups)
         finally:
+            if report is not None:
+                report.cancel()
+                await asyncio.gather(report, return_exceptions=True)
+                emitter.close()
             await producer.close()
         return self.progress()
 
@@ -156,11 +173,12 @@ async def _run(args: argparse.Namespace) -> int:
         # Every actor reserves one CPU; on a laptop they share the cores (torch uses 1 thread each).
         ray.init(num_cpus=n_engines + n_ranks + 2, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    ranks = consumer = rollouter = None
+    ranks = consumer = rollouter = metrics = None
     engines: list = []
     try:
         print(f"asyncrl: run dir {run_dir}; model {model_path}; {n_engines} engine(s), {n_ranks} trainer rank(s)",
               flush=True)
+        metrics = _start_metrics(args, run_dir)
         engine_cls = remote_engine_actor(num_cpus=1, num_gpus=1 if gpu else 0)
         engines = [engine_cls.remote(kind="vllm" if gpu else "torch", model_path=model_path) for _ in range(n_engines)]
         await asyncio.gather(*(e.ready.remote() for e in engines))
@@ -191,13 +209,21 @@ async def _run(args: argparse.Namespace) -> int:
                                     groups_per_sync=per_sync, staleness_threshold=args.staleness_threshold,
                                     max_concurrent=max(4, args.groups_per_step), seed=args.seed)
         rollouter = ray.remote(RolloutWorker).options(num_cpus=1).remote(
-            rollout_cfg, engines, endpoint, window, model_path, args.dataset, args.reward, args.seed)
+            rollout_cfg, engines, endpoint, window, model_path, args.dataset, args.reward, args.seed,
+            metrics_endpoint=metrics and metrics.endpoints.publish,
+            metrics_interval_s=metrics and metrics.cfg.poll_interval_s or 1.0)
         rollout_ref = rollouter.run.remote()
 
         coordinator = WeightSyncCoordinator(ranks.workers, engines, WeightSyncConfig())
-        trainer = Trainer(cfg, ranks, consumer, NotifyingSyncer(coordinator, rollouter),
+        source = consumer
+        if metrics is not None:  # metrics (#16): time the Trainer's waits, report each step
+            from asyncrl.metrics.report import MeteredSource, TrainerReporter
+
+            source = MeteredSource(consumer)
+            metrics.reporter = TrainerReporter(metrics.emitter("trainer"), source, coordinator, consumer)
+        trainer = Trainer(cfg, ranks, source, NotifyingSyncer(coordinator, rollouter),
                           rollouter_state=lambda: rollouter.feed_state.remote())
-        await _train(trainer, args.steps, run_dir, rollout_ref)
+        await _train(trainer, args.steps, run_dir, rollout_ref, metrics)
         return 0
     finally:
         if rollouter is not None:
@@ -209,10 +235,12 @@ async def _run(args: argparse.Namespace) -> int:
         for e in engines:
             ray.kill(e)
         ray.shutdown()
+        if metrics is not None:
+            metrics.close()
 
 
-async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> None:
-    """Run the steps, print one progress line each and append metrics to metrics.jsonl."""
+async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, metrics: Any = None) -> None:
+    """Run the steps and report each: to the metric stream, or (``--no-metrics``) as a printed line."""
     import ray
 
     rewards: list[float] = []
@@ -220,26 +248,39 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any) -> N
     rollout_task = asyncio.wrap_future(rollout_ref.future())
     # The Rollouter is killed at shutdown; its run() then ends with ActorDiedError, expected.
     rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())
-    with open(run_dir / "metrics.jsonl", "a") as out:
-        for _ in range(steps):
-            step_task = asyncio.ensure_future(trainer.train_step())
-            done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
-            if step_task not in done:
-                step_task.cancel()
-                ray.get(rollout_ref)  # re-raises the Rollouter's failure here, under its own name
-                raise RuntimeError("the Rollouter stopped before training finished")
-            m = step_task.result().metrics
-            m["time_s"] = round(time.monotonic() - t0, 2)
-            out.write(json.dumps(m) + "\n")
-            out.flush()
-            rewards.append(m["reward_mean"])
-            print(f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
-                  f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  "
-                  f"len {m['response_length_mean']:.1f}  {m['time_s']:.0f}s", flush=True)
+    for _ in range(steps):
+        step_task = asyncio.ensure_future(trainer.train_step())
+        done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
+        if step_task not in done:
+            step_task.cancel()
+            ray.get(rollout_ref)  # re-raises the Rollouter's failure here, under its own name
+            raise RuntimeError("the Rollouter stopped before training finished")
+        result = step_task.result()
+        m = result.metrics
+        rewards.append(m["reward_mean"])
+        if metrics is not None:
+            metrics.reporter.after_step(result)  # the console sink prints the step's line
+            continue
+        print(f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
+              f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  "
+              f"len {m['response_length_mean']:.1f}  {time.monotonic() - t0:.0f}s", flush=True)
+    if metrics is not None:
+        metrics.wait_recorded(metrics.reporter.emitter)  # the last step's line comes before the summary
     k = max(1, min(5, len(rewards) // 3))
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
     print(f"asyncrl: mean reward of the first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+
+
+def _start_metrics(args: argparse.Namespace, run_dir: Path):
+    """The run's metric stream and sinks (None with ``--no-metrics``)."""
+    if args.no_metrics:
+        return None
+    from asyncrl.metrics.config import MetricsConfig
+    from asyncrl.metrics.service import MetricsService
+
+    cfg = MetricsConfig(sinks=args.metrics_sinks, dashboard=args.dashboard)
+    return MetricsService(cfg, run_dir, total_steps=args.steps)
 
 
 def _default_model(run_dir: Path) -> str:

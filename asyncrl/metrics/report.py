@@ -9,11 +9,14 @@ in `asyncrl.metrics.names`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("asyncrl.metrics")
 
 STALENESS_BUCKETS = 9  # 0..7 and "8 or more"
 AGE_BUCKETS = 5  # 0..3 and "4 or more"
@@ -118,12 +121,22 @@ class RolloutReporter:
 
 
 async def report_rollouter(emitter: Any, reporter: RolloutReporter, get_parts, interval_s: float) -> None:
-    """Emit ``reporter.poll(*get_parts())`` every ``interval_s`` until cancelled."""
+    """Emit ``reporter.poll(*get_parts())`` now and every ``interval_s`` until cancelled.
+
+    A poll that fails (an engine died) is logged once and skipped: metrics never stop the run.
+    """
+    failures = 0
     while True:
+        try:
+            rollouter, producer = get_parts()
+            values = await reporter.poll(rollouter, producer)
+            emitter.emit_many(values, version=int(values.get("rollouter/version", -1)))
+        except Exception as e:
+            if not failures:
+                log.warning("metrics: the Rollouter's report failed (%s: %s); later failures are not logged",
+                            type(e).__name__, e)
+            failures += 1
         await asyncio.sleep(interval_s)  # a periodic report, not a wait on a condition
-        rollouter, producer = get_parts()
-        values = await reporter.poll(rollouter, producer)
-        emitter.emit_many(values, version=int(values.get("rollouter/version", -1)))
 
 
 # ----------------------------------------------------------------------------- Trainer side
@@ -246,3 +259,24 @@ def trainer_step_metrics(metrics: dict, samples: StepSamples, *, trained_version
     age_hist = np.bincount(np.clip(ages, 0, AGE_BUCKETS - 1), minlength=AGE_BUCKETS)
     out.update({f"fully_async/partial/age_hist/{k}": int(c) for k, c in enumerate(age_hist)})
     return out
+
+
+class TrainerReporter:
+    """The launcher's per-step report: call `after_step` with each step's result."""
+
+    def __init__(self, emitter: Any, source: MeteredSource, coordinator: Any = None, consumer: Any = None):
+        self.emitter, self.source, self.coordinator, self.consumer = emitter, source, coordinator, consumer
+        self.totals = TrainerTotals()
+        self._last_sync = getattr(coordinator, "last", None)
+        self._version = 0
+        self._t = time.perf_counter()
+
+    def after_step(self, result: Any) -> None:
+        now = time.perf_counter()
+        sync = getattr(self.coordinator, "last", None)
+        values = trainer_step_metrics(
+            result.metrics, self.source.take(result.sample_ids), trained_version=self._version,
+            step_s=now - self._t, totals=self.totals, sync=sync if sync is not self._last_sync else None,
+            consumer=self.consumer)
+        self.emitter.emit_many(values, step=result.step, version=result.version)
+        self._last_sync, self._version, self._t = sync, result.version, now

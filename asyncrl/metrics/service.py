@@ -38,8 +38,11 @@ class MetricsService:
         self.sinks = open_sinks(cfg, self.run_dir, total_steps=total_steps)
         self._subscriber = MetricsSubscriber(self.endpoints.subscribe, recv_hwm=cfg.recv_hwm)
         self._stop = threading.Event()
+        self._seen = threading.Condition()
         self._thread = threading.Thread(target=self._record, name="metrics-sinks", daemon=True)
         self._thread.start()
+        self.reporter = None
+        """The launcher's `TrainerReporter`, once it has made one."""
         self.dashboard = None
         if cfg.dashboard:
             from asyncrl.dashboard.server import DashboardServer, StreamFeed
@@ -58,10 +61,18 @@ class MetricsService:
                 self.sinks.write(events)
                 if self._subscriber.received % 16 == 0:
                     self.sinks.flush()
+                with self._seen:
+                    self._seen.notify_all()
             else:
                 self.sinks.flush()
                 if self._stop.is_set():
                     return
+
+    def wait_recorded(self, emitter: MetricsEmitter, timeout_s: float = 5.0) -> bool:
+        """Wait until the sinks have what ``emitter`` published so far; False at the deadline."""
+        last = emitter.last_seq
+        with self._seen:
+            return self._seen.wait_for(lambda: self._subscriber.seen(emitter.source) >= last, timeout_s)
 
     def close(self) -> None:
         """Drain what was published into the sinks, close them, stop the forwarder and dashboard."""

@@ -145,6 +145,11 @@ class MetricsEmitter:
             except zmq.Again:
                 self.dropped += 1
 
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the last message emitted (-1: none yet)."""
+        return self._seq - 1
+
     def close(self) -> None:
         with self._lock:
             self._sock.close()
@@ -186,6 +191,10 @@ class MetricsSubscriber:
         self._next_seq[source] = seq + 1
         self.received += 1
         return events
+
+    def seen(self, source: str) -> int:
+        """The last sequence number received from ``source`` (-1: none yet)."""
+        return self._next_seq.get(source, 0) - 1
 
     @property
     def total_dropped(self) -> int:

@@ -84,9 +84,8 @@ class SinkSet:
 
     def report(self, name: str, why: str) -> None:
         self.failed[name] = why
-        msg = f"asyncrl: metrics sink {name!r} is off: {why}; the run goes on without it"
-        log.warning(msg)
-        print(msg, file=sys.stderr, flush=True)
+        # printed, not logged: the launcher configures no logging handler, and this must be seen once
+        print(f"asyncrl: metrics sink {name!r} is off: {why}; the run goes on without it", file=sys.stderr, flush=True)
 
 
 def open_sinks(cfg: MetricsConfig, run_dir: str | Path, **options) -> SinkSet:
