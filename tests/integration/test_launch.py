@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.metrics.names import is_known
+from asyncrl.metrics.sinks.jsonl import read_events
 from asyncrl.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,12 +54,19 @@ def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    events = read_events(run_dir / "metrics.jsonl")
+    groups = [e for e in events if e.name == "train/groups"]
+    assert [e.step for e in groups] == [1, 2, 3, 4]
     # One weight sync every 2 steps: the version the trainer reports follows it.
-    assert [r["version"] for r in rows] == [0, 1, 1, 2]
-    assert all(r["groups"] == 3 for r in rows)
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert [e.version for e in groups] == [0, 1, 1, 2]
+    assert all(e.value == 3 and e.source == "trainer" for e in groups)
+    assert all(0.0 <= e.value <= 1.0 for e in events if e.name == "train/reward_mean")
+    assert [e.step for e in events if e.name == "timing_s/param_sync"] == [2, 4]
+    # Every process reported, and every name is in the README's table.
+    names = {e.name for e in events}
+    assert {"fully_async/rollouter/idle_ratio", "engine/0/running", "stream/credit",
+            "fully_async/trainer/idle_ratio", "staleness/hist/0"} <= names
+    assert all(is_known(n) for n in names), sorted(n for n in names if not is_known(n))
     assert "step   4/4" in out and "mean reward" in out
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert ckpts
