@@ -245,6 +245,7 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, metr
 
     rewards: list[float] = []
     t0 = time.monotonic()
+    done_at: list[float] = []  # when each step finished
     rollout_task = asyncio.wrap_future(rollout_ref.future())
     # The Rollouter is killed at shutdown; its run() then ends with ActorDiedError, expected.
     rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -258,6 +259,7 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, metr
         result = step_task.result()
         m = result.metrics
         rewards.append(m["reward_mean"])
+        done_at.append(time.monotonic())
         if metrics is not None:
             metrics.reporter.after_step(result)  # the console sink prints the step's line
             continue
@@ -268,6 +270,9 @@ async def _train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, metr
         metrics.wait_recorded(metrics.reporter.emitter)  # the last step's line comes before the summary
     k = max(1, min(5, len(rewards) // 3))
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
+    if len(done_at) > 1:  # after the first step: start-up and first compile excluded
+        per_step = (done_at[-1] - done_at[0]) / (len(done_at) - 1)
+        print(f"asyncrl: steps 2-{len(done_at)} took {per_step:.3f} s/step", flush=True)
     print(f"asyncrl: mean reward of the first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
 

@@ -76,6 +76,8 @@ class MetricsService:
 
     def close(self) -> None:
         """Drain what was published into the sinks, close them, stop the forwarder and dashboard."""
+        if self.reporter is not None:
+            self.reporter.emitter.close()  # lingers until its last messages are out
         self._stop.set()
         self._thread.join(30)
         self.sinks.close()
