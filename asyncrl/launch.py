@@ -1,4 +1,4 @@
-"""``python -m asyncrl.launch``: parse flags, start or join Ray, place the processes, run, shut down.
+"""``python -m asyncrl.launch``: parse, config, plan, start, run, close.
 
 With no flags on a machine without GPUs it runs the CPU demo: the tiny warm-started model
 learns the built-in addition task, fully asynchronously, in a few minutes::
@@ -7,75 +7,188 @@ learns the built-in addition task, fully asynchronously, in a few minutes::
 
 On a GPU cluster (Ray already running, or under ``ray job submit``)::
 
+    python -m asyncrl.launch --config run.yaml trainer.optim.lr=1e-6 rollout.n=16
     python -m asyncrl.launch --rollouter-gpus 8 --trainer-gpus 8 \\
-        --model /models/Qwen2.5-1.5B --dataset data/train.jsonl --reward mypkg.rewards:score
+        --model /models/Qwen2.5-1.5B --dataset data/train.parquet --reward mypkg.rewards:compute_score
 
-Heavy packages (torch, ray, transformers) are imported only after the flags are parsed, so
-``--help`` is instant.
+Settings are `asyncrl.config.RunConfig`: a YAML file (``--config``), then dotted overrides
+(``key.path=value``); the flags below are short aliases of dotted keys. Everything is checked
+before Ray starts (exit 2, one line on stderr). Heavy packages (torch, ray, transformers) are
+imported only after the flags are parsed, so ``--help`` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import time
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+# flag -> (type, help); each one sets the dotted key asyncrl.config.ALIASES names.
+_FLAGS = {
+    "placement": [
+        ("rollouter_gpus", int, "GPUs for inference engines (one replica per engine.tensor_parallel_size GPUs); "
+                                "0 = built-in engine on CPU"),
+        ("trainer_gpus", int, "GPUs for FSDP2 trainer ranks; 0 = CPU ranks"),
+        ("engines", int, "built-in engine replicas when --rollouter-gpus is 0 (default 1)"),
+        ("trainer_ranks", int, "trainer ranks when --trainer-gpus is 0 (default 1)"),
+        ("nodes", int, "nodes to spread the Rollouter and the Trainer over (default 1)"),
+        ("address", str, "Ray address to join (default: RAY_ADDRESS, else a local Ray)"),
+    ],
+    "model and data": [
+        ("model", str, "local HF model directory (default: the tiny warm-started model)"),
+        ("dataset", str, "JSONL/parquet in verl's layout (default: the built-in task)"),
+        ("val_dataset", str, "validation JSONL/parquet, scored every data.val_every steps"),
+        ("reward", str, "module:function, verl's compute_score(data_source, solution_str, ground_truth, "
+                        "extra_info) or (prompt, response); required with --dataset"),
+    ],
+    "algorithm": [
+        ("steps", int, "train steps to run (default 100)"),
+        ("n", int, "responses per prompt, the group size (default 8)"),
+        ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8)"),
+        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step)"),
+        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead"),
+        ("max_tokens", int, "response budget (default: 6 for the built-in task, else 512)"),
+        ("lr", float, "learning rate (default: 2e-3 for the demo model, else 1e-5)"),
+        ("temperature", float, "sampling temperature (default 1.0)"),
+    ],
+    "output": [
+        ("run_dir", str, "where config.yaml, metrics, the log and checkpoints go (default: runs/<time>)"),
+        ("seed", int, "seed (default 0)"),
+    ],
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line, like every other usage error of the launcher (argparse prints the usage too).
+        self.exit(EXIT_USAGE, f"asyncrl: error: {message} (see --help)\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m asyncrl.launch", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    place = p.add_argument_group("placement")
-    place.add_argument("--rollouter-gpus", type=int, default=0,
-                       help="GPUs for inference engines (one vLLM engine per GPU); 0 = built-in engine on CPU")
-    place.add_argument("--trainer-gpus", type=int, default=0, help="GPUs for FSDP2 trainer ranks; 0 = CPU ranks")
-    place.add_argument("--engines", type=int, default=1, help="built-in engines when --rollouter-gpus is 0")
-    place.add_argument("--trainer-ranks", type=int, default=1, help="trainer ranks when --trainer-gpus is 0")
-    place.add_argument("--address", default=None, help="Ray address to join (default: RAY_ADDRESS, else a local Ray)")
-    data = p.add_argument_group("model and data")
-    data.add_argument("--model", default=None, help="local HF model directory (default: the tiny warm-started model)")
-    data.add_argument("--dataset", default=None, help="JSONL with a 'prompt' column (default: the built-in task)")
-    data.add_argument("--reward", default=None,
-                      help="reward as module:function(prompt_text, response_text) -> float (default: built-in task)")
-    algo = p.add_argument_group("algorithm")
-    algo.add_argument("--steps", type=int, default=100, help="train steps to run")
-    algo.add_argument("--n", type=int, default=8, help="responses per prompt (group size)")
-    algo.add_argument("--groups-per-step", type=int, default=8, help="groups per train step")
-    algo.add_argument("--sync-every", type=int, default=1, help="train steps per weight sync (trigger_parameter_sync_step)")
-    algo.add_argument("--staleness-threshold", type=float, default=0.5,
-                      help="extra fraction of a sync's groups the Rollouter may generate ahead")
-    algo.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the task's)")
-    algo.add_argument("--lr", type=float, default=None, help="learning rate (default: tuned for the demo)")
-    algo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    out = p.add_argument_group("output")
-    out.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<time>)")
-    out.add_argument("--seed", type=int, default=0)
-    # metrics (asyncrl.metrics, README "Metrics")
-    out.add_argument("--dashboard", action="store_true", help="serve the live dashboard on 127.0.0.1 (port 8050)")
-    out.add_argument("--metrics-sinks", default="jsonl,console",
-                     help="comma-separated: jsonl (always on), console, tensorboard, prometheus, wandb")
-    out.add_argument("--no-metrics", action="store_true", help="no metric stream (only a plain progress line)")
-    args = p.parse_args(argv)
-    for name in ("steps", "n", "groups_per_step", "sync_every", "engines", "trainer_ranks"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.rollouter_gpus < 0 or args.trainer_gpus < 0:
-        p.error("--rollouter-gpus and --trainer-gpus must be >= 0")
-    if (args.rollouter_gpus > 0) != (args.trainer_gpus > 0):
-        p.error("give both --rollouter-gpus and --trainer-gpus (GPU run) or neither (CPU run)")
-    if args.staleness_threshold < 0:
-        p.error("--staleness-threshold must be >= 0")
-    from asyncrl.metrics.config import SINKS
+    p = _Parser(prog="python -m asyncrl.launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Any other setting: key.path=value, e.g. trainer.optim.lr=1e-6 "
+                                       "skip.async_rollout.steps=[3,4] (see --print-config for every key).")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides, applied last")
+    p.add_argument("--config", action="append", default=[], metavar="run.yaml",
+                   help="YAML file of settings (repeatable; later files win, overrides win over files)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--dashboard", action="store_true",
+                   help="serve the live metrics dashboard on 127.0.0.1 (metrics.dashboard=true; port metrics.dashboard_port)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything, resolve placement against the cluster, print the plan and the config; "
+                        "start nothing heavy")
+    for title, flags in _FLAGS.items():
+        group = p.add_argument_group(title)
+        for name, type_, help_ in flags:
+            # Values stay text: OmegaConf coerces them and names the key when it cannot.
+            group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=type_.__name__.upper(),
+                               help=help_)
+    return p.parse_args(argv)
 
-    args.metrics_sinks = tuple(s for s in args.metrics_sinks.split(",") if s)
-    if unknown := [s for s in args.metrics_sinks if s not in SINKS]:
-        p.error(f"--metrics-sinks: unknown {unknown}; choose from {','.join(SINKS)}")
-    return args
+
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """The flags as dotted overrides (before the explicit ones, which win)."""
+    from asyncrl.config import ALIASES
+
+    given = [f"{ALIASES[name]}={getattr(args, name)}" for _, flags in _FLAGS.items() for name, _, _ in flags
+             if getattr(args, name) is not None]
+    return given + (["metrics.dashboard=true"] if getattr(args, "dashboard", False) else []) + list(args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from asyncrl.pipeline import run
+    args = parse_args(argv)                                              # parse
+    from asyncrl.config import ConfigError, load_config, to_yaml
+    from asyncrl.data import DataError
+    from asyncrl.placement import PlacementError
 
-    return run(args)
+    try:
+        cfg, resolved = load_config(args.config, overrides_of(args))     # config
+        if args.print_config:
+            print(to_yaml(resolved), end="")
+            return 0
+        preflight(cfg)                                                   # checked before Ray starts
+    except (ConfigError, DataError) as e:
+        return _usage_error(e)
+
+    from asyncrl import placement
+
+    cluster = placement.connect(cfg.placement, cpu_actors=cfg.engine_replicas + cfg.trainer_world_size + 1)
+    try:
+        try:
+            plan = placement.make_plan(cfg, cluster)                     # plan
+            if args.dry_run:
+                print(dry_run(plan))
+                print(to_yaml(resolved), end="")
+                return 0
+        except PlacementError as e:
+            return _usage_error(e)
+        run_dir = _make_run_dir(cfg, resolved)
+        return asyncio.run(run(cfg, plan, run_dir))                      # start, run, close
+    finally:
+        placement.disconnect(cluster)
+
+
+def _usage_error(e: Exception) -> int:
+    print(f"asyncrl: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def preflight(cfg) -> None:
+    """What can be checked without Ray: the model directory, every dataset row, the reward."""
+    from asyncrl import data
+
+    if cfg.model.path is not None:
+        data.check_model_dir(cfg.model.path)
+    sets = {name: data.read_rows(path) for name, path in (("train", cfg.data.train), ("val", cfg.data.val)) if path}
+    if cfg.data.reward is not None:
+        data.load_reward(cfg.data.reward)
+    chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
+    if chat and cfg.model.path is None:
+        name = next(iter(chat))
+        raise data.DataError(f"{getattr(cfg.data, name)}: chat-message prompts need a model with a chat template; "
+                             "the built-in demo model has none (set model.path)")
+    if chat:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        for name, rows in chat.items():
+            data.check_renderable(tokenizer, rows, getattr(cfg.data, name))
+
+
+def dry_run(plan) -> str:
+    """Reserve the plan's placement groups (no process starts), describe them, release them."""
+    plan.reserve()  # checks that Ray put every bundle on its planned node
+    plan.release()
+    return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
+
+
+def _make_run_dir(cfg, resolved) -> Path:
+    from omegaconf import OmegaConf
+
+    run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(resolved, run_dir / "config.yaml")
+    return run_dir
+
+
+async def run(cfg, plan, run_dir: Path) -> int:
+    """Start every process on its planned place, train ``cfg.steps`` steps, close everything."""
+    from asyncrl.processes import start
+    from asyncrl.progress import train
+
+    procs = await start(cfg, plan, run_dir)                                        # start
+    try:
+        await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
+                    validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
+                    report=procs.metrics.reporter.after_step if procs.metrics else None)
+        return 0
+    finally:
+        await procs.close()                                               # close
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 ::
 
-    feed (stream subscriber, or a metrics.jsonl followed as it grows) ─► Hub ─► GET /events (SSE)
+    feed (stream subscriber, or an events.jsonl followed as it grows) ─► Hub ─► GET /events (SSE)
                                                                          └─► page: uPlot charts
 
 A page that connects gets the whole history first (``event: history``), then live batches
@@ -91,7 +91,7 @@ class StreamFeed:
 
 
 class FileFeed:
-    """Read a metrics.jsonl, then follow it as the run appends (a finished run just stays put)."""
+    """Read an events.jsonl, then follow it as the run appends (a finished run just stays put)."""
 
     def __init__(self, path: str | Path, follow: bool = True):
         self.path = Path(path)

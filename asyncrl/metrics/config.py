@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SINKS = ("jsonl", "console", "tensorboard", "prometheus", "wandb")
 """Sink names `MetricsConfig.sinks` accepts (one file per backend in `asyncrl.metrics.sinks`)."""
@@ -13,9 +13,10 @@ class MetricsConfig:
     """Settings of the metrics stream, its sinks and the live dashboard."""
 
     enabled: bool = True
-    """Run the metrics stream at all; False leaves only the launcher's own progress line."""
-    sinks: tuple[str, ...] = ("jsonl", "console")
-    """Sinks that record the stream; ``jsonl`` (``<run_dir>/metrics.jsonl``) is always added."""
+    """Run the metric stream at all; False leaves the launcher's metrics.jsonl and progress view only."""
+    sinks: list[str] = field(default_factory=lambda: ["jsonl", "console"])
+    """Sinks of the stream; ``jsonl`` (``<run_dir>/events.jsonl``) is always on, ``console`` is the
+    launcher's progress view (always on too)."""
     poll_interval_s: float = 1.0
     """How often the Rollouter process reports its counters, the stream's and the engines' stats."""
     send_hwm: int = 10_000
@@ -36,12 +37,12 @@ class MetricsConfig:
     """Port of the live dashboard (0 picks a free one)."""
 
     def __post_init__(self) -> None:
-        self.sinks = tuple(self.sinks)
+        self.sinks = list(self.sinks)
         unknown = [s for s in self.sinks if s not in SINKS]
         if unknown:
-            raise ValueError(f"MetricsConfig.sinks: unknown sink(s) {unknown}; choose from {list(SINKS)}")
+            raise ValueError(f"MetricsConfig.sinks has unknown sink(s) {unknown}; choose from {list(SINKS)}")
         if "jsonl" not in self.sinks:
-            self.sinks = ("jsonl", *self.sinks)
+            self.sinks.insert(0, "jsonl")
         if self.poll_interval_s <= 0:
             raise ValueError(f"MetricsConfig.poll_interval_s must be > 0, got {self.poll_interval_s}")
         for name in ("send_hwm", "recv_hwm"):

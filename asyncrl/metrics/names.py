@@ -77,6 +77,9 @@ NAMES: dict[str, tuple[str, str]] = {
     "train/dropped_incomplete": (T, "groups dropped as incomplete in the step"),
     "train/dropped_stale": (T, "groups dropped as too stale in the step"),
     "train/step": (T, "the step (also in every event's step field)"),
+    "val/reward_mean": (T, "greedy reward on the validation file (every data.val_every steps)"),
+    "val/response_length_mean": (T, "mean validation response length"),
+    "val/samples": (T, "validation prompts scored"),
 }
 
 

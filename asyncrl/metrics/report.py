@@ -217,7 +217,9 @@ def trainer_step_metrics(metrics: dict, samples: StepSamples, *, trained_version
     ``trained_version`` is the version the step trained on (before its sync); ``sync`` the
     coordinator's report when the step ended with a weight sync.
     """
-    out = {_RENAMED.get(k, f"train/{k}"): v for k, v in metrics.items() if k not in ("version", "time_s")}
+    # Names with a "/" (val/...) are already names; the launcher's time_s/tokens_per_s have better ones here.
+    out = {_RENAMED.get(k, k if "/" in k else f"train/{k}"): v for k, v in metrics.items()
+           if k not in ("version", "time_s", "tokens_per_s")}
     s = samples.samples
     lengths = np.array([x.length for x in s], dtype=np.float64)
     version = metrics.get("version", trained_version)

@@ -2,7 +2,7 @@
 
 ::
 
-    service = MetricsService(MetricsConfig(), run_dir, total_steps=100)
+    service = MetricsService(MetricsConfig(), run_dir)
     emitter = service.emitter("trainer")   # other processes: MetricsEmitter(service.endpoints.publish, ...)
     ...
     service.close()                        # drains the stream into the sinks, then stops
@@ -29,13 +29,13 @@ _QUIET_S = 0.2  # at close: the stream counts as drained after this long without
 
 
 class MetricsService:
-    def __init__(self, cfg: MetricsConfig, run_dir: str | Path, *, total_steps: int | None = None):
+    def __init__(self, cfg: MetricsConfig, run_dir: str | Path):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.forwarder = MetricsForwarder(cfg.host, recv_hwm=cfg.recv_hwm)
         self.endpoints = self.forwarder.endpoints
         self.endpoints.write(self.run_dir)
-        self.sinks = open_sinks(cfg, self.run_dir, total_steps=total_steps)
+        self.sinks = open_sinks(cfg, self.run_dir)
         self._subscriber = MetricsSubscriber(self.endpoints.subscribe, recv_hwm=cfg.recv_hwm)
         self._stop = threading.Event()
         self._seen = threading.Condition()

@@ -21,7 +21,6 @@ log = logging.getLogger("asyncrl.metrics")
 
 BACKENDS = {
     "jsonl": "asyncrl.metrics.sinks.jsonl:JsonlSink",
-    "console": "asyncrl.metrics.sinks.console:ConsoleSink",
     "tensorboard": "asyncrl.metrics.sinks.tensorboard:TensorBoardSink",
     "prometheus": "asyncrl.metrics.sinks.prometheus:PrometheusSink",
     "wandb": "asyncrl.metrics.sinks.wandb:WandbSink",
@@ -89,9 +88,12 @@ class SinkSet:
 
 
 def open_sinks(cfg: MetricsConfig, run_dir: str | Path, **options) -> SinkSet:
-    """Open the sinks ``cfg.sinks`` names; ``options`` go to the backends that take them."""
+    """Open the sinks ``cfg.sinks`` names; ``options`` go to the backends that take them.
+
+    ``console`` is the launcher's progress view (`asyncrl.progress`), not a stream sink.
+    """
     out = SinkSet([])
-    for name in cfg.sinks:
+    for name in (s for s in cfg.sinks if s in BACKENDS):
         module, _, cls_name = BACKENDS[name].partition(":")
         try:
             cls = getattr(importlib.import_module(module), cls_name)

@@ -1,4 +1,7 @@
-"""JSONL sink: ``<run_dir>/metrics.jsonl``, one event per line (the README's schema)."""
+"""JSONL sink: ``<run_dir>/events.jsonl``, one event per line (the README's schema).
+
+(``metrics.jsonl`` beside it is the launcher's one row per train step.)
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from pathlib import Path
 from asyncrl.metrics.config import MetricsConfig
 from asyncrl.metrics.events import MetricEvent
 
-FILENAME = "metrics.jsonl"
+FILENAME = "events.jsonl"
 
 
 class JsonlSink:
@@ -30,7 +33,7 @@ class JsonlSink:
 
 
 def read_events(path: str | Path) -> list[MetricEvent]:
-    """The events of a metrics.jsonl; a torn last line (a run killed mid-write) is skipped."""
+    """The events of an events.jsonl; a torn last line (a run killed mid-write) is skipped."""
     out = []
     with open(path) as f:
         for line in f:

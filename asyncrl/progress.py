@@ -1,0 +1,105 @@
+"""The launcher's *run*: train the steps, watch the Rollouter, show progress, write metrics and the log.
+
+Each step appends its metrics to ``<run_dir>/metrics.jsonl`` and one line to
+``<run_dir>/train.log``. On a terminal a rich progress bar shows the step, reward, staleness,
+response tokens/s and the ETA; elsewhere (a pipe, a CI log, ``ray job submit``) the same line
+as the log is printed per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def step_line(m: dict, steps: int) -> str:
+    val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
+    return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
+            f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
+            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{val}")
+
+
+class ProgressView:
+    """A rich progress bar on a terminal, plain per-step lines otherwise."""
+
+    def __init__(self, steps: int, live: bool | None = None, console=None):
+        self.steps = steps
+        self.live = sys.stdout.isatty() if live is None else live
+        self._bar = None
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=console)
+            self._task = self._bar.add_task("train", total=steps, stats="waiting for the first groups")
+            self._bar.start()
+
+    def update(self, m: dict) -> None:
+        if self._bar is None:
+            print(step_line(m, self.steps), flush=True)
+            return
+        stats = (f"reward {m['reward_mean']:.3f}  staleness {m['staleness_mean']:.2f}  "
+                 f"{m['tokens_per_s']:.0f} tok/s  v{m['version']}")
+        self._bar.update(self._task, completed=m["step"], stats=stats)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
+                validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10,
+                report: Callable[[Any], None] | None = None) -> list[dict]:
+    """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first.
+
+    With ``validate``, every ``val_every`` steps and after the last one its ``val/`` metrics join
+    the step's metrics.
+    """
+    import ray
+
+    rows: list[dict] = []
+    t0 = last = time.monotonic()
+    rollout_task = asyncio.wrap_future(rollout_ref.future())
+    # The Rollouter is killed at shutdown; its run() then ends with ActorDiedError, expected.
+    rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())
+    view = ProgressView(steps)
+    try:
+        with open(run_dir / "metrics.jsonl", "a") as metrics, open(run_dir / "train.log", "a") as log:
+            for _ in range(steps):
+                step_task = asyncio.ensure_future(trainer.train_step())
+                done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
+                if step_task not in done:
+                    step_task.cancel()
+                    ray.get(rollout_ref)  # re-raises the Rollouter's failure here, under its own name
+                    raise RuntimeError("the Rollouter stopped before training finished")
+                result = step_task.result()
+                m = result.metrics
+                now = time.monotonic()
+                m["time_s"] = round(now - t0, 2)
+                m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
+                if validate is not None and (m["step"] % val_every == 0 or m["step"] == steps):
+                    m.update(await validate(m["step"]))
+                last = time.monotonic()
+                metrics.write(json.dumps(m) + "\n")
+                metrics.flush()
+                log.write(step_line(m, steps) + "\n")
+                log.flush()
+                view.update(m)
+                rows.append(m)
+                if report is not None:
+                    report(result)  # to the metric stream (asyncrl.metrics)
+    finally:
+        view.close()
+    rewards = [r["reward_mean"] for r in rows]
+    k = max(1, min(5, len(rewards) // 3))
+    print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
+          f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
+          f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+    return rows
