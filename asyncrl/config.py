@@ -12,7 +12,7 @@
     stream           StreamConfig            (asyncrl.queue)
     partial_rollout  PartialRolloutConfig    long-tail truncation
     skip             SkipConfig              rollout cache/replay per role
-    metrics          MetricsConfig           sinks
+    metrics          MetricsConfig           (asyncrl.metrics) metric stream, sinks, dashboard
     placement        PlacementConfig         GPUs, replicas, ranks, nodes, Ray address
 
 OmegaConf does the merging: the dataclasses are the schema, a YAML file and dotted overrides
@@ -37,6 +37,7 @@ from typing import Any, Literal
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from asyncrl.metrics.config import MetricsConfig
 from asyncrl.queue.protocol import StreamConfig
 from asyncrl.rollouter.rollouter import RolloutConfig
 from asyncrl.sync.config import WeightSyncConfig
@@ -143,7 +144,7 @@ class PlacementConfig:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
 
 
-# Placeholders until the owning parts land theirs (#11 partial rollout, #12 skip, #16 metrics):
+# Placeholders until the owning parts land theirs (#11 partial rollout, #12 skip):
 # the same names and fields, so a run config written today stays valid.
 
 
@@ -181,13 +182,6 @@ class SkipConfig:
 
     rollout: SkipRoleConfig = field(default_factory=SkipRoleConfig)
     async_rollout: SkipRoleConfig = field(default_factory=SkipRoleConfig)
-
-
-@dataclass(kw_only=True)
-class MetricsConfig:
-    """Metric sinks (not wired yet: the launcher writes ``metrics.jsonl`` and a progress view)."""
-
-    sinks: list[str] = field(default_factory=lambda: ["jsonl", "console"])
 
 
 # ------------------------------------------------------------------------------ trainer
@@ -554,6 +548,3 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     enabled = [role for role in ("rollout", "async_rollout") if getattr(cfg.skip, role).enable]
     if enabled:
         raise ConfigError(f"skip.{enabled[0]}.enable=true: the SkipManager is not wired into the launcher yet")
-    extra = [s for s in cfg.metrics.sinks if s not in ("jsonl", "console")]
-    if extra:
-        raise ConfigError(f"metrics.sinks={cfg.metrics.sinks}: only jsonl and console exist yet, not {extra}")

@@ -33,6 +33,8 @@ class Processes:
     trainer: Any = None
     rollout_run: Any = None
     """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
+    metrics: Any = None
+    """The run's `asyncrl.metrics.MetricsService` (None when ``metrics.enabled`` is false)."""
 
     async def validate(self, step: int) -> dict[str, float]:
         """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
@@ -50,6 +52,8 @@ class Processes:
         for e in self.engines:
             ray.kill(e)
         self.plan.release()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 class NotifyingSyncer:
@@ -82,6 +86,10 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     plan.reserve()
     procs = Processes(plan=plan, engines=[])
     try:
+        if cfg.metrics.enabled:  # metrics (#16): the run's metric stream, its sinks, the dashboard
+            from asyncrl.metrics.service import MetricsService
+
+            procs.metrics = MetricsService(cfg.metrics, run_dir)
         kind = cfg.engine_kind
         procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
                          for slot in plan.engines]
@@ -103,12 +111,21 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
 
         data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
-            cfg.rollout, procs.engines, stream, model_path, data)
+            cfg.rollout, procs.engines, stream, model_path, data,
+            metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
+            metrics_interval_s=cfg.metrics.poll_interval_s)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
         procs.rollout_run = procs.rollouter.run.remote()
 
         coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync)
-        procs.trainer = Trainer(tcfg, procs.ranks, procs.consumer, NotifyingSyncer(coordinator, procs.rollouter),
+        source = procs.consumer
+        if procs.metrics is not None:  # metrics (#16): time the Trainer's waits, report each step
+            from asyncrl.metrics.report import MeteredSource, TrainerReporter
+
+            source = MeteredSource(procs.consumer)
+            procs.metrics.reporter = TrainerReporter(procs.metrics.emitter("trainer"), source, coordinator,
+                                                     procs.consumer)
+        procs.trainer = Trainer(tcfg, procs.ranks, source, NotifyingSyncer(coordinator, procs.rollouter),
                                 rollouter_state=lambda: procs.rollouter.feed_state.remote())
         return procs
     except BaseException:

@@ -170,6 +170,11 @@ class StreamConsumer(StreamEndpoint):
         """``sample_id``s handed out by ``recv`` and not yet acked."""
         return sorted(self._delivered)
 
+    @property
+    def depth(self) -> int:
+        """Groups received and waiting for `recv` (the stream's depth on the Trainer's side)."""
+        return len(self._ready)
+
     async def recv(self, timeout: float | None = None) -> Group:
         """The next group, waiting up to ``timeout`` seconds (None: no deadline).
 

@@ -87,7 +87,7 @@ def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
     (["partial_rollout.enable=true", "partial_rollout.threshold=1000"], ("threshold=1000", "rollout.n")),
     (["partial_rollout.enable=true"], ("partial_rollout.enable=true", "not wired")),
     (["skip.async_rollout.enable=true", "skip.async_rollout.dump_dir=/d"], ("skip.async_rollout.enable", "not wired")),
-    (["metrics.sinks=[jsonl,tensorboard]"], ("metrics.sinks", "tensorboard")),
+    (["metrics.sinks=[jsonl,graphite]"], ("metrics.sinks", "graphite")),
     (["stream.endpoint=tcp://0.0.0.0:1"], ("stream.endpoint",)),
     (["skip.rollout.enable=true"], ("skip.rollout.enable", "skip.rollout.dump_dir")),
     (["weight_sync.method=vllm"], ("weight_sync.method=vllm", "engine.kind=torch")),
