@@ -31,7 +31,8 @@ def test_yaml_then_overrides_and_the_printed_config_round_trips(tmp_path):
     # Derived values follow what they derive from.
     assert cfg.rollout.groups_per_sync == 3 and cfg.trainer.algorithm.temperature == 0.7
     assert cfg.trainer.checkpoint_every == 7
-    assert cfg.stream.window == 3 * 7 + 3 + 1
+    assert cfg.rollout.staleness_threshold == 0.5  # the launcher's default, as before the config existed
+    assert cfg.stream.window == 3 * 7 + int(1.5 * 3) + 1
     printed = tmp_path / "config.yaml"
     printed.write_text(to_yaml(resolved))
     again, _ = load_config([str(printed)], [])
