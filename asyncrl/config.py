@@ -338,6 +338,10 @@ DERIVED: dict[str, str] = {
 }
 """Defaults that follow from other values (interpolations, resolved when the config is)."""
 
+RUN_DEFAULTS = {"rollout.staleness_threshold": 1.0}
+"""Where a run's default differs from the part's own (a fully async run lets the Rollouter work
+one sync ahead, so the next step is generated while the Trainer trains; the Rollouter alone
+defaults to on-policy)."""
 DEMO_DEFAULTS = {"trainer.optim.lr": 2e-3}
 """Defaults when no model is given: the tiny demo model learns fast at a high rate."""
 BUILTIN_TASK_DEFAULTS = {"rollout.max_tokens": 6}
@@ -391,7 +395,7 @@ def load_config(yaml_files: list[str] = (), overrides: list[str] = ()) -> tuple[
     try:
         user = OmegaConf.merge(base, *layers)
         given = OmegaConf.merge(*layers) if layers else OmegaConf.create()
-        presets = {}
+        presets = dict(RUN_DEFAULTS)
         if OmegaConf.select(user, "model.path") is None:
             presets.update(DEMO_DEFAULTS)
         presets.update(BUILTIN_TASK_DEFAULTS if OmegaConf.select(user, "data.train") is None else REAL_DEFAULTS)

@@ -31,6 +31,7 @@ def test_yaml_then_overrides_and_the_printed_config_round_trips(tmp_path):
     # Derived values follow what they derive from.
     assert cfg.rollout.groups_per_sync == 3 and cfg.trainer.algorithm.temperature == 0.7
     assert cfg.trainer.checkpoint_every == 7
+    assert cfg.rollout.staleness_threshold == 1.0  # the launcher's default: one sync ahead
     assert cfg.stream.window == 3 * 7 + (1 + 1) * 3 + 1  # checkpoint interval + (1 + staleness 1) x per-sync
     printed = tmp_path / "config.yaml"
     printed.write_text(to_yaml(resolved))
