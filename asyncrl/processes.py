@@ -33,6 +33,8 @@ class Processes:
     trainer: Any = None
     rollout_run: Any = None
     """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
+    metrics: Any = None
+    """The run's `asyncrl.metrics.MetricsService` (None when ``metrics.enabled`` is false)."""
 
     async def validate(self, step: int) -> dict[str, float]:
         """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
@@ -50,6 +52,8 @@ class Processes:
         for e in self.engines:
             ray.kill(e)
         self.plan.release()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 class NotifyingSyncer:
@@ -82,6 +86,10 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     plan.reserve()
     procs = Processes(plan=plan, engines=[])
     try:
+        if cfg.metrics.enabled:  # metrics (#16): the run's metric stream, its sinks, the dashboard
+            from asyncrl.metrics.service import MetricsService
+
+            procs.metrics = MetricsService(cfg.metrics, run_dir)
         kind = cfg.engine_kind
         procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
                          for slot in plan.engines]
@@ -103,12 +111,21 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
 
         data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
-            cfg.rollout, procs.engines, stream, model_path, data)
+            cfg.rollout, procs.engines, stream, model_path, data,
+            metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
+            metrics_interval_s=cfg.metrics.poll_interval_s)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
         procs.rollout_run = procs.rollouter.run.remote()
 
         coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync)
-        procs.trainer = Trainer(tcfg, procs.ranks, procs.consumer, NotifyingSyncer(coordinator, procs.rollouter),
+        source = procs.consumer
+        if procs.metrics is not None:  # metrics (#16): time the Trainer's waits, report each step
+            from asyncrl.metrics.report import MeteredSource, TrainerReporter
+
+            source = MeteredSource(procs.consumer)
+            procs.metrics.reporter = TrainerReporter(procs.metrics.emitter("trainer"), source, coordinator,
+                                                     procs.consumer)
+        procs.trainer = Trainer(tcfg, procs.ranks, source, NotifyingSyncer(coordinator, procs.rollouter),
                                 rollouter_state=lambda: procs.rollouter.feed_state.remote())
         return procs
     except BaseException:
@@ -142,10 +159,10 @@ def addresses(cfg, plan) -> Addresses:
     ranks_across_nodes = len({s.node.node_id for s in plan.ranks}) > 1
     if one_node:
         return Addresses(dataclasses.replace(cfg.stream, endpoint="tcp://127.0.0.1:*"), None, ranks_across_nodes,
-                         cfg.weight_sync)
+                         cfg.weight_sync_config())
     curve = make_curve_keys()
     stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://{ray.util.get_node_ip_address()}:*", curve=curve)
-    sync = cfg.weight_sync
+    sync = cfg.weight_sync_config()  # its backend follows the engines' kind
     if sync.master_addr in ("127.0.0.1", "localhost"):
         sync = dataclasses.replace(sync, master_addr="auto")  # trainer rank 0's node address, port bound there
     return Addresses(stream, curve, ranks_across_nodes, sync)
@@ -161,7 +178,6 @@ async def _ready(refs: list, timeout_s: float, what: str) -> list:
 def _default_model() -> str:
     from asyncrl.models import default_model_path
 
-    print("asyncrl: preparing the tiny warm-started model (cached after the first run)...", flush=True)
     return str(default_model_path())
 
 

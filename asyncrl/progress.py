@@ -55,7 +55,8 @@ class ProgressView:
 
 
 async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
-                validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10) -> list[dict]:
+                validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10,
+                report: Callable[[Any], None] | None = None) -> list[dict]:
     """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first.
 
     With ``validate``, every ``val_every`` steps and after the last one its ``val/`` metrics join
@@ -78,7 +79,8 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                     step_task.cancel()
                     ray.get(rollout_ref)  # re-raises the Rollouter's failure here, under its own name
                     raise RuntimeError("the Rollouter stopped before training finished")
-                m = step_task.result().metrics
+                result = step_task.result()
+                m = result.metrics
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
                 m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
@@ -91,10 +93,12 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                 log.flush()
                 view.update(m)
                 rows.append(m)
+                if report is not None:
+                    report(result)  # to the metric stream (asyncrl.metrics)
     finally:
         view.close()
     rewards = [r["reward_mean"] for r in rows]
-    k = max(1, min(5, len(rewards) // 3))
+    k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
     print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
           f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
           f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)

@@ -75,7 +75,7 @@ class RolloutWorker:
     """The Rollouter process; build it as a Ray actor (``ray.remote(RolloutWorker)``)."""
 
     def __init__(self, cfg: RolloutConfig, engines: list, stream, model_path: str, data_spec: DataSpec,
-                 state: dict | None = None):
+                 state: dict | None = None, *, metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -86,6 +86,7 @@ class RolloutWorker:
         self.state = RolloutState(**(state or {}))
         self.version = 0
         self.rollouter: Rollouter | None = None
+        self.metrics_endpoint, self.metrics_interval_s = metrics_endpoint, metrics_interval_s
 
     def ready(self) -> int:
         """Returns once the dataset is loaded: the number of prompts."""
@@ -97,11 +98,25 @@ class RolloutWorker:
 
         producer = StreamProducer(self.stream, producer_id="rollouter-0")
         await producer.start()
-        self.rollouter = Rollouter(self.cfg, self.engines, producer, self.prompts, self.reward_fn, state=self.state)
+        engines, report = self.engines, None
+        if self.metrics_endpoint:  # metrics (#16): idle clock on the engines, periodic report
+            from asyncrl.metrics.report import IdleClock, MeteredEngine, RolloutReporter, report_rollouter
+            from asyncrl.metrics.stream import MetricsEmitter
+
+            clock, emitter = IdleClock(), MetricsEmitter(self.metrics_endpoint, "rollouter")
+            engines = [MeteredEngine(e, clock) for e in self.engines]
+            report = asyncio.create_task(report_rollouter(
+                emitter, RolloutReporter(self.engines, clock, self.cfg.n), lambda: (self.rollouter, producer),
+                self.metrics_interval_s))
+        self.rollouter = Rollouter(self.cfg, engines, producer, self.prompts, self.reward_fn, state=self.state)
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
         try:
             await self.rollouter.run(num_groups)
         finally:
+            if report is not None:
+                report.cancel()
+                await asyncio.gather(report, return_exceptions=True)
+                emitter.close()
             await producer.close()
         return self.progress()
 

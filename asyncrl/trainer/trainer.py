@@ -11,19 +11,21 @@ without checkpoints they are acked right after the optimizer step. Groups droppe
 (incomplete with ``on_incomplete_group="drop"``, or older than ``max_version_gap``) are
 counted and acked at once with their reason. Incomplete groups otherwise fail the run closed.
 
-The source is anything with ``recv``/``ack`` (`GroupSource`): the ZeroMQ `StreamConsumer`,
-or `MemorySource` in tests. Leaves out: the metrics pipeline (each step returns a dict).
+The source is a `asyncrl.queue.base.GroupSource` (``recv``/``ack``): the ZeroMQ `StreamConsumer`,
+or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.sync.base.WeightSyncer`. Leaves out: the metrics pipeline (each step returns a dict).
 """
 
 from __future__ import annotations
 
-import collections
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
+
+from asyncrl.queue.base import GroupSource
+from asyncrl.queue.memory import MemorySource
+from asyncrl.sync.base import WeightSyncer
 
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
@@ -32,46 +34,7 @@ from asyncrl.trainer.ranks import RankGroup
 from asyncrl.trainer.worker import merge_stats
 from asyncrl.types import Group
 
-
-@runtime_checkable
-class GroupSource(Protocol):
-    """Where groups come from: the sample stream's consumer side."""
-
-    async def recv(self, timeout: float | None = None) -> Group:
-        """The next group; raises TimeoutError when none arrives within ``timeout`` seconds."""
-        ...
-
-    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
-        """Tell the producer these groups are done with (trained and durable, or dropped for ``reason``)."""
-        ...
-
-
-@runtime_checkable
-class WeightSyncer(Protocol):
-    """Pushes the trainer's current weights to every engine (pause-keep, broadcast, load, resume)."""
-
-    async def sync(self) -> int:
-        """Run one weight sync; returns the new weight version."""
-        ...
-
-
-class MemorySource:
-    """An in-process `GroupSource` over a list of groups; records every ack (tests, scripts)."""
-
-    def __init__(self, groups: Iterable[Group] = ()):
-        self._queue: collections.deque[Group] = collections.deque(groups)
-        self.acks: list[tuple[str, str | None]] = []
-
-    def put(self, group: Group) -> None:
-        self._queue.append(group)
-
-    async def recv(self, timeout: float | None = None) -> Group:
-        if not self._queue:
-            raise TimeoutError("MemorySource is empty")
-        return self._queue.popleft()
-
-    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
-        self.acks.extend((sid, reason) for sid in sample_ids)
+__all__ = ["GroupSource", "MemorySource", "StepResult", "Trainer", "WeightSyncer"]
 
 
 @dataclass
