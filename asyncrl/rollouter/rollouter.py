@@ -26,8 +26,9 @@ One asyncio loop, one task group::
 - A response that fails (engine error, dead engine, timeout) fails its whole group, which is
   still sent, with ``status="failed"`` and the error: the Trainer fails closed on it (or drops
   and counts it). An engine whose actor died gets no further requests.
-
-Left out here: the SkipManager hook.
+- `generate_group` only generates; the send is separate, so the ``async_rollout`` skip role
+  (`asyncrl.skip`) can answer a sample from a dump and the group is still sent as usual.
+  The process that runs the Rollouter calls `SkipManager.init` (the registry is per process).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
+from asyncrl.skip import SkipManager, is_replayed
 from asyncrl.types import GenerateRequest, GenerateResult, Group, SamplingParams, Trajectory, make_sample_id, parse_sample_id
 
 log = logging.getLogger("asyncrl.rollouter")
@@ -166,6 +168,8 @@ class Rollouter:
         """sample_ids that will never be trained (failed, or dropped by the Trainer)."""
         self.partials = PartialBuffer()
         self.stats = RolloutStats()
+        self.replayed = 0
+        """Groups the ``async_rollout`` skip role answered from dumps (no engine request)."""
         self._load = [0] * len(self.engines)
         self._dead: set[int] = set()
         self._gate = asyncio.Condition()
@@ -252,8 +256,28 @@ class Rollouter:
 
     # ------------------------------------------------------------------ one prompt
 
+    async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
+        group = await self.generate_group(sample_id, prompt)
+        t0 = time.monotonic()
+        await self.producer.send(group)
+        self.stats.credit_blocked_s += time.monotonic() - t0
+        async with self._gate:
+            self.sent += 1
+            self.replayed += is_replayed(group)
+            if group.status == "failed":
+                self.failed += 1
+                self.given_back.add(sample_id)  # never trained: its budget goes back
+            self._gate.notify_all()
+
+    @SkipManager.annotate(role="async_rollout")
     async def generate_group(self, sample_id: str, prompt: Prompt) -> Group:
-        """The ``n`` scored responses of one prompt as a `Group` (``failed`` if any response failed)."""
+        """The ``n`` scored responses to ``prompt`` as one group (failed if any response failed).
+
+        Generation only, nothing is sent: the ``async_rollout`` skip role may answer it from a
+        dump of this ``sample_id``'s feed index instead of the engines. A complete group is
+        reported to the aggregator (partial rollout), split by the replica that finished each
+        response.
+        """
         _, index = parse_sample_id(sample_id)
         outcomes = await asyncio.gather(
             *(self._one_response(sample_id, index, k, prompt) for k in range(self.cfg.n)),
@@ -272,18 +296,6 @@ class Rollouter:
                 per_replica[replica] = per_replica.get(replica, 0) + 1
             await _invoke(self.aggregator, "report", self.version, per_replica)
         return group
-
-    async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
-        group = await self.generate_group(sample_id, prompt)
-        t0 = time.monotonic()
-        await self.producer.send(group)
-        self.stats.credit_blocked_s += time.monotonic() - t0
-        async with self._gate:
-            self.sent += 1
-            if group.status == "failed":
-                self.failed += 1
-                self.given_back.add(sample_id)  # never trained: its budget goes back
-            self._gate.notify_all()
 
     async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt) -> tuple[Trajectory, int]:
         """One response, resumed across truncations; returns it with the replica that finished it."""

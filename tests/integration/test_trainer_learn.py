@@ -1,30 +1,72 @@
-"""Learning: ``python -m asyncrl.launch --mode sync`` (on-policy lockstep) raises the reward on the
-built-in addition task as well as the fully async mode does in the same number of steps
-(a reduced run of ``scripts/learn_sync.py``; fixed seeds)."""
+"""Learning: on-policy synchronous GRPO with the built-in engine raises the reward on the
+built-in addition task (a reduced run of ``scripts/learn_sync.py``; fixed seeds).
 
-import sys
-from pathlib import Path
+It starts from the shipped default policy (the same weights on every machine), and asserts
+margins well inside what the run gains (measured figures beside the asserts), so a
+different float rounding of the RL run itself does not decide the outcome.
+"""
 
+import numpy as np
 import pytest
+import ray
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from learn_sync import learn, window_means  # noqa: E402
+from asyncrl.models import default_model_path
+from asyncrl.models.tiny import build_tokenizer
+from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.tasks import arithmetic
+from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
+from asyncrl.trainer.ranks import RankGroup
+from asyncrl.trainer.sync_loop import SyncGRPOConfig, learn_sync, rollout
 
-STEPS, PROMPTS, N, WINDOW = 24, 16, 8, 5
+STEPS, PROMPTS, N, WINDOW = 30, 32, 8, 5
+HELD_OUT = arithmetic.generate_dataset(64, seed=20_261_123)  # not the training prompts' seed
+
+
+async def held_out_reward(engine, tok) -> float:
+    """Mean sampled (T=1) reward over 64 held-out prompts x 8 responses, with fixed seeds."""
+    groups = await rollout(engine, tok, HELD_OUT, first_index=10**6, n=N, temperature=1.0,
+                           max_tokens=arithmetic.ArithmeticTaskConfig().max_response_tokens, seed=7)
+    return float(np.mean([t.reward for g in groups for t in g.trajectories]))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_sync_mode_learns_as_well_as_async(tmp_path):
-    runs = {mode: learn(mode, STEPS, PROMPTS, N, 3e-3, 0, tmp_path / mode) for mode in ("sync", "async")}
-    sync, async_ = runs["sync"], runs["async"]
-    assert [m["step"] for m in sync] == list(range(1, STEPS + 1)) == [m["step"] for m in async_]
-    # Lockstep: every step trained on groups of the weights it had, and synced after itself.
-    assert all(m["staleness_max"] == 0 for m in sync)
-    assert [m["version"] for m in sync] == list(range(1, STEPS + 1))
-    assert max(m["staleness_max"] for m in async_) >= 1  # async really ran ahead
-    (s_first, s_last), (a_first, a_last) = window_means(sync, WINDOW), window_means(async_, WINDOW)
-    print(f"sync {s_first:.3f} -> {s_last:.3f}; async {a_first:.3f} -> {a_last:.3f}")
-    assert s_last >= s_first + 0.1, (s_first, s_last)
-    assert a_last >= a_first + 0.1, (a_first, a_last)
-    assert s_last >= a_last - 0.1, (s_last, a_last)
+async def test_sync_grpo_raises_mean_reward():
+    torch.set_num_threads(1)
+    model = str(default_model_path())  # shipped warm start: mixed rewards within groups from the start
+    tok = build_tokenizer()
+    cfg = SyncGRPOConfig(
+        trainer=TrainerConfig(
+            worker=WorkerConfig(model_path=model, micro_batch_size=32, pad_token_id=tok.pad_token_id,
+                                algorithm=AlgorithmConfig(loss_agg_mode="token-mean"),
+                                optim=OptimConfig(lr=3e-3, warmup_steps=2)),
+            groups_per_batch=PROMPTS, cpus_per_rank=1),
+        steps=STEPS, n=N, seed=0,
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    ranks = engine = None
+    try:
+        ranks = RankGroup.start_ray(cfg.trainer)
+        engine = TorchEngine(model, max_running=PROMPTS * N, seed=0)
+        before = await held_out_reward(engine, tok)
+        history = await learn_sync(cfg, ranks, engine, tok)
+        after = await held_out_reward(engine, tok)
+    finally:
+        if engine is not None:
+            await engine.close()
+        if ranks is not None:
+            ranks.close()
+        ray.shutdown()
+    assert [m["step"] for m in history] == list(range(1, STEPS + 1))
+    # Every step trained on fresh on-policy samples and pushed its weights into the engine.
+    assert all(m["staleness_max"] == 0 for m in history)
+    assert engine.version == STEPS and history[-1]["engine_version"] == STEPS
+    first = sum(m["reward_mean"] for m in history[:WINDOW]) / WINDOW
+    last = sum(m["reward_mean"] for m in history[-WINDOW:]) / WINDOW
+    print(f"sync GRPO: mean reward first {WINDOW} steps {first:.3f} -> last {WINDOW} steps {last:.3f}; "
+          f"held-out sampled reward {before:.3f} -> {after:.3f}")
+    # Measured 2026-11-23: 0.336 -> 0.510 (+0.17); held-out 0.326 -> 0.582 (+0.26).
+    assert last >= first + 0.1, f"mean reward first {WINDOW} steps {first:.3f}, last {WINDOW} steps {last:.3f}"
+    # The same policy before and after, on prompts it never trained on, 512 samples each.
+    assert after >= before + 0.1, f"held-out sampled reward {before:.3f} before, {after:.3f} after"

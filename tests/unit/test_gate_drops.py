@@ -19,7 +19,7 @@ from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
 from asyncrl.rollouter.torch_engine import TorchEngine
 from asyncrl.trainer.config import OptimConfig, TrainerConfig, WorkerConfig
 from asyncrl.trainer.ranks import RankGroup
-from asyncrl.trainer.sync_loop import DirectEngineSyncer
+from asyncrl.sync.inprocess import InProcessSyncer
 from asyncrl.trainer.trainer import Trainer
 
 G, N, STEPS = 2, 2, 6
@@ -94,7 +94,7 @@ async def test_dropped_groups_give_budget_back_and_the_trainer_is_never_starved(
     stream = QueueStream()
     ranks = RankGroup.start_local(tcfg)
     rollouter = Rollouter(rcfg, [AbortingEngine(engine)], stream, prompts, lambda text, ids: float(ids[0] % 2))
-    trainer = Trainer(tcfg, ranks, stream, NotifyingSyncer(DirectEngineSyncer(ranks, [engine]), rollouter),
+    trainer = Trainer(tcfg, ranks, stream, NotifyingSyncer(InProcessSyncer(ranks, [engine]), rollouter),
                       on_dropped=rollouter.on_dropped)
     feed = asyncio.create_task(rollouter.run())
     try:
