@@ -49,8 +49,9 @@ _FLAGS = {
         ("steps", int, "train steps to run (default 100)"),
         ("n", int, "responses per prompt, the group size (default 8)"),
         ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8)"),
-        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step)"),
-        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead"),
+        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step, default 1)"),
+        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead "
+                                       "(default 1: the next step's groups while the Trainer trains)"),
         ("max_tokens", int, "response budget (default: 6 for the built-in task, else 512)"),
         ("lr", float, "learning rate (default: 2e-3 for the demo model, else 1e-5)"),
         ("temperature", float, "sampling temperature (default 1.0)"),
@@ -186,6 +187,7 @@ async def run(cfg, plan, run_dir: Path) -> int:
         await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
                     validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
                     report=procs.metrics.reporter.after_step if procs.metrics else None)
+        print(await procs.rollout_summary(), flush=True)
         return 0
     finally:
         await procs.close()                                               # close

@@ -103,7 +103,7 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
         print(f"asyncrl: steps 2-{len(done_at)} took {(done_at[-1] - done_at[0]) / (len(done_at) - 1):.3f} s/step",
               flush=True)
     rewards = [r["reward_mean"] for r in rows]
-    k = max(1, min(5, len(rewards) // 3))
+    k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
     print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
           f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
           f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)

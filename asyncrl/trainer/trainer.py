@@ -11,20 +11,27 @@ without checkpoints they are acked right after the optimizer step. Groups droppe
 (incomplete with ``on_incomplete_group="drop"``, or older than ``max_version_gap``) are
 counted and acked at once with their reason. Incomplete groups otherwise fail the run closed.
 
-The source is anything with ``recv``/``ack`` (`GroupSource`): the ZeroMQ `StreamConsumer`,
-or `MemorySource` in tests. Leaves out: the metrics pipeline (each step returns a dict).
+Groups replayed by the SkipManager (`asyncrl.skip.is_replayed`) get their token versions
+re-based to the current version before screening, so ``max_version_gap`` judges them as
+produced now rather than by the dumping run's timeline; their behaviour log-probs are kept
+(see `Trainer._replayed`). ``replayed_groups`` counts them per step.
+
+The source is a `asyncrl.queue.base.GroupSource` (``recv``/``ack``): the ZeroMQ `StreamConsumer`,
+or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.sync.base.WeightSyncer`. Leaves out: the metrics pipeline (each step returns a dict).
 """
 
 from __future__ import annotations
 
-import collections
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 
+from asyncrl.queue.base import GroupSource
+from asyncrl.queue.memory import MemorySource
+from asyncrl.skip.rollout_skip import REPLAY_KEY, is_replayed, rebase_versions
+from asyncrl.sync.base import WeightSyncer
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
 from asyncrl.trainer.config import TrainerConfig
@@ -32,46 +39,7 @@ from asyncrl.trainer.ranks import RankGroup
 from asyncrl.trainer.worker import merge_stats
 from asyncrl.types import Group
 
-
-@runtime_checkable
-class GroupSource(Protocol):
-    """Where groups come from: the sample stream's consumer side."""
-
-    async def recv(self, timeout: float | None = None) -> Group:
-        """The next group; raises TimeoutError when none arrives within ``timeout`` seconds."""
-        ...
-
-    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
-        """Tell the producer these groups are done with (trained and durable, or dropped for ``reason``)."""
-        ...
-
-
-@runtime_checkable
-class WeightSyncer(Protocol):
-    """Pushes the trainer's current weights to every engine (pause-keep, broadcast, load, resume)."""
-
-    async def sync(self) -> int:
-        """Run one weight sync; returns the new weight version."""
-        ...
-
-
-class MemorySource:
-    """An in-process `GroupSource` over a list of groups; records every ack (tests, scripts)."""
-
-    def __init__(self, groups: Iterable[Group] = ()):
-        self._queue: collections.deque[Group] = collections.deque(groups)
-        self.acks: list[tuple[str, str | None]] = []
-
-    def put(self, group: Group) -> None:
-        self._queue.append(group)
-
-    async def recv(self, timeout: float | None = None) -> Group:
-        if not self._queue:
-            raise TimeoutError("MemorySource is empty")
-        return self._queue.popleft()
-
-    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
-        self.acks.extend((sid, reason) for sid in sample_ids)
+__all__ = ["GroupSource", "MemorySource", "StepResult", "Trainer", "WeightSyncer"]
 
 
 @dataclass
@@ -153,6 +121,8 @@ class Trainer:
                     self.source.ack([group.sample_id])
                 continue
             seen.add(group.sample_id)
+            if is_replayed(group):
+                group = self._replayed(group)
             ok, out = screen_groups([group], on_incomplete=self.cfg.on_incomplete_group,
                                     max_version_gap=self.cfg.max_version_gap, current_version=self.version)
             kept.extend(ok)
@@ -161,6 +131,22 @@ class Trainer:
                 self.committed.add(sid)
                 dropped.append((sid, reason))
         return kept, dropped
+
+    def _replayed(self, group: Group) -> Group:
+        """A group the SkipManager replayed from a dump, made fit for this run (see `rebase_versions`).
+
+        Its behaviour log-probs are kept: they are the probabilities under which its tokens were
+        really sampled, so the importance ratio against them is correct whatever run dumped them
+        (and exactly 1 before the first update when the replay starts from the same initial
+        weights). They are only comparable with this Trainer's log-probs at the same
+        temperature: a mismatch fails the run rather than train with wrong ratios.
+        """
+        temperature = group.meta[REPLAY_KEY].get("temperature")
+        if temperature is not None and temperature != self.cfg.worker.algorithm.temperature:
+            raise ValueError(f"replayed group {group.sample_id}: its behaviour log-probs were taken at temperature "
+                             f"{temperature}, but algorithm.temperature={self.cfg.worker.algorithm.temperature}; "
+                             "the importance ratios would be wrong (dump again with this temperature)")
+        return rebase_versions(group, self.version)
 
     async def train_step(self) -> StepResult:
         """Collect the groups of one step, run its mini-batches, commit, maybe sync and checkpoint."""
@@ -186,7 +172,7 @@ class Trainer:
         elif self.step % cfg.checkpoint_every == 0:
             await self.save_checkpoint()
         metrics = _step_metrics(per_batch, batches, dropped)
-        metrics.update(step=self.step, version=self.version)
+        metrics.update(step=self.step, version=self.version, replayed_groups=float(sum(map(is_replayed, groups))))
         return StepResult(step=self.step, version=self.version, sample_ids=ids, dropped=dropped, metrics=metrics)
 
     async def _train_minibatch(self, batch) -> dict[str, float]:

@@ -8,20 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.models.tiny import build_tiny_model
+from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
 from asyncrl.rollouter.torch_engine import TorchEngine
 from asyncrl.types import parse_sample_id
 
 
-class ListProducer:
-    """Collects sent groups in order (the real StreamProducer is covered in tests/integration)."""
-
-    def __init__(self):
-        self.groups = []
-
-    async def send(self, group):
-        self.groups.append(group)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)  # the engine runs in this process; the machine's cores are shared
 
 
 class BrokenEngine:
@@ -29,21 +24,8 @@ class BrokenEngine:
         raise RuntimeError("engine out of memory")
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    torch.set_num_threads(1)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
 def make_prompts(k=3):
     return [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64)) for i in range(k)]
-
-
-async def until(predicate, timeout=60.0):
-    async def poll():
-        while not predicate():
-            await asyncio.sleep(0.02)
-    await asyncio.wait_for(poll(), timeout)
 
 
 def length_reward(prompt, response_ids):
@@ -53,7 +35,7 @@ def length_reward(prompt, response_ids):
 async def test_groups_in_feed_order_with_rewards_and_versions(model_path):
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
-        producer = ListProducer()
+        producer = MemorySink()
         cfg = RolloutConfig(n=3, max_tokens=4, groups_per_sync=100, max_concurrent=2)
         r = Rollouter(cfg, [engine], producer, make_prompts(3), length_reward, state=RolloutState(next_index=7))
         await asyncio.wait_for(r.run(num_groups=5), 120)
@@ -72,21 +54,22 @@ async def test_groups_in_feed_order_with_rewards_and_versions(model_path):
     assert r.state.next_index == 12
 
 
-async def test_staleness_gate_admits_per_version(model_path):
+async def test_staleness_gate_admits_per_version(model_path, until):
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
-        producer = ListProducer()
+        producer = MemorySink()
         cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=2, staleness_threshold=0.5, max_concurrent=8)
         r = Rollouter(cfg, [engine], producer, make_prompts(4), length_reward)
         task = asyncio.create_task(r.run(num_groups=10))
-        # version 0: (0 + 1 + 0.5) * 2 = 3 prompts may be admitted, then the gate holds.
-        await until(lambda: len(producer.groups) == 3)
-        await asyncio.sleep(0.3)
-        assert r.admitted == 3 and len(producer.groups) == 3
+        # version 0: (0 + 1 + 0.5) * 2 = 3 prompts may be admitted, then the gate holds: once
+        # the 3 are sent, its condition is false, so nothing more is admitted until a sync.
+        await producer.wait_for(3, 60)
+        await until(lambda: r.sent == 3, 60, "the third group to be counted as sent")
+        assert r.admitted == 3 and not r._admissible()
         await r.on_sync(1)  # one sync later the budget is (1 + 1 + 0.5) * 2 = 5
-        await until(lambda: len(producer.groups) == 5)
-        await asyncio.sleep(0.3)
-        assert r.admitted == 5
+        await producer.wait_for(5, 60)
+        await until(lambda: r.sent == 5, 60, "the fifth group to be counted as sent")
+        assert r.admitted == 5 and len(producer.groups) == 5 and not r._admissible()
         await r.on_sync(4)  # budget (4 + 1 + 0.5) * 2 = 11 >= 10
         await asyncio.wait_for(task, 60)
         assert len(producer.groups) == 10
@@ -95,7 +78,7 @@ async def test_staleness_gate_admits_per_version(model_path):
 
 
 async def test_engine_failure_fails_the_group_with_the_error():
-    producer = ListProducer()
+    producer = MemorySink()
     cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10)
     r = Rollouter(cfg, [BrokenEngine()], producer, make_prompts(1), length_reward)
     await asyncio.wait_for(r.run(num_groups=2), 30)
