@@ -46,14 +46,21 @@ _FLAGS = {
                         "extra_info) or (prompt, response); required with --dataset"),
     ],
     "algorithm": [
-        ("steps", int, "train steps to run (default 100)"),
+        ("steps", int, "train steps to run (default 100; 150 for the demo model)"),
         ("n", int, "responses per prompt, the group size (default 8)"),
         ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8)"),
-        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step)"),
-        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead"),
+        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step, default 1)"),
+        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead "
+                                       "(default 1: the next step's groups while the Trainer trains)"),
         ("max_tokens", int, "response budget (default: 6 for the built-in task, else 512)"),
         ("lr", float, "learning rate (default: 2e-3 for the demo model, else 1e-5)"),
         ("temperature", float, "sampling temperature (default 1.0)"),
+        ("mode", str, "async (default): fully asynchronous; sync: generate a batch, train, sync, in lockstep "
+                      "(on-policy: rollout.staleness_threshold 0, one step per sync)"),
+        ("partial_rollout", str, "true: truncate each round's long tail across all engines; truncated responses "
+                                 "resume next round (partial_rollout.enable; see partial_rollout.threshold, max_age)"),
+        ("long_tail", int, "built-in task: response budgets up to this many times the median (a power of 2; a "
+                           "benchmark workload, the engines then ignore EOS)"),
     ],
     "output": [
         ("run_dir", str, "where config.yaml, metrics, the log and checkpoints go (default: runs/<time>)"),
@@ -77,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", action="append", default=[], metavar="run.yaml",
                    help="YAML file of settings (repeatable; later files win, overrides win over files)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--dashboard", action="store_true",
+                   help="serve the live metrics dashboard on 127.0.0.1 (metrics.dashboard=true; port metrics.dashboard_port)")
     p.add_argument("--dry-run", action="store_true",
                    help="check everything, resolve placement against the cluster, print the plan and the config; "
                         "start nothing heavy")
@@ -95,7 +104,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
     given = [f"{ALIASES[name]}={getattr(args, name)}" for _, flags in _FLAGS.items() for name, _, _ in flags
              if getattr(args, name) is not None]
-    return given + list(args.overrides)
+    return given + (["metrics.dashboard=true"] if getattr(args, "dashboard", False) else []) + list(args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             plan = placement.make_plan(cfg, cluster)                     # plan
+            if args.dry_run:
+                print(dry_run(plan))
+                print(to_yaml(resolved), end="")
+                return 0
         except PlacementError as e:
             return _usage_error(e)
-        if args.dry_run:
-            print(dry_run(plan))
-            print(to_yaml(resolved), end="")
-            return 0
         run_dir = _make_run_dir(cfg, resolved)
         return asyncio.run(run(cfg, plan, run_dir))                      # start, run, close
     finally:
@@ -146,7 +155,11 @@ def preflight(cfg) -> None:
     if cfg.data.reward is not None:
         data.load_reward(cfg.data.reward)
     chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
-    if chat and cfg.model.path is not None:
+    if chat and cfg.model.path is None:
+        name = next(iter(chat))
+        raise data.DataError(f"{getattr(cfg.data, name)}: chat-message prompts need a model with a chat template; "
+                             "the built-in demo model has none (set model.path)")
+    if chat:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -156,17 +169,9 @@ def preflight(cfg) -> None:
 
 def dry_run(plan) -> str:
     """Reserve the plan's placement groups (no process starts), describe them, release them."""
-    plan.reserve()
-    try:
-        for name in plan.groups:
-            reserved = plan.reserved_nodes(name)
-            slots = [plan.rollouter, *plan.engines] if name == "rollout" else plan.ranks
-            moved = [s.process for s in slots if reserved.get(s.bundle) != s.node.node_id]
-            if moved:
-                raise RuntimeError(f"Ray reserved {moved} on other nodes than planned")
-        return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
-    finally:
-        plan.release()
+    plan.reserve()  # checks that Ray put every bundle on its planned node
+    plan.release()
+    return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
 
 
 def _make_run_dir(cfg, resolved) -> Path:
@@ -185,7 +190,11 @@ async def run(cfg, plan, run_dir: Path) -> int:
 
     procs = await start(cfg, plan, run_dir)                                        # start
     try:
-        await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n)  # run
+        await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
+                    validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
+                    report=procs.metrics.reporter.after_step if procs.metrics else None,
+                    rollouter=procs.rollouter)
+        print(await procs.rollout_summary(), flush=True)
         return 0
     finally:
         await procs.close()                                               # close

@@ -30,15 +30,34 @@ class Processes:
     ranks: Any = None
     consumer: Any = None
     rollouter: Any = None
+    aggregator: Any = None
     trainer: Any = None
     rollout_run: Any = None
     """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
+    metrics: Any = None
+    """The run's `asyncrl.metrics.MetricsService` (None when ``metrics.enabled`` is false)."""
+
+    async def validate(self, step: int) -> dict[str, float]:
+        """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
+        return await self.rollouter.validate.remote(step)
+
+    async def rollout_summary(self) -> str:
+        """One line: groups the Rollouter admitted, sent and replayed from skip dumps, engine requests served."""
+        import json
+
+        progress = await self.rollouter.progress.remote()
+        requests = sum([(await e.stats.remote()).get("requests", 0) for e in self.engines])
+        skip = "".join(f"; skip.{role} {json.dumps(c, sort_keys=True)}" for role, c in progress.get("skip", {}).items())
+        return (f"asyncrl: rollouter admitted {progress.get('admitted', 0)} groups, sent {progress.get('sent', 0)}, "
+                f"replayed {progress.get('replayed', 0)} from skip dumps; engines served {requests} requests{skip}")
 
     async def close(self) -> None:
         import ray
 
         if self.rollouter is not None:
             ray.kill(self.rollouter)
+        if self.aggregator is not None:
+            ray.kill(self.aggregator)
         if self.consumer is not None:
             await self.consumer.close()
         if self.ranks is not None:
@@ -46,15 +65,19 @@ class Processes:
         for e in self.engines:
             ray.kill(e)
         self.plan.release()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 class NotifyingSyncer:
-    """The coordinator's sync, then tell the Rollouter which version the engines now serve."""
+    """Tell the Rollouter a sync pauses the engines, run the coordinator's sync, then tell it
+    which version the engines now serve."""
 
     def __init__(self, coordinator: Any, rollouter: Any):
         self.coordinator, self.rollouter = coordinator, rollouter
 
     async def sync(self) -> int:
+        await self.rollouter.on_pause.remote()
         version = await self.coordinator.sync()
         await self.rollouter.on_sync.remote(version)
         return version
@@ -64,10 +87,11 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     """Reserve the plan's placement groups and start engines, ranks, stream and Rollouter on them."""
     import ray
 
-    from asyncrl.net import free_port
     from asyncrl.queue import StreamConsumer
     from asyncrl.rollouter.actor import remote_engine_actor
+    from asyncrl.rollouter.aggregator import remote_aggregator_actor
     from asyncrl.rollouter.worker import DataSpec, RolloutWorker
+    from asyncrl.skip.config import absolute_dump_dirs
     from asyncrl.sync import WeightSyncCoordinator
     from asyncrl.trainer.ranks import RankGroup
     from asyncrl.trainer.trainer import Trainer
@@ -75,35 +99,98 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     model_path = cfg.model.path or _default_model()
     print(f"asyncrl: run dir {run_dir}; model {model_path}; {cfg.engine_replicas} engine replica(s), "
           f"{cfg.trainer_world_size} trainer rank(s)", flush=True)
+    print(plan.describe(), flush=True)
     plan.reserve()
     procs = Processes(plan=plan, engines=[])
     try:
+        if cfg.metrics.enabled:  # metrics (#16): the run's metric stream, its sinks, the dashboard
+            from asyncrl.metrics.service import MetricsService
+
+            procs.metrics = MetricsService(cfg.metrics, run_dir)
         kind = cfg.engine_kind
         procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
                          for slot in plan.engines]
         await _ready([e.ready.remote() for e in procs.engines], plan.ready_timeout_s, "engine replicas")
 
+        net = addresses(cfg, plan)
         tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=_pad_token_id(model_path),
                                   checkpoint_dir=str(run_dir / "checkpoints"))
-        procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks])
+        procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks],
+                                          across_nodes=net.ranks_across_nodes)
 
-        stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://127.0.0.1:{free_port()}")
-        procs.consumer = StreamConsumer(stream)
+        procs.consumer = StreamConsumer(net.consumer_stream)
         await procs.consumer.start()
+        print(f"asyncrl: sample stream on {procs.consumer.endpoint}"
+              f"{' (CURVE: authenticated, encrypted)' if net.curve else ' (loopback)'}", flush=True)
+        # Producers get the endpoint the consumer bound and the keys without the server's secret.
+        stream = dataclasses.replace(net.consumer_stream, endpoint=procs.consumer.endpoint,
+                                     curve=net.curve.for_producer() if net.curve else None)
 
-        data = DataSpec(train=cfg.data.train, reward=cfg.data.reward, seed=cfg.seed)
+        partial = cfg.partial_rollout
+        if partial.enable:
+            threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
+            procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
+        data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
+                        long_tail=cfg.data.long_tail)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
-            cfg.rollout, procs.engines, stream, model_path, data)
+            cfg.rollout, procs.engines, stream, model_path, data,
+            metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
+            metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip),
+            partial=partial, aggregator=procs.aggregator)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
         procs.rollout_run = procs.rollouter.run.remote()
 
-        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, cfg.weight_sync)
-        procs.trainer = Trainer(tcfg, procs.ranks, procs.consumer, NotifyingSyncer(coordinator, procs.rollouter),
-                                rollouter_state=lambda: procs.rollouter.feed_state.remote())
+        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync)
+        source = procs.consumer
+        if procs.metrics is not None:  # metrics (#16): time the Trainer's waits, report each step
+            from asyncrl.metrics.report import MeteredSource, TrainerReporter
+
+            source = MeteredSource(procs.consumer)
+            procs.metrics.reporter = TrainerReporter(procs.metrics.emitter("trainer"), source, coordinator,
+                                                     procs.consumer)
+        procs.trainer = Trainer(tcfg, procs.ranks, source, NotifyingSyncer(coordinator, procs.rollouter),
+                                rollouter_state=lambda: procs.rollouter.feed_state.remote(),
+                                on_dropped=lambda ids: procs.rollouter.on_dropped.remote(ids))
+        print(f"asyncrl: mode {cfg.mode}" + (", partial rollout" if partial.enable else ""), flush=True)
         return procs
     except BaseException:
         await procs.close()
         raise
+
+
+@dataclass
+class Addresses:
+    """How the processes reach each other: loopback on one node, routable addresses across nodes."""
+
+    consumer_stream: Any
+    """The consumer's StreamConfig: the endpoint to bind (port ``*``: taken at bind) and CURVE keys."""
+    curve: Any
+    """The run's CurveKeys when the stream leaves loopback, else None."""
+    ranks_across_nodes: bool
+    """Trainer ranks on several nodes: rank 0 binds the world's store on its node's address."""
+    weight_sync: Any
+
+
+def addresses(cfg, plan) -> Addresses:
+    """Loopback when every process (the launcher's Trainer loop included) shares one node; else
+    the nodes' routable addresses, ports bound on those nodes, and an authenticated stream."""
+    import ray
+
+    from asyncrl.queue.security import make_curve_keys
+
+    here = ray.get_runtime_context().get_node_id()
+    slots = [plan.rollouter, *plan.engines, *plan.ranks]
+    one_node = all(s.node.node_id == here for s in slots)
+    ranks_across_nodes = len({s.node.node_id for s in plan.ranks}) > 1
+    if one_node:
+        return Addresses(dataclasses.replace(cfg.stream, endpoint="tcp://127.0.0.1:*"), None, ranks_across_nodes,
+                         cfg.weight_sync_config())
+    curve = make_curve_keys()
+    stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://{ray.util.get_node_ip_address()}:*", curve=curve)
+    sync = cfg.weight_sync_config()  # its backend follows the engines' kind
+    if sync.master_addr in ("127.0.0.1", "localhost"):
+        sync = dataclasses.replace(sync, master_addr="auto")  # trainer rank 0's node address, port bound there
+    return Addresses(stream, curve, ranks_across_nodes, sync)
 
 
 async def _ready(refs: list, timeout_s: float, what: str) -> list:
@@ -116,7 +203,6 @@ async def _ready(refs: list, timeout_s: float, what: str) -> list:
 def _default_model() -> str:
     from asyncrl.models import default_model_path
 
-    print("asyncrl: preparing the tiny warm-started model (cached after the first run)...", flush=True)
     return str(default_model_path())
 
 

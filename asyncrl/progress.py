@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,16 @@ import numpy as np
 
 
 def step_line(m: dict, steps: int) -> str:
+    val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
     return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
             f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s")
+            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{val}")
 
 
 class ProgressView:
     """A rich progress bar on a terminal, plain per-step lines otherwise."""
 
-    def __init__(self, steps: int, live: bool | None = None):
+    def __init__(self, steps: int, live: bool | None = None, console=None):
         self.steps = steps
         self.live = sys.stdout.isatty() if live is None else live
         self._bar = None
@@ -35,7 +37,7 @@ class ProgressView:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=console)
             self._task = self._bar.add_task("train", total=steps, stats="waiting for the first groups")
             self._bar.start()
 
@@ -52,12 +54,39 @@ class ProgressView:
             self._bar.stop()
 
 
-async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int) -> list[dict]:
-    """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first."""
+def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
+    """The Rollouter's share of a step's metrics, from two `RolloutWorker.stats` readings."""
+    if not now:
+        return {}
+    d = {k: now[k] - last.get(k, 0.0) for k in ("gate_blocked_s", "credit_blocked_s", "idle_s", "truncated",
+                                                "resumed", "timed_out")}
+    span = now["time_s"] - last["time_s"] if last else 0.0
+    return {
+        "timing_s/rollouter/gate_blocked": d["gate_blocked_s"],
+        "timing_s/rollouter/credit_blocked": d["credit_blocked_s"],
+        "fully_async/rollouter/idle_ratio": min(1.0, d["idle_s"] / span) if span > 0 else 0.0,
+        "fully_async/partial/truncated": float(d["truncated"]),
+        "fully_async/partial/resumed": float(d["resumed"]),
+        "fully_async/partial/waiting": float(now["waiting_partials"]),
+        "rollouter/timed_out": float(d["timed_out"]),
+    }
+
+
+async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
+                validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10,
+                report: Callable[[Any], None] | None = None, rollouter: Any = None) -> list[dict]:
+    """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first.
+
+    With ``validate``, every ``val_every`` steps and after the last one its ``val/`` metrics join
+    the step's metrics. With the Rollouter's handle, each step's metrics also hold its
+    blocked/idle time and the truncations of the step (`rollouter_step_metrics`).
+    """
     import ray
 
     rows: list[dict] = []
+    done_at: list[float] = []  # when each step (and its validation) finished
     t0 = last = time.monotonic()
+    last_stats: dict = {}
     rollout_task = asyncio.wrap_future(rollout_ref.future())
     # The Rollouter is killed at shutdown; its run() then ends with ActorDiedError, expected.
     rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -71,21 +100,34 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                     step_task.cancel()
                     ray.get(rollout_ref)  # re-raises the Rollouter's failure here, under its own name
                     raise RuntimeError("the Rollouter stopped before training finished")
-                m = step_task.result().metrics
+                result = step_task.result()
+                m = result.metrics
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
                 m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
-                last = now
+                if rollouter is not None:
+                    stats = await rollouter.stats.remote()
+                    m.update(rollouter_step_metrics(last_stats, stats))
+                    last_stats = stats
+                if validate is not None and (m["step"] % val_every == 0 or m["step"] == steps):
+                    m.update(await validate(m["step"]))
+                last = time.monotonic()
                 metrics.write(json.dumps(m) + "\n")
                 metrics.flush()
                 log.write(step_line(m, steps) + "\n")
                 log.flush()
                 view.update(m)
                 rows.append(m)
+                done_at.append(last)
+                if report is not None:
+                    report(result)  # to the metric stream (asyncrl.metrics)
     finally:
         view.close()
+    if len(done_at) > 1:  # start-up and the first step excluded
+        print(f"asyncrl: steps 2-{len(done_at)} took {(done_at[-1] - done_at[0]) / (len(done_at) - 1):.3f} s/step",
+              flush=True)
     rewards = [r["reward_mean"] for r in rows]
-    k = max(1, min(5, len(rewards) // 3))
+    k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
     print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
           f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
           f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)

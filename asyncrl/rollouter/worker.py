@@ -1,19 +1,28 @@
 """`RolloutWorker`: the Rollouter process (a Ray actor): tokenizer, prompts, reward, stream producer, `Rollouter`.
 
-The launcher builds it with plain values (configs, engine handles, the stream's settings) and
-calls `run`; the Trainer's side calls `on_sync` after every weight sync and `feed_state` for
-its checkpoints. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
+The launcher builds it with plain values (configs, engine handles, the stream's settings, the
+`AggregatorActor` when partial rollout is on) and calls `run`; the Trainer's side calls
+`on_pause` / `on_sync` around every weight sync, `on_dropped` when it drops groups by policy,
+`feed_state` for its checkpoints and `stats` for each step's metrics. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
 the built-in arithmetic task. Data and reward were checked by the launcher before Ray
-started; here they are loaded again in the process that uses them.
+started; here they are loaded again in the process that uses them. `validate` scores the
+validation file greedily on the same engines. The skip registry is per process, so this actor
+calls `SkipManager.init` with the run's ``skip`` config and the shape of its rollouts (model,
+prompts, reward, n, token budget, sampling).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
 
+from asyncrl.rollouter.partial import PartialRolloutConfig
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
+from asyncrl.rollouter.rollouter import _call as call_engine
+from asyncrl.types import GenerateRequest, SamplingParams
+from asyncrl.skip import SkipConfig, SkipManager, model_fingerprint, prompts_fingerprint, rollout_shape
 
 BUILTIN_TASK_ROWS = 4096
 """Prompts of the built-in task per epoch."""
@@ -25,25 +34,32 @@ class DataSpec:
 
     train: str | None = None
     """verl-layout JSONL/parquet; None: the built-in arithmetic task."""
+    val: str | None = None
+    """Validation file (same layout); None: no validation."""
     reward: str | None = None
     """``module:function``; None: the built-in task's reward."""
     seed: int = 0
     """Seed of the built-in task's prompts."""
+    long_tail: int = 1
+    """Built-in task: per-prompt response budgets up to this many times the median (1: off)."""
 
 
-def load_prompts(tokenizer, spec: DataSpec) -> list[Prompt]:
-    """The dataset's rows as `Prompt`s (text as the model sees it, token ids, reward meta)."""
+def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Prompt]:
+    """The rows of ``path`` (default: the training file) as `Prompt`s (text as the model sees it,
+    token ids, reward meta); the built-in task when there is no training file."""
     from asyncrl import data
 
-    if spec.train is None:
+    path = path or spec.train
+    if path is None:
         from asyncrl.tasks import arithmetic
 
-        rows = arithmetic.generate_dataset(BUILTIN_TASK_ROWS, seed=spec.seed)
+        task = arithmetic.ArithmeticTaskConfig(long_tail_factor=spec.long_tail)
+        rows = arithmetic.generate_dataset(BUILTIN_TASK_ROWS, seed=spec.seed, config=task)
         return [Prompt(text=r["prompt"], prompt_ids=arithmetic.encode_prompt(tokenizer, r["prompt"]),
                        meta={"data_source": r["data_source"], "ground_truth": r["reward_model"]["ground_truth"],
-                             "extra_info": {}}) for r in rows]
-    rows = data.read_rows(spec.train)
-    data.check_renderable(tokenizer, rows, spec.train)
+                             "extra_info": {}}, max_tokens=r.get("max_tokens")) for r in rows]
+    rows = data.read_rows(path)
+    data.check_renderable(tokenizer, rows, path)
     prompts = []
     for row in rows:
         text, ids = data.prompt_text_and_ids(tokenizer, row)
@@ -67,16 +83,27 @@ class RolloutWorker:
     """The Rollouter process; build it as a Ray actor (``ray.remote(RolloutWorker)``)."""
 
     def __init__(self, cfg: RolloutConfig, engines: list, stream, model_path: str, data_spec: DataSpec,
-                 state: dict | None = None):
+                 state: dict | None = None, *, metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0,
+                 skip: SkipConfig | None = None, partial: PartialRolloutConfig | None = None, aggregator=None):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.cfg, self.engines, self.stream = cfg, engines, stream
         self.prompts = load_prompts(tokenizer, data_spec)
+        self.val_prompts = load_prompts(tokenizer, data_spec, data_spec.val) if data_spec.val else []
         self.reward_fn = make_reward_fn(tokenizer, data_spec)
+        # The skip registry is per process: the Rollouter's generate_group calls consult this one.
+        SkipManager.init(skip, shape=rollout_shape(
+            cfg, model=model_fingerprint(model_path),
+            data=prompts_fingerprint((p.prompt_ids for p in self.prompts),
+                                     data_spec.train or f"builtin:arithmetic:seed={data_spec.seed}"),
+            reward=data_spec.reward or "builtin"))
         self.state = RolloutState(**(state or {}))
+        self.partial, self.aggregator = partial, aggregator
         self.version = 0
+        self.dropped: list[str] = []
         self.rollouter: Rollouter | None = None
+        self.metrics_endpoint, self.metrics_interval_s = metrics_endpoint, metrics_interval_s
 
     def ready(self) -> int:
         """Returns once the dataset is loaded: the number of prompts."""
@@ -88,19 +115,72 @@ class RolloutWorker:
 
         producer = StreamProducer(self.stream, producer_id="rollouter-0")
         await producer.start()
-        self.rollouter = Rollouter(self.cfg, self.engines, producer, self.prompts, self.reward_fn, state=self.state)
+        engines, report = self.engines, None
+        if self.metrics_endpoint:  # metrics (#16): idle clock on the engines, periodic report
+            from asyncrl.metrics.report import IdleClock, MeteredEngine, RolloutReporter, report_rollouter
+            from asyncrl.metrics.stream import MetricsEmitter
+
+            clock, emitter = IdleClock(), MetricsEmitter(self.metrics_endpoint, "rollouter")
+            engines = [MeteredEngine(e, clock) for e in self.engines]
+            report = asyncio.create_task(report_rollouter(
+                emitter, RolloutReporter(self.engines, clock, self.cfg.n), lambda: (self.rollouter, producer),
+                self.metrics_interval_s))
+        self.rollouter = Rollouter(self.cfg, engines, producer, self.prompts, self.reward_fn, state=self.state,
+                                   partial=self.partial, aggregator=self.aggregator)
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
+        await self.rollouter.on_dropped(self.dropped)
         try:
             await self.rollouter.run(num_groups)
         finally:
+            if report is not None:
+                report.cancel()
+                await asyncio.gather(report, return_exceptions=True)
+                emitter.close()
             await producer.close()
         return self.progress()
 
+    async def on_pause(self) -> None:
+        """A weight sync is about to pause the engines (request deadlines stand still)."""
+        if self.rollouter is not None:
+            await self.rollouter.on_pause()
+
     async def on_sync(self, version: int) -> None:
-        """The engines now serve ``version``: open the staleness gate for it."""
+        """The engines now serve ``version``: release truncated responses, open the gate for it."""
         self.version = version
         if self.rollouter is not None:
             await self.rollouter.on_sync(version)
+
+    async def on_dropped(self, sample_ids: list[str]) -> None:
+        """The Trainer dropped these groups by policy: their budget goes back to the gate."""
+        self.dropped.extend(sample_ids)
+        if self.rollouter is not None:
+            await self.rollouter.on_dropped(sample_ids)
+
+    def stats(self) -> dict:
+        """Cumulative counters and timers (`RolloutStats`, ``time_s``), for the step metrics."""
+        return {} if self.rollouter is None else self.rollouter.stats_now()
+    async def validate(self, step: int) -> dict[str, float]:
+        """One greedy response per validation prompt, scored: metrics under ``val/``.
+
+        Request ids are ``val_{step}_{i}``: they never take the form of a training ``sample_id``
+        (``sample_{epoch}_{index}``), never enter the stream and never move the feed.
+        """
+        if not self.val_prompts:
+            return {}
+        slots = asyncio.Semaphore(self.cfg.max_concurrent)
+
+        async def one(i: int, prompt: Prompt) -> tuple[float, int]:
+            request = GenerateRequest(request_id=f"val_{step}_{i}", prompt_ids=prompt.prompt_ids,
+                                      max_tokens=self.cfg.max_tokens, sampling=SamplingParams(greedy=True))
+            async with slots:
+                engine = self.engines[i % len(self.engines)]
+                result = await asyncio.wait_for(call_engine(engine, request), self.cfg.request_timeout_s)
+            return await self.reward_fn(prompt, result.response_ids), len(result.response_ids)
+
+        scored = await asyncio.gather(*(one(i, p) for i, p in enumerate(self.val_prompts)))
+        rewards = np.asarray([r for r, _ in scored], dtype=np.float64)
+        return {"val/reward_mean": float(rewards.mean()), "val/response_length_mean": float(np.mean([n for _, n in scored])),
+                "val/samples": float(len(scored))}
 
     def feed_state(self) -> dict:
         """The feed position, for the Trainer's checkpoint (``rollouter_state`` slot)."""
@@ -109,4 +189,5 @@ class RolloutWorker:
     def progress(self) -> dict:
         r = self.rollouter
         return {} if r is None else {"admitted": r.admitted, "sent": r.sent, "failed": r.failed,
-                                     "next_index": r.state.next_index}
+                                     "replayed": r.replayed, "next_index": r.state.next_index,
+                                     "skip": SkipManager.stats()}

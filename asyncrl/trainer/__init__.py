@@ -3,8 +3,10 @@
 - `config`: `TrainerConfig` (driver loop), `WorkerConfig` (one rank), `AlgorithmConfig`, `OptimConfig`;
 - `algorithm`: advantages and the policy loss; `batch`: Groups -> TensorDict, fail closed;
 - `fsdp`: ``parallelize(model, mesh)``; `worker`: `TrainerWorker` (one rank); `ranks`: `RankGroup`;
-- `trainer`: `Trainer` (the driver loop), `GroupSource`, `WeightSyncer`, `MemorySource`;
-- `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: on-policy synchronous GRPO.
+- `trainer`: `Trainer` (the driver loop); it takes a `GroupSource` (`asyncrl.queue`) and a
+  `WeightSyncer` (`asyncrl.sync`), re-exported here with `MemorySource`;
+- `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: the in-process on-policy loop (the launcher's
+  ``--mode sync`` runs the same lockstep with every process of an async run).
 
 Names are imported lazily so ``import asyncrl.trainer`` stays cheap (no torch until used).
 """
@@ -24,9 +26,9 @@ _EXPORTS = {
     "TrainerWorker": "asyncrl.trainer.worker",
     "RankGroup": "asyncrl.trainer.ranks",
     "Trainer": "asyncrl.trainer.trainer",
-    "GroupSource": "asyncrl.trainer.trainer",
-    "WeightSyncer": "asyncrl.trainer.trainer",
-    "MemorySource": "asyncrl.trainer.trainer",
+    "GroupSource": "asyncrl.queue.base",
+    "WeightSyncer": "asyncrl.sync.base",
+    "MemorySource": "asyncrl.queue.memory",
     "StepResult": "asyncrl.trainer.trainer",
     "TrainerState": "asyncrl.trainer.checkpoint",
 }

@@ -99,9 +99,6 @@ class WorkerConfig:
     """``auto``: CUDA when available (bf16 mixed precision, nccl), else CPU (fp32, gloo)."""
     seed: int = 0
     """Seed of torch on every rank."""
-    engine_kind: Literal["torch", "vllm"] = "torch"
-    """Engines the weights are synced to: ``torch`` uses asyncrl's sync group, ``vllm`` vLLM's
-    own NCCL weight-transfer engine (`asyncrl.sync.vllm`)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -112,8 +109,6 @@ class WorkerConfig:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.engine_kind not in ("torch", "vllm"):
-            raise ValueError(f"engine_kind must be 'torch' or 'vllm', got {self.engine_kind!r}")
 
 
 @dataclass(kw_only=True)
@@ -161,3 +156,8 @@ class TrainerConfig:
             raise ValueError(f"max_version_gap must be >= 0 or None, got {self.max_version_gap}")
         if self.recv_timeout_s <= 0:
             raise ValueError(f"recv_timeout_s must be > 0, got {self.recv_timeout_s}")
+
+    @property
+    def groups_per_sync(self) -> int:
+        """Groups consumed between two weight syncs: the Rollouter's staleness budget unit."""
+        return self.groups_per_batch * self.require_batches * self.trigger_parameter_sync_step
