@@ -30,6 +30,7 @@ class Processes:
     ranks: Any = None
     consumer: Any = None
     rollouter: Any = None
+    aggregator: Any = None
     trainer: Any = None
     rollout_run: Any = None
     """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
@@ -40,11 +41,23 @@ class Processes:
         """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
         return await self.rollouter.validate.remote(step)
 
+    async def rollout_summary(self) -> str:
+        """One line: groups the Rollouter admitted, sent and replayed from skip dumps, engine requests served."""
+        import json
+
+        progress = await self.rollouter.progress.remote()
+        requests = sum([(await e.stats.remote()).get("requests", 0) for e in self.engines])
+        skip = "".join(f"; skip.{role} {json.dumps(c, sort_keys=True)}" for role, c in progress.get("skip", {}).items())
+        return (f"asyncrl: rollouter admitted {progress.get('admitted', 0)} groups, sent {progress.get('sent', 0)}, "
+                f"replayed {progress.get('replayed', 0)} from skip dumps; engines served {requests} requests{skip}")
+
     async def close(self) -> None:
         import ray
 
         if self.rollouter is not None:
             ray.kill(self.rollouter)
+        if self.aggregator is not None:
+            ray.kill(self.aggregator)
         if self.consumer is not None:
             await self.consumer.close()
         if self.ranks is not None:
@@ -57,12 +70,14 @@ class Processes:
 
 
 class NotifyingSyncer:
-    """The coordinator's sync, then tell the Rollouter which version the engines now serve."""
+    """Tell the Rollouter a sync pauses the engines, run the coordinator's sync, then tell it
+    which version the engines now serve."""
 
     def __init__(self, coordinator: Any, rollouter: Any):
         self.coordinator, self.rollouter = coordinator, rollouter
 
     async def sync(self) -> int:
+        await self.rollouter.on_pause.remote()
         version = await self.coordinator.sync()
         await self.rollouter.on_sync.remote(version)
         return version
@@ -74,7 +89,9 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
 
     from asyncrl.queue import StreamConsumer
     from asyncrl.rollouter.actor import remote_engine_actor
+    from asyncrl.rollouter.aggregator import remote_aggregator_actor
     from asyncrl.rollouter.worker import DataSpec, RolloutWorker
+    from asyncrl.skip.config import absolute_dump_dirs
     from asyncrl.sync import WeightSyncCoordinator
     from asyncrl.trainer.ranks import RankGroup
     from asyncrl.trainer.trainer import Trainer
@@ -109,11 +126,17 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         stream = dataclasses.replace(net.consumer_stream, endpoint=procs.consumer.endpoint,
                                      curve=net.curve.for_producer() if net.curve else None)
 
-        data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed)
+        partial = cfg.partial_rollout
+        if partial.enable:
+            threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
+            procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
+        data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
+                        long_tail=cfg.data.long_tail)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
             cfg.rollout, procs.engines, stream, model_path, data,
             metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
-            metrics_interval_s=cfg.metrics.poll_interval_s)
+            metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip),
+            partial=partial, aggregator=procs.aggregator)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
         procs.rollout_run = procs.rollouter.run.remote()
 
@@ -126,7 +149,9 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
             procs.metrics.reporter = TrainerReporter(procs.metrics.emitter("trainer"), source, coordinator,
                                                      procs.consumer)
         procs.trainer = Trainer(tcfg, procs.ranks, source, NotifyingSyncer(coordinator, procs.rollouter),
-                                rollouter_state=lambda: procs.rollouter.feed_state.remote())
+                                rollouter_state=lambda: procs.rollouter.feed_state.remote(),
+                                on_dropped=lambda ids: procs.rollouter.on_dropped.remote(ids))
+        print(f"asyncrl: mode {cfg.mode}" + (", partial rollout" if partial.enable else ""), flush=True)
         return procs
     except BaseException:
         await procs.close()

@@ -9,7 +9,21 @@ Acks follow durability: with checkpoints on, a step's groups are acked once the 
 holding that step is published (so a crash never loses a group the producer already forgot);
 without checkpoints they are acked right after the optimizer step. Groups dropped by policy
 (incomplete with ``on_incomplete_group="drop"``, or older than ``max_version_gap``) are
-counted and acked at once with their reason. Incomplete groups otherwise fail the run closed.
+counted and acked at once with their reason, and reported through ``on_dropped`` so the
+Rollouter's staleness gate gets their budget back (else enough drops starve the Trainer).
+Incomplete groups otherwise fail the run closed.
+
+Each step's metrics say where the time went, with verl's names where verl has one:
+``timing_s/wait_groups`` (waiting for the stream), ``timing_s/update_actor``,
+``timing_s/param_sync``, ``timing_s/save_checkpoint``, ``timing_s/step``,
+``fully_async/trainer/idle_ratio`` (waiting / step), and the partial-rollout figures of the
+trained groups (``fully_async/partial/total_partial_num``, ``partial_ratio``,
+``max_partial_span``: versions one trajectory spans, ``age_mean``, ``age_max``).
+
+Groups replayed by the SkipManager (`asyncrl.skip.is_replayed`) get their token versions
+re-based to the current version before screening, so ``max_version_gap`` judges them as
+produced now rather than by the dumping run's timeline; their behaviour log-probs are kept
+(see `Trainer._replayed`). ``replayed_groups`` counts them per step.
 
 The source is a `asyncrl.queue.base.GroupSource` (``recv``/``ack``): the ZeroMQ `StreamConsumer`,
 or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.sync.base.WeightSyncer`. Leaves out: the metrics pipeline (each step returns a dict).
@@ -18,6 +32,7 @@ or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.syn
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -25,8 +40,8 @@ import torch
 
 from asyncrl.queue.base import GroupSource
 from asyncrl.queue.memory import MemorySource
+from asyncrl.skip.rollout_skip import REPLAY_KEY, is_replayed, rebase_versions
 from asyncrl.sync.base import WeightSyncer
-
 from asyncrl.trainer import checkpoint
 from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
 from asyncrl.trainer.config import TrainerConfig
@@ -55,9 +70,11 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig, ranks: RankGroup, source: GroupSource,
                  syncer: WeightSyncer | None = None, *,
-                 rollouter_state: Callable[[], dict | Awaitable[dict]] | None = None):
+                 rollouter_state: Callable[[], dict | Awaitable[dict]] | None = None,
+                 on_dropped: Callable[[list[str]], Awaitable[None] | None] | None = None):
         """``rollouter_state`` is called at each checkpoint; what it returns (a JSON-able dict)
-        is stored in the sidecar's ``rollouter_state`` slot."""
+        is stored in the sidecar's ``rollouter_state`` slot. ``on_dropped(sample_ids)`` is
+        called as soon as groups are dropped by policy (tell the Rollouter's gate)."""
         if ranks.world_size != cfg.world_size:
             raise ValueError(f"world_size={cfg.world_size} but {ranks.world_size} ranks were given")
         self.cfg = cfg
@@ -65,6 +82,7 @@ class Trainer:
         self.source = source
         self.syncer = syncer
         self.rollouter_state = rollouter_state
+        self.on_dropped = on_dropped
         self.step = 0
         self.version = 0
         self.committed: set[str] = set()
@@ -116,6 +134,8 @@ class Trainer:
                     self.source.ack([group.sample_id])
                 continue
             seen.add(group.sample_id)
+            if is_replayed(group):
+                group = self._replayed(group)
             ok, out = screen_groups([group], on_incomplete=self.cfg.on_incomplete_group,
                                     max_version_gap=self.cfg.max_version_gap, current_version=self.version)
             kept.extend(ok)
@@ -123,12 +143,32 @@ class Trainer:
                 self.source.ack([sid], reason=reason)
                 self.committed.add(sid)
                 dropped.append((sid, reason))
+            if out and self.on_dropped is not None:
+                await _maybe_await(self.on_dropped([sid for sid, _ in out]))
         return kept, dropped
+
+    def _replayed(self, group: Group) -> Group:
+        """A group the SkipManager replayed from a dump, made fit for this run (see `rebase_versions`).
+
+        Its behaviour log-probs are kept: they are the probabilities under which its tokens were
+        really sampled, so the importance ratio against them is correct whatever run dumped them
+        (and exactly 1 before the first update when the replay starts from the same initial
+        weights). They are only comparable with this Trainer's log-probs at the same
+        temperature: a mismatch fails the run rather than train with wrong ratios.
+        """
+        temperature = group.meta[REPLAY_KEY].get("temperature")
+        if temperature is not None and temperature != self.cfg.worker.algorithm.temperature:
+            raise ValueError(f"replayed group {group.sample_id}: its behaviour log-probs were taken at temperature "
+                             f"{temperature}, but algorithm.temperature={self.cfg.worker.algorithm.temperature}; "
+                             "the importance ratios would be wrong (dump again with this temperature)")
+        return rebase_versions(group, self.version)
 
     async def train_step(self) -> StepResult:
         """Collect the groups of one step, run its mini-batches, commit, maybe sync and checkpoint."""
         cfg = self.cfg
+        t0 = time.perf_counter()
         groups, dropped = await self._collect()
+        t_collected = time.perf_counter()
         per_batch = []
         batches = []
         for i in range(cfg.require_batches):
@@ -141,15 +181,27 @@ class Trainer:
         self.step += 1
         self.committed.update(ids)
         self._unacked.extend(ids)
+        t_trained = time.perf_counter()
         if self.syncer is not None and self.step % cfg.trigger_parameter_sync_step == 0:
             self.version = await self.syncer.sync()
+        t_synced = time.perf_counter()
         if cfg.checkpoint_dir is None:
             self._durable.update(ids)  # without checkpoints a committed step is as durable as it gets
             self._ack_unacked()
         elif self.step % cfg.checkpoint_every == 0:
             await self.save_checkpoint()
+        t_end = time.perf_counter()
         metrics = _step_metrics(per_batch, batches, dropped)
-        metrics.update(step=self.step, version=self.version)
+        metrics.update(_partial_metrics(groups))
+        metrics.update({
+            "timing_s/wait_groups": t_collected - t0,
+            "timing_s/update_actor": t_trained - t_collected,
+            "timing_s/param_sync": t_synced - t_trained,
+            "timing_s/save_checkpoint": t_end - t_synced,
+            "timing_s/step": t_end - t0,
+            "fully_async/trainer/idle_ratio": (t_collected - t0) / max(t_end - t0, 1e-9),
+        })
+        metrics.update(step=self.step, version=self.version, replayed_groups=float(sum(map(is_replayed, groups))))
         return StepResult(step=self.step, version=self.version, sample_ids=ids, dropped=dropped, metrics=metrics)
 
     async def _train_minibatch(self, batch) -> dict[str, float]:
@@ -185,6 +237,22 @@ class Trainer:
 
 async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
+
+
+def _partial_metrics(groups: list[Group]) -> dict[str, float]:
+    """verl's partial-rollout figures of the trained trajectories: how many were resumed after a
+    truncation, their share, the most versions one trajectory spans, and their ages."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    ages = [t.age for t in trajectories]
+    spans = [int(t.versions.max() - t.versions.min()) for t in trajectories if len(t.versions)]
+    partial = sum(a > 0 for a in ages)
+    return {
+        "fully_async/partial/total_partial_num": float(partial),
+        "fully_async/partial/partial_ratio": partial / max(len(trajectories), 1),
+        "fully_async/partial/max_partial_span": float(max(spans, default=0)),
+        "fully_async/partial/age_mean": sum(ages) / max(len(ages), 1),
+        "fully_async/partial/age_max": float(max(ages, default=0)),
+    }
 
 
 def _step_metrics(per_batch: list[dict], batches: list, dropped: list[tuple[str, str]]) -> dict:
