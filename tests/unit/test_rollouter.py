@@ -101,7 +101,7 @@ async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_i
     try:
         cfg = RolloutConfig(n=1, max_tokens=2, groups_per_sync=10, request_timeout_s=0.5)
         # A weight sync the Rollouter was told about: 1.5 s paused, yet the group finishes.
-        producer = ListProducer()
+        producer = MemorySink()
         r = Rollouter(cfg, [engine], producer, make_prompts(1), length_reward)
         await engine.pause("keep")
         await r.on_pause()
@@ -113,7 +113,7 @@ async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_i
         assert producer.groups[0].complete
         # A pause it was not told about is just a slow engine: the request times out and is
         # aborted on the engine, not left queued there.
-        producer = ListProducer()
+        producer = MemorySink()
         r = Rollouter(cfg, [engine], producer, make_prompts(1), length_reward)
         await engine.pause("keep")
         await asyncio.wait_for(r.run(num_groups=1), 60)
@@ -141,7 +141,7 @@ async def test_rewards_run_off_the_event_loop(model_path):
 
     try:
         for fn, value in ((blocking_reward, 1.0), (async_reward, 2.0)):
-            producer = ListProducer()
+            producer = MemorySink()
             r = Rollouter(RolloutConfig(n=2, max_tokens=2, groups_per_sync=10), [engine], producer,
                           make_prompts(1), fn)
             await asyncio.wait_for(r.run(num_groups=2), 60)
