@@ -203,9 +203,7 @@ class RunConfig:
     """``async``: fully asynchronous; ``sync``: generate a batch, train, sync, in lockstep (`asyncrl.modes`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(staleness_threshold=1.0))
-    """The launcher generates up to one step ahead (``staleness_threshold=1``): the next step's
-    groups are generated while the Trainer trains, samples stay at most ~1 version stale."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)  # type: ignore[valid-type]
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -318,8 +316,9 @@ SYNC_MODE_DEFAULTS = {"rollout.staleness_threshold": 0.0}
 """Where a run's default differs from the part's own (a fully async run lets the Rollouter work
 one sync ahead, so the next step is generated while the Trainer trains; the Rollouter alone
 defaults to on-policy)."""
-DEMO_DEFAULTS = {"trainer.optim.lr": 2e-3}
-"""Defaults when no model is given: the tiny demo model learns fast at a high rate."""
+DEMO_DEFAULTS = {"trainer.optim.lr": 2e-3, "steps": 150}
+"""Defaults when no model is given: the tiny demo model learns fast at a high rate, and is still
+climbing at step 100 (sampled reward +0.16 to +0.24 over seeds 0-4): 150 steps leave margin."""
 BUILTIN_TASK_DEFAULTS = {"rollout.max_tokens": 6}
 """Defaults when no dataset is given: the built-in task's answers are a few tokens."""
 REAL_DEFAULTS = {"rollout.max_tokens": 512}

@@ -46,7 +46,7 @@ _FLAGS = {
                         "extra_info) or (prompt, response); required with --dataset"),
     ],
     "algorithm": [
-        ("steps", int, "train steps to run (default 100)"),
+        ("steps", int, "train steps to run (default 100; 150 for the demo model)"),
         ("n", int, "responses per prompt, the group size (default 8)"),
         ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8)"),
         ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step, default 1)"),

@@ -82,6 +82,7 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
     import ray
 
     rows: list[dict] = []
+    done_at: list[float] = []  # when each step (and its validation) finished
     t0 = last = time.monotonic()
     last_stats: dict = {}
     rollout_task = asyncio.wrap_future(rollout_ref.future())
@@ -115,10 +116,14 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                 log.flush()
                 view.update(m)
                 rows.append(m)
+                done_at.append(last)
                 if report is not None:
                     report(result)  # to the metric stream (asyncrl.metrics)
     finally:
         view.close()
+    if len(done_at) > 1:  # start-up and the first step excluded
+        print(f"asyncrl: steps 2-{len(done_at)} took {(done_at[-1] - done_at[0]) / (len(done_at) - 1):.3f} s/step",
+              flush=True)
     rewards = [r["reward_mean"] for r in rows]
     k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
     print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "

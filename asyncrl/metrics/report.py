@@ -116,7 +116,7 @@ class RolloutReporter:
             })
         if producer is not None:
             out["stream/credit"] = producer.credit
-            out["stream/unacked"] = len(producer.unacked)
+            out["stream/unacked"] = len(producer.unacked)  # a property of StreamProducer
         return out
 
 

@@ -19,16 +19,11 @@ from asyncrl.rollouter.aggregator import remote_aggregator_actor
 from asyncrl.rollouter.partial import PartialRolloutConfig
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
 from asyncrl.trainer.batch import IncompleteGroupError, screen_groups
+from asyncrl.queue.memory import MemorySink
 
 N, G = 2, 2
 
 
-class ListProducer:
-    def __init__(self):
-        self.groups = []
-
-    async def send(self, group):
-        self.groups.append(group)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +57,7 @@ async def test_engine_killed_mid_round_fails_its_groups_and_the_run_finishes(ray
                         request_timeout_s=60)
     prompts = [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64),
                       max_tokens=64 if i % 2 == 0 else 4) for i in range(8)]
-    producer = ListProducer()
+    producer = MemorySink()
     r = Rollouter(cfg, engines, producer, prompts, lambda prompt, ids: 1.0,
                   partial=PartialRolloutConfig(enable=True, max_age=2), aggregator=aggregator)
     run = asyncio.create_task(r.run(num_groups=10))

@@ -12,16 +12,11 @@ import torch
 
 from asyncrl.skip import REPLAY_KEY, SkipConfig, SkipManager, SkipRoleConfig, is_replayed, rollout_shape
 from asyncrl.types import Group
+from asyncrl.queue.memory import MemorySink
 
 T = 600.0
 
 
-class ListProducer:
-    def __init__(self):
-        self.groups = []
-
-    async def send(self, group):
-        self.groups.append(group)
 
 
 async def rollouter_run(model_path, dump_dir, cfg) -> tuple[list[Group], int]:
@@ -33,7 +28,7 @@ async def rollouter_run(model_path, dump_dir, cfg) -> tuple[list[Group], int]:
         shape=rollout_shape(cfg, model=str(model_path), data="two-prompts", reward="rank"))
     engine = TorchEngine(model_path, eos_token_ids=())
     prompts = [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5, 6], dtype=np.int64)) for i in range(2)]
-    producer = ListProducer()
+    producer = MemorySink()
     try:
         # Reward = the first response token, so the group's advantages are not all zero.
         await asyncio.wait_for(Rollouter(cfg, [engine], producer, prompts, lambda _, r: float(r[0] % 3))

@@ -287,3 +287,34 @@ async def test_step_report_from_the_groups_trained():
     assert out["fully_async/count/current_param_version"] == 3
     assert all(is_known(name) for name in out), [n for n in out if not is_known(n)]
     assert src.take([]).samples == []  # take() resets
+
+
+async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
+    from asyncrl.metrics.report import IdleClock, MeteredEngine, RolloutReporter
+    from asyncrl.queue import StreamConfig, StreamProducer
+
+    class Engine:
+        def __init__(self, running):
+            self.running, self.tokens = running, 0
+
+        async def generate(self, request):
+            return request
+
+        def stats(self):
+            self.tokens += 10
+            return {"running": self.running, "queued": 1, "kv_tokens": 5, "tokens_generated": self.tokens}
+
+    class Rollouter:
+        sent, admitted, failed, version = 3, 5, 1, 2
+
+    engines, clock = [Engine(2), Engine(4)], IdleClock()
+    assert await MeteredEngine(engines[0], clock).generate("req") == "req" and clock.in_flight == 0
+    producer = StreamProducer(StreamConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", window=4))
+    reporter = RolloutReporter(engines, clock, n=8)
+    first = await reporter.poll(Rollouter(), producer)
+    second = await reporter.poll(Rollouter(), producer)
+    assert (first["engine/0/running"], first["engine/1/running"], first["engine/running"]) == (2, 4, 6)
+    assert first["fully_async/count/total_generated_samples"] == 24 and first["rollouter/in_flight"] == 2
+    assert first["stream/unacked"] == 0 and first["stream/credit"] == 0  # no consumer: no credit
+    assert "throughput/generated_tokens_per_s" not in first and second["throughput/generated_tokens_per_s"] > 0
+    assert all(is_known(n) for n in second), [n for n in second if not is_known(n)]

@@ -15,16 +15,11 @@ from asyncrl.rollouter.actor import EngineActor
 from asyncrl.rollouter.aggregator import AggregatorActor
 from asyncrl.rollouter.partial import PartialBuffer, PartialRolloutConfig
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+from asyncrl.queue.memory import MemorySink
 
 N, GROUPS_PER_SYNC, SHORT, LONG = 2, 2, 3, 48
 
 
-class ListProducer:
-    def __init__(self):
-        self.groups = []
-
-    async def send(self, group):
-        self.groups.append(group)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +90,7 @@ async def test_long_tail_truncated_at_threshold_and_resumed_across_versions(mode
                         max_concurrent=8)
     partial = PartialRolloutConfig(enable=True, max_age=max_age)
     aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(GROUPS_PER_SYNC, N))
-    producer = ListProducer()
+    producer = MemorySink()
     r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda prompt, ids: float(len(ids)),
                   partial=partial, aggregator=aggregator)
     try:
@@ -162,5 +157,5 @@ def test_partial_config_errors_name_the_field():
         PartialRolloutConfig(max_age=-1)
     assert PartialRolloutConfig().resolved_threshold(3, 8) == 24
     with pytest.raises(ValueError, match="aggregator"):
-        Rollouter(RolloutConfig(), [object()], ListProducer(), long_tail_prompts(1), lambda p, i: 0.0,
+        Rollouter(RolloutConfig(), [object()], MemorySink(), long_tail_prompts(1), lambda p, i: 0.0,
                   partial=PartialRolloutConfig(enable=True))

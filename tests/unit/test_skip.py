@@ -16,6 +16,7 @@ from asyncrl.skip import (REPLAY_KEY, DumpError, DumpKey, DumpStore, SkipAction,
                           SkipRoleConfig, is_replayed)
 from asyncrl.skip.config import load_skip_config
 from asyncrl.types import Group, Trajectory
+from asyncrl.queue.memory import MemorySink
 
 
 @pytest.fixture(autouse=True)
@@ -270,12 +271,6 @@ def model_path(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-class ListProducer:
-    def __init__(self):
-        self.groups = {}
-
-    async def send(self, group):
-        self.groups[group.sample_id] = group
 
 
 def length_reward(text, response_ids):
@@ -291,13 +286,14 @@ async def run_rollouter(model_path, dump_dir, steps, num_groups, action="cache")
         enable=True, dump_dir=str(dump_dir), steps=steps, action=action)), shape={"model": str(model_path)})
     engine = TorchEngine(model_path, eos_token_ids=())
     prompts = [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64)) for i in range(5)]
-    producer = ListProducer()
+    producer = MemorySink()
     try:
         r = Rollouter(RolloutConfig(n=3, max_tokens=3, groups_per_sync=100, max_concurrent=num_groups, seed=7),
                       [engine], producer, prompts, length_reward)
         await asyncio.wait_for(r.run(num_groups=num_groups), 120)
-        assert r.replayed == sum(map(is_replayed, producer.groups.values()))
-        return producer.groups, engine.stats()["requests"]
+        groups = {g.sample_id: g for g in producer.groups}
+        assert r.replayed == sum(map(is_replayed, groups.values()))
+        return groups, engine.stats()["requests"]
     finally:
         await engine.close()
 
