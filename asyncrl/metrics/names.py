@@ -71,6 +71,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "response_length/max": (T, "longest response of the step"),
     "response_length/truncated": (T, "responses of the step that hit max_tokens (finish_reason length)"),
     "response_length/truncated_ratio": (T, "truncated / responses in the step"),
+    "train/replayed_groups": (T, "groups of the step the skip role replayed from dumps (no engine request)"),
     "train/reward_mean": (T, "mean reward of the step's responses"),
     "train/loss": (T, "policy loss"),
     "train/grad_norm": (T, "gradient norm before clipping"),
