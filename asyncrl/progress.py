@@ -60,11 +60,9 @@ def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
         return {}
     d = {k: now[k] - last.get(k, 0.0) for k in ("gate_blocked_s", "credit_blocked_s", "idle_s", "truncated",
                                                 "resumed", "timed_out")}
-    span = now["time_s"] - last["time_s"] if last else 0.0
     return {
         "timing_s/rollouter/gate_blocked": d["gate_blocked_s"],
         "timing_s/rollouter/credit_blocked": d["credit_blocked_s"],
-        "fully_async/rollouter/idle_ratio": min(1.0, d["idle_s"] / span) if span > 0 else 0.0,
         "fully_async/partial/truncated": float(d["truncated"]),
         "fully_async/partial/resumed": float(d["resumed"]),
         "fully_async/partial/waiting": float(now["waiting_partials"]),

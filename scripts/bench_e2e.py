@@ -85,7 +85,6 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> d
         "reward_end": sum(r["reward_mean"] for r in rows[-w:]) / w,
         "reward_start": sum(r["reward_mean"] for r in rows[:w]) / w,
         "len_mean": statistics.mean(r["response_length_mean"] for r in rows),
-        "trainer_idle": statistics.mean(r["fully_async/trainer/idle_ratio"] for r in rows),
         "partial_ratio": statistics.mean(r["fully_async/partial/partial_ratio"] for r in rows),
         "staleness": statistics.mean(r["staleness_mean"] for r in rows),
     }
@@ -112,7 +111,7 @@ def main() -> None:
                     results[mode].append(r)
                     print(f"  seed {seed} {mode:>13}: {r['time_s']:7.1f} s to step {args.steps}  reward "
                           f"{r['reward_start']:.3f} -> {r['reward_end']:.3f}  len {r['len_mean']:.1f}  "
-                          f"trainer idle {r['trainer_idle']:.2f}  partial {r['partial_ratio']:.2f}  "
+                          f"partial {r['partial_ratio']:.2f}  "
                           f"staleness {r['staleness']:.2f}  (wall {time.perf_counter() - t0:.0f} s)", flush=True)
     med = {m: statistics.median(r["time_s"] for r in rs) for m, rs in results.items()}
     reward = {m: statistics.mean(r["reward_end"] for r in rs) for m, rs in results.items()}

@@ -12,6 +12,15 @@ T, R = "trainer", "rollouter"
 
 NAMES: dict[str, tuple[str, str]] = {
     # verl's names
+    "timing_s/update_actor": (T, "the step's optimizer updates on the ranks (all mini-batches)"),
+    "timing_s/save_checkpoint": (T, "writing the step's checkpoint (0 when the step writes none)"),
+    "fully_async/partial/age_max": (T, "most truncation rounds survived by one response of the step"),
+    "fully_async/partial/truncated": (T, "responses stopped by the aggregator's truncation during the step (Rollouter)"),
+    "fully_async/partial/resumed": (T, "truncated responses dispatched again during the step (Rollouter)"),
+    "fully_async/partial/waiting": (T, "truncated responses waiting in the partial buffer at the step's end"),
+    "timing_s/rollouter/gate_blocked": (T, "time the Rollouter's feed waited at the staleness gate during the step"),
+    "timing_s/rollouter/credit_blocked": (T, "time finished groups waited for stream credit during the step (summed)"),
+    "rollouter/timed_out": (T, "requests aborted past rollout.request_timeout_s during the step"),
     "fully_async/trainer/idle_ratio": (T, "fraction of the step's wall time the Trainer waited for groups"),
     "fully_async/rollouter/idle_ratio": (R, "fraction of the poll interval with no generate call in flight on any engine"),
     "fully_async/count/stale_samples_processed": (T, "responses trained on so far whose oldest token is >= 1 version old"),
@@ -62,6 +71,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "response_length/max": (T, "longest response of the step"),
     "response_length/truncated": (T, "responses of the step that hit max_tokens (finish_reason length)"),
     "response_length/truncated_ratio": (T, "truncated / responses in the step"),
+    "train/replayed_groups": (T, "groups of the step the skip role replayed from dumps (no engine request)"),
     "train/reward_mean": (T, "mean reward of the step's responses"),
     "train/loss": (T, "policy loss"),
     "train/grad_norm": (T, "gradient norm before clipping"),

@@ -13,20 +13,10 @@ counted and acked at once with their reason, and reported through ``on_dropped``
 Rollouter's staleness gate gets their budget back (else enough drops starve the Trainer).
 Incomplete groups otherwise fail the run closed.
 
-Each step's metrics say where the time went, with verl's names where verl has one:
-``timing_s/wait_groups`` (waiting for the stream), ``timing_s/update_actor``,
-``timing_s/param_sync``, ``timing_s/save_checkpoint``, ``timing_s/step``,
-``fully_async/trainer/idle_ratio`` (waiting / step), and the partial-rollout figures of the
-trained groups (``fully_async/partial/total_partial_num``, ``partial_ratio``,
-``max_partial_span``: versions one trajectory spans, ``age_mean``, ``age_max``).
-
-Groups replayed by the SkipManager (`asyncrl.skip.is_replayed`) get their token versions
-re-based to the current version before screening, so ``max_version_gap`` judges them as
-produced now rather than by the dumping run's timeline; their behaviour log-probs are kept
-(see `Trainer._replayed`). ``replayed_groups`` counts them per step.
-
-The source is a `asyncrl.queue.base.GroupSource` (``recv``/``ack``): the ZeroMQ `StreamConsumer`,
-or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.sync.base.WeightSyncer`. Leaves out: the metrics pipeline (each step returns a dict).
+Each step's metrics add ``timing_s/update_actor``, ``timing_s/save_checkpoint`` and the
+partial-rollout figures of the trained groups (verl's ``fully_async/partial/total_partial_num``,
+``partial_ratio``, ``max_partial_span``: versions one trajectory spans, ``age_mean``, ``age_max``);
+waiting, weight-sync time and the idle ratio come from the metric stream's reporter.
 """
 
 from __future__ import annotations
@@ -166,7 +156,6 @@ class Trainer:
     async def train_step(self) -> StepResult:
         """Collect the groups of one step, run its mini-batches, commit, maybe sync and checkpoint."""
         cfg = self.cfg
-        t0 = time.perf_counter()
         groups, dropped = await self._collect()
         t_collected = time.perf_counter()
         per_batch = []
@@ -193,14 +182,9 @@ class Trainer:
         t_end = time.perf_counter()
         metrics = _step_metrics(per_batch, batches, dropped)
         metrics.update(_partial_metrics(groups))
-        metrics.update({
-            "timing_s/wait_groups": t_collected - t0,
-            "timing_s/update_actor": t_trained - t_collected,
-            "timing_s/param_sync": t_synced - t_trained,
-            "timing_s/save_checkpoint": t_end - t_synced,
-            "timing_s/step": t_end - t0,
-            "fully_async/trainer/idle_ratio": (t_collected - t0) / max(t_end - t0, 1e-9),
-        })
+        # The metric stream's reporter (asyncrl.metrics.report) adds timing_s/step, wait_data,
+        # param_sync and fully_async/trainer/idle_ratio; these two only the Trainer knows.
+        metrics.update({"timing_s/update_actor": t_trained - t_collected, "timing_s/save_checkpoint": t_end - t_synced})
         metrics.update(step=self.step, version=self.version, replayed_groups=float(sum(map(is_replayed, groups))))
         return StepResult(step=self.step, version=self.version, sample_ids=ids, dropped=dropped, metrics=metrics)
 
