@@ -13,8 +13,9 @@ and adds them to ``committed``. A consumer restarted with its persisted ``commit
 sees each group once.
 
 Malformed or foreign messages are counted in ``stats`` and logged; the stream goes on.
-Left out: several consumers sharing producers (one consumer per stream), and compaction of
-``committed`` (it grows by one short string per trained group).
+``committed`` is a `CommittedSet`: a watermark plus the ids done out of feed order, so it stays
+small however long the stream runs. Left out: several consumers sharing producers (one
+consumer per stream).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from asyncrl.queue import protocol as P
 from asyncrl.queue.codec import CodecError, unpack_groups
 from asyncrl.queue.protocol import StreamConfig, StreamError
 from asyncrl.queue.transport import StreamSocket, keep_freed_memory
-from asyncrl.types import Group
+from asyncrl.types import CommittedSet, Group
 
 log = logging.getLogger("asyncrl.queue")
 
@@ -86,7 +87,7 @@ class StreamConsumer:
         self.config = config or StreamConfig()
         self.session = uuid.uuid4().hex
         self.stats = ConsumerStats()
-        self._committed: set[str] = set(committed)
+        self._committed = CommittedSet(committed)
         self._holders: dict[str, list[bytes]] = {}  # sample_id held now -> peers that sent it
         self._delivered: set[str] = set()
         self._ready: deque[Group] = deque()
@@ -165,9 +166,9 @@ class StreamConsumer:
     # ---------------------------------------------------------------- the Trainer's API
 
     @property
-    def committed(self) -> set[str]:
+    def committed(self) -> CommittedSet:
         """A copy of the ``sample_id``s acked so far (including those given at construction)."""
-        return set(self._committed)
+        return self._committed.copy()
 
     @property
     def unacked(self) -> list[str]:
