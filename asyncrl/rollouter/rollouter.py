@@ -5,8 +5,15 @@ One asyncio loop, one task group::
     feed loop ─► staleness gate ─► one task per prompt ─► n requests, each to the least-loaded
     engine ─► reward each response ─► Group ─► StreamProducer.send (awaits credit)
 
-- ``sample_id`` is ``sample_{epoch}_{index}``; ``index`` is the feed order at enqueue time, and
+- ``sample_id`` is ``sample_{epoch}_{index}``; ``index`` is the feed order at admission, and
   it continues across epochs and across a resume (`RolloutState.next_index`).
+- Resume: a checkpoint stores the feed position; the ids admitted before it but not yet
+  trained (in flight, or sent and not acked) are the feed indices below ``next_index`` that
+  the Trainer's committed set lacks. A resumed Rollouter regenerates them by id
+  (`RolloutState.pending`, served first, same ``sample_id`` and sampling seeds) before new
+  ids continue from ``next_index``; ``admitted`` continues from the groups already done.
+- `stop` drains: no new admissions, in-flight groups are cancelled and their requests aborted
+  on the engines (a resume regenerates them), and `run` returns.
 - Staleness gate (verl's fully-async knobs): after ``version`` weight syncs the Trainer will
   have consumed ``version * groups_per_sync`` groups; the Rollouter admits a new prompt only
   while ``admitted < (version + 1 + staleness_threshold) * groups_per_sync`` and fewer than
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,13 +77,20 @@ class RolloutConfig:
 
 @dataclass
 class RolloutState:
-    """What the Rollouter checkpoints: where the feed stands."""
+    """Where the feed stands: what the Rollouter checkpoints and resumes from."""
 
     epoch: int = 0
     next_index: int = 0
-    """Feed index of the next prompt (never restarts)."""
+    """Feed index of the next new prompt (never restarts)."""
     position: int = 0
     """Row of the current epoch to feed next."""
+    pending: list[int] = field(default_factory=list)
+    """Feed indices below ``next_index`` to generate (again) before any new one: admitted
+    before a checkpoint and not trained by it (a resume fills this)."""
+    done: int = 0
+    """Groups already trained or dropped (before a resume): they count as admitted and sent."""
+    dropped: int = 0
+    """Of ``done``, how many were dropped: like failed groups they use none of the budget."""
 
 
 @dataclass
@@ -108,11 +122,18 @@ class Rollouter:
         self.reward_fn = reward_fn
         self.state = state or RolloutState()
         self.version = 0
-        self.admitted = 0
-        self.sent = 0
-        self.failed = 0
+        self.admitted = self.sent = self.state.done
+        self.failed = self.state.dropped
+        self._in_flight: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
+        self._requests: dict[str, int] = {}  # request_id in flight -> engine index
+        self._stopping = False
         self._load = [0] * len(self.engines)
         self._gate = asyncio.Condition()
+        self._where(self.state.next_index)  # the state must fit the dataset
+        for index in self.state.pending:
+            if not 0 <= index < self.state.next_index:
+                raise ValueError(f"RolloutState.pending holds {index}, not below next_index={self.state.next_index}")
+            self._where(index)
 
     # ------------------------------------------------------------------ control
 
@@ -122,6 +143,34 @@ class Rollouter:
             self.version = version
             self._gate.notify_all()
 
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Drain: admit nothing more, cancel in-flight groups, abort their requests on the engines.
+
+        `run` returns once its tasks are gone. Groups already sent stay with the producer (unacked)."""
+        async with self._gate:
+            self._stopping = True
+            self._gate.notify_all()
+        for task in list(self._in_flight.values()):
+            task.cancel()
+        by_engine: dict[int, list[str]] = {}
+        for request_id, e in self._requests.items():
+            by_engine.setdefault(e, []).append(request_id)
+        aborts = [_abort(self.engines[e], ids) for e, ids in by_engine.items()]
+        results = await asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), timeout_s)
+        for e, result in zip(by_engine, results):
+            if isinstance(result, BaseException):
+                log.warning("engine %d did not abort its requests at stop: %s", e, result)
+
+    def snapshot(self) -> dict:
+        """The feed state for a checkpoint (JSON-able): position, plus the ids admitted and not yet
+        sent (``in_flight``) and sent but not acked (``unacked``, when the producer tells)."""
+        unacked = getattr(self.producer, "unacked", None)
+        return {
+            "epoch": self.state.epoch, "next_index": self.state.next_index, "position": self.state.position,
+            "in_flight": sorted(self._in_flight, key=_index_of),
+            "unacked": [g.sample_id for g in unacked] if unacked is not None else [],
+        }
+
     def _admissible(self) -> bool:
         budget = (self.version + 1 + self.cfg.staleness_threshold) * self.cfg.groups_per_sync
         # Failed groups are never trained on, so they do not use up the Trainer's budget.
@@ -129,32 +178,47 @@ class Rollouter:
 
     # ------------------------------------------------------------------ feed
 
-    def _feed(self) -> Iterator[tuple[str, Prompt]]:
-        while True:
-            while self.state.position < len(self.prompts):
-                prompt = self.prompts[self.state.position]
-                sample_id = make_sample_id(self.state.epoch, self.state.next_index)
-                self.state.position += 1
-                self.state.next_index += 1
-                yield sample_id, prompt
-            self.state.epoch += 1
-            self.state.position = 0
+    def _where(self, index: int) -> tuple[int, int]:
+        """``(epoch, row)`` of feed index ``index``: the feed walks the rows in order, epoch after epoch."""
+        n, st = len(self.prompts), self.state
+        offset = st.epoch * n + st.position + index - st.next_index
+        if offset < 0 or st.position > n:
+            raise ValueError(f"feed index {index} does not fit RolloutState(epoch={st.epoch}, position={st.position}, "
+                             f"next_index={st.next_index}) over a dataset of {n} rows (a different dataset?)")
+        return divmod(offset, n)
+
+    def _draw(self) -> tuple[str, Prompt]:
+        """The next prompt to admit: a pending one (a resume's) first, then the next new one."""
+        st = self.state
+        index = st.pending.pop(0) if st.pending else st.next_index
+        epoch, row = self._where(index)
+        if index == st.next_index:
+            st.epoch, st.position = self._where(index + 1)
+            st.next_index += 1
+        return make_sample_id(epoch, index), self.prompts[row]
 
     async def run(self, num_groups: int | None = None) -> None:
-        """Feed prompts until ``num_groups`` groups were sent (forever when None)."""
-        feed = self._feed()
+        """Feed prompts until ``num_groups`` groups were sent in all (forever when None), or `stop`."""
         async with asyncio.TaskGroup() as tg:
-            # Check the limit before drawing: a drawn prompt advances the feed index for good.
             while num_groups is None or self.admitted < num_groups:
-                sample_id, prompt = next(feed)
                 async with self._gate:
-                    await self._gate.wait_for(self._admissible)
+                    await self._gate.wait_for(lambda: self._stopping or self._admissible())
+                    if self._stopping:
+                        break
+                    # Draw only once admitted: every index below next_index was admitted.
+                    sample_id, prompt = self._draw()
                     self.admitted += 1
-                tg.create_task(self._one_group(sample_id, prompt))
+                    self._in_flight[sample_id] = tg.create_task(self._one_group(sample_id, prompt))
 
     # ------------------------------------------------------------------ one prompt
 
     async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
+        try:
+            await self._generate_and_send(sample_id, prompt)
+        finally:
+            self._in_flight.pop(sample_id, None)  # sent, or cancelled by stop()
+
+    async def _generate_and_send(self, sample_id: str, prompt: Prompt) -> None:
         _, index = parse_sample_id(sample_id)
         outcomes = await asyncio.gather(
             *(self._one_response(sample_id, index, k, prompt) for k in range(self.cfg.n)),
@@ -185,12 +249,14 @@ class Rollouter:
         )
         e = min(range(len(self.engines)), key=self._load.__getitem__)
         self._load[e] += 1
+        self._requests[request.request_id] = e
         try:
             result: GenerateResult = await asyncio.wait_for(_call(self.engines[e], request), cfg.request_timeout_s)
         except TimeoutError:
             raise TimeoutError(f"{request.request_id}: no result within request_timeout_s={cfg.request_timeout_s}")
         finally:
             self._load[e] -= 1
+            del self._requests[request.request_id]
         return Trajectory(
             sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=result.response_ids,
             logprobs=result.logprobs, versions=result.versions, finish_reason=result.finish_reason,
@@ -203,6 +269,15 @@ async def _call(engine: Any, request: GenerateRequest) -> GenerateResult:
     if remote is not None:
         return await remote(request)
     return await engine.generate(request)
+
+
+async def _abort(engine: Any, request_ids: list[str]) -> None:
+    remote = getattr(engine.abort, "remote", None)
+    await (remote(request_ids) if remote is not None else engine.abort(request_ids))
+
+
+def _index_of(sample_id: str) -> int:
+    return parse_sample_id(sample_id)[1]
 
 
 def encode_prompts(tokenizer, rows: Iterable[dict], encode: Callable[[Any, str], np.ndarray] | None = None) -> list[Prompt]:

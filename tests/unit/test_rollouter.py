@@ -111,3 +111,87 @@ def test_config_errors_name_the_field():
         RolloutConfig(n=0)
     with pytest.raises(ValueError, match="staleness_threshold"):
         RolloutConfig(staleness_threshold=-1)
+
+
+async def test_a_resume_regenerates_pending_ids_first_with_the_same_tokens_then_continues_the_feed(model_path):
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        cfg = RolloutConfig(n=2, max_tokens=4, groups_per_sync=100, max_concurrent=1, seed=3)
+        first = ListProducer()
+        await asyncio.wait_for(Rollouter(cfg, [engine], first, make_prompts(3), length_reward).run(num_groups=8), 120)
+        # A checkpoint taken at next_index=6 with 0, 1, 3 and 5 trained: 2 and 4 were admitted, not trained.
+        resumed = ListProducer()
+        state = RolloutState(epoch=2, position=0, next_index=6, pending=[2, 4], done=4)
+        r = Rollouter(cfg, [engine], resumed, make_prompts(3), length_reward, state=state)
+        assert r.admitted == 4
+        await asyncio.wait_for(r.run(num_groups=8), 120)
+    finally:
+        await engine.close()
+    assert [g.sample_id for g in resumed.groups] == ["sample_0_2", "sample_1_4", "sample_2_6", "sample_2_7"]
+    assert r.state.next_index == 8 and r.state.pending == []
+    before = {g.sample_id: g for g in first.groups}
+    for g in resumed.groups:  # same id -> same prompt and sampling seeds -> same tokens on the same weights
+        old = before[g.sample_id]
+        assert g.meta["prompt"] == old.meta["prompt"]
+        for t, u in zip(sorted(g.trajectories, key=lambda t: t.index), sorted(old.trajectories, key=lambda t: t.index)):
+            assert np.array_equal(t.response_ids, u.response_ids)
+            np.testing.assert_allclose(t.logprobs, u.logprobs, atol=1e-5)
+
+
+async def test_the_gate_counts_groups_done_before_a_resume(model_path):
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        producer = ListProducer()
+        cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=2, staleness_threshold=0.0)
+        # Resumed at version 2 with 5 groups done, one of them dropped: 4 count against (2 + 1) * 2 = 6.
+        r = Rollouter(cfg, [engine], producer, make_prompts(3), length_reward,
+                      state=RolloutState(next_index=5, done=5, dropped=1))
+        await r.on_sync(2)
+        task = asyncio.create_task(r.run())
+        await until(lambda: len(producer.groups) == 2)
+        await asyncio.sleep(0.3)
+        assert r.admitted == 7 and [g.sample_id for g in producer.groups] == ["sample_0_5", "sample_0_6"]
+        await r.stop()
+        await asyncio.wait_for(task, 30)
+    finally:
+        await engine.close()
+
+
+class HangingEngine:
+    """Generates nothing until its requests are aborted."""
+
+    def __init__(self):
+        self.started, self.aborted = [], []
+        self._events = {}
+
+    async def generate(self, request):
+        self.started.append(request.request_id)
+        await self._events.setdefault(request.request_id, asyncio.Event()).wait()
+        raise AssertionError("an aborted request's result is never awaited")
+
+    async def abort(self, request_ids):
+        self.aborted.extend(request_ids)
+
+
+async def test_stop_drains_in_flight_groups_and_aborts_their_requests():
+    engines = [HangingEngine(), HangingEngine()]
+    producer = ListProducer()
+    cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10, max_concurrent=2)
+    r = Rollouter(cfg, engines, producer, make_prompts(3), length_reward)
+    task = asyncio.create_task(r.run())
+    await until(lambda: sum(len(e.started) for e in engines) == 4)
+    assert r.snapshot() == {"epoch": 0, "next_index": 2, "position": 2, "in_flight": ["sample_0_0", "sample_0_1"],
+                            "unacked": []}
+    await r.stop()
+    await asyncio.wait_for(task, 10)  # run() returns: nothing left in flight
+    assert sorted(rid for e in engines for rid in e.aborted) == sorted(rid for e in engines for rid in e.started)
+    assert producer.groups == [] and r.admitted == 2 and r.snapshot()["in_flight"] == []
+
+
+def test_a_state_that_does_not_fit_the_dataset_is_refused():
+    with pytest.raises(ValueError, match="pending holds 9, not below next_index=4"):
+        Rollouter(RolloutConfig(), [BrokenEngine()], ListProducer(), make_prompts(3), length_reward,
+                  state=RolloutState(next_index=4, position=1, epoch=1, pending=[9]))
+    with pytest.raises(ValueError, match="feed index 1 does not fit"):
+        Rollouter(RolloutConfig(), [BrokenEngine()], ListProducer(), make_prompts(3), length_reward,
+                  state=RolloutState(next_index=4, pending=[1]))  # a feed that started at index 4
