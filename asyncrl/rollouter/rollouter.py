@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.types import GenerateRequest, GenerateResult, Group, SamplingParams, Trajectory, make_sample_id, parse_sample_id
+from asyncrl.types import (CommittedSet, GenerateRequest, GenerateResult, Group, SamplingParams, Trajectory,
+                           make_sample_id, parse_sample_id)
 
 log = logging.getLogger("asyncrl.rollouter")
 
@@ -91,6 +92,24 @@ class RolloutState:
     """Groups already trained or dropped (before a resume): they count as admitted and sent."""
     dropped: int = 0
     """Of ``done``, how many were dropped: like failed groups they use none of the budget."""
+
+    @classmethod
+    def resume(cls, saved: dict, committed: CommittedSet, dropped: int, rows: int) -> RolloutState:
+        """Where a resumed Rollouter starts, from a checkpoint: its feed position ``saved`` (a
+        `Rollouter.snapshot`), the Trainer's ``committed`` set and ``dropped`` count, over a
+        dataset of ``rows`` prompts. Every feed index below ``next_index`` that is not committed
+        was admitted and not trained: it becomes ``pending``. A feed position older than the
+        committed set (saved before the Rollouter died) moves up past the highest committed id.
+        """
+        st = cls(epoch=int(saved.get("epoch", 0)), next_index=int(saved.get("next_index", 0)),
+                 position=int(saved.get("position", 0)))
+        top = committed.max_index() + 1
+        if top > st.next_index:
+            st.epoch, st.position = divmod(st.epoch * rows + st.position + top - st.next_index, rows)
+            st.next_index = top
+        st.pending = committed.missing(st.next_index)
+        st.done, st.dropped = len(committed), dropped
+        return st
 
 
 @dataclass

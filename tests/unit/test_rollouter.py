@@ -195,3 +195,20 @@ def test_a_state_that_does_not_fit_the_dataset_is_refused():
     with pytest.raises(ValueError, match="feed index 1 does not fit"):
         Rollouter(RolloutConfig(), [BrokenEngine()], ListProducer(), make_prompts(3), length_reward,
                   state=RolloutState(next_index=4, pending=[1]))  # a feed that started at index 4
+
+
+def test_resume_state_makes_every_uncommitted_id_below_the_feed_position_pending():
+    from asyncrl.types import CommittedSet
+
+    committed = CommittedSet(f"sample_{i // 3}_{i}" for i in (0, 1, 2, 3, 5, 7))
+    saved = {"epoch": 3, "next_index": 9, "position": 0, "in_flight": ["sample_2_8"], "unacked": ["sample_1_4"]}
+    st = RolloutState.resume(saved, committed, dropped=1, rows=3)
+    assert (st.epoch, st.next_index, st.position) == (3, 9, 0) and st.pending == [4, 6, 8]
+    assert (st.done, st.dropped) == (6, 1)
+    # A feed position saved before ids it had fed were committed (the Rollouter died in between):
+    # the feed moves past the highest committed id; the gaps below it are pending.
+    stale = {"epoch": 1, "next_index": 4, "position": 1}
+    st = RolloutState.resume(stale, committed, dropped=0, rows=3)
+    assert (st.epoch, st.next_index, st.position) == (2, 8, 2) and st.pending == [4, 6]
+    r = Rollouter(RolloutConfig(), [BrokenEngine()], ListProducer(), make_prompts(3), length_reward, state=st)
+    assert [r._draw()[0] for _ in range(3)] == ["sample_1_4", "sample_2_6", "sample_2_8"]
