@@ -20,9 +20,21 @@ import argparse
 import sys
 
 
+SAVED_ARGS = "launch.json"
+"""The run's flags, saved in its run directory so ``--resume`` continues it with the same ones."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    if args.resume is not None:
+        args = _resumed(args, vars(_parser(argparse.SUPPRESS).parse_args(argv)))
+    _check(args)
+    return args
+
+
+def _parser(default=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m asyncrl.launch", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=default)
     place = p.add_argument_group("placement")
     place.add_argument("--rollouter-gpus", type=int, default=0,
                        help="GPUs for inference engines (one vLLM engine per GPU); 0 = built-in engine on CPU")
@@ -48,7 +60,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out = p.add_argument_group("output")
     out.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<time>)")
     out.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    out.add_argument("--resume", default=None, metavar="RUN_DIR",
+                     help="continue the run in RUN_DIR from its latest checkpoint, with its saved flags "
+                          "(flags given here win, e.g. --steps to train further)")
+    if default is argparse.SUPPRESS:  # a parser that returns only the flags given
+        for action in p._actions:
+            action.default = argparse.SUPPRESS
+    return p
+
+
+def _resumed(args: argparse.Namespace, given: dict) -> argparse.Namespace:
+    """The saved flags of the run being resumed, with the ones given now on top."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(args.resume)
+    saved_path = run_dir / SAVED_ARGS
+    if not saved_path.exists():
+        raise SystemExit(_usage(f"--resume {args.resume}: no {SAVED_ARGS} there (not a run directory?)"))
+    saved = json.loads(saved_path.read_text())
+    merged = {**vars(args), **saved, **given, "run_dir": str(run_dir), "resume": args.resume}
+    return argparse.Namespace(**merged)
+
+
+def _check(args: argparse.Namespace) -> None:
+    def error(text: str):
+        raise SystemExit(_usage(text))
+
+    p = argparse.Namespace(error=error)
     for name in ("steps", "n", "groups_per_step", "sync_every", "engines", "trainer_ranks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -58,11 +97,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give both --rollouter-gpus and --trainer-gpus (GPU run) or neither (CPU run)")
     if args.staleness_threshold < 0:
         p.error("--staleness-threshold must be >= 0")
-    return args
+
+
+def _usage(text: str) -> int:
+    print(f"usage: python -m asyncrl.launch [options]\npython -m asyncrl.launch: error: {text}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import json
+    from pathlib import Path
+
+    if args.run_dir is not None and args.resume is None and (Path(args.run_dir) / "checkpoints" / "latest").exists():
+        return _usage(f"--run-dir {args.run_dir} holds a checkpoint already: pass --resume {args.run_dir} to "
+                      "continue that run, or choose another --run-dir")
+    if args.resume is None:
+        import time
+
+        args.run_dir = args.run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        saved = {k: v for k, v in vars(args).items() if k not in ("resume", "run_dir")}
+        (Path(args.run_dir) / SAVED_ARGS).write_text(json.dumps(saved, indent=1) + "\n")
     from asyncrl.pipeline import run
 
     return run(args)

@@ -22,6 +22,8 @@ One asyncio loop, one task group::
   the weight sync (the launcher wraps the coordinator).
 - A response that fails (engine error) fails its whole group, which is still sent, with
   ``status="failed"`` and the error: the Trainer fails closed on it (or drops and counts it).
+  An engine actor that died is left out from then on and its requests go again, same seed, to
+  a live one; only when every engine died do responses fail.
 
 Left out here (later issues): the aggregator's long-tail truncation and the partial buffer,
 and the SkipManager hook.
@@ -145,6 +147,7 @@ class Rollouter:
         self.failed = self.state.dropped
         self._in_flight: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
         self._requests: dict[str, int] = {}  # request_id in flight -> engine index
+        self._dead: dict[int, str] = {}  # engine index -> why it is no longer used
         self._stopping = False
         self._load = [0] * len(self.engines)
         self._gate = asyncio.Condition()
@@ -266,16 +269,29 @@ class Rollouter:
             sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                     seed=cfg.seed + 1000 * index + k),
         )
-        e = min(range(len(self.engines)), key=self._load.__getitem__)
-        self._load[e] += 1
-        self._requests[request.request_id] = e
-        try:
-            result: GenerateResult = await asyncio.wait_for(_call(self.engines[e], request), cfg.request_timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"{request.request_id}: no result within request_timeout_s={cfg.request_timeout_s}")
-        finally:
-            self._load[e] -= 1
-            del self._requests[request.request_id]
+        while True:
+            live = [i for i in range(len(self.engines)) if i not in self._dead]
+            if not live:
+                raise RuntimeError(f"{request.request_id}: every engine died ({'; '.join(self._dead.values())})")
+            e = min(live, key=self._load.__getitem__)
+            self._load[e] += 1
+            self._requests[request.request_id] = e
+            try:
+                result: GenerateResult = await asyncio.wait_for(_call(self.engines[e], request), cfg.request_timeout_s)
+                break
+            except TimeoutError:
+                raise TimeoutError(f"{request.request_id}: no result within request_timeout_s={cfg.request_timeout_s}")
+            except Exception as exc:
+                if not _actor_died(exc):
+                    raise
+                # Same request, same seed, on a live engine: the dead one's partial tokens are simply redone.
+                if e not in self._dead:
+                    self._dead[e] = f"engine {e}: {type(exc).__name__}"
+                    log.warning("engine %d died (%s); its requests go to the %d live engines", e,
+                                type(exc).__name__, len(self.engines) - len(self._dead))
+            finally:
+                self._load[e] -= 1
+                del self._requests[request.request_id]
         return Trajectory(
             sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=result.response_ids,
             logprobs=result.logprobs, versions=result.versions, finish_reason=result.finish_reason,
@@ -293,6 +309,11 @@ async def _call(engine: Any, request: GenerateRequest) -> GenerateResult:
 async def _abort(engine: Any, request_ids: list[str]) -> None:
     remote = getattr(engine.abort, "remote", None)
     await (remote(request_ids) if remote is not None else engine.abort(request_ids))
+
+
+def _actor_died(exc: BaseException) -> bool:
+    # Ray's RayActorError family (ActorDiedError, ActorUnavailableError), without importing ray.
+    return any(c.__name__ == "RayActorError" for c in type(exc).__mro__)
 
 
 def _index_of(sample_id: str) -> int:

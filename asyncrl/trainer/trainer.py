@@ -126,6 +126,9 @@ class Trainer:
         self._records: list[audit.SampleRecord] = []  # audit lines waiting for their step to be durable
         self._log = audit.SampleLog(cfg.samples_path) if cfg.samples_path else None
         self._stop = asyncio.Event()
+        self.broken: str | None = None
+        """Set when a step failed while the ranks were training it: they may hold part of it, so
+        no checkpoint is written from them any more (the last one stays the resume point)."""
         self.restored_rollouter_state: dict = {}
 
     async def restore(self) -> bool:
@@ -227,7 +230,12 @@ class Trainer:
             batch = assemble(chunk, pad_token_id=cfg.worker.pad_token_id,
                              norm_adv_by_std=cfg.worker.algorithm.norm_adv_by_std)
             batches.append(batch)
-            per_batch.append(await self._train_minibatch(batch))
+            try:
+                per_batch.append(await self._train_minibatch(batch))
+            except BaseException as e:
+                # The ranks may hold part of this step's updates: no checkpoint may record them.
+                self.broken = f"step {self.step + 1} failed while training ({type(e).__name__}: {e})"
+                raise
         ids = [g.sample_id for g in groups]
         self.step += 1
         self.committed.update(ids)
@@ -258,6 +266,8 @@ class Trainer:
 
     async def save_checkpoint(self) -> None:
         """Publish a checkpoint of the ranks and the sidecar, then log and ack the groups it made durable."""
+        if self.broken:
+            raise RuntimeError(f"no checkpoint: {self.broken}")
         root = self.cfg.checkpoint_dir
         staged = checkpoint.staging_path(root, self.step)
         await self.ranks.call("save_checkpoint", timeout=self.cfg.step_timeout_s, path=str(staged))

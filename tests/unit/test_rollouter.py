@@ -212,3 +212,28 @@ def test_resume_state_makes_every_uncommitted_id_below_the_feed_position_pending
     assert (st.epoch, st.next_index, st.position) == (2, 8, 2) and st.pending == [4, 6]
     r = Rollouter(RolloutConfig(), [BrokenEngine()], ListProducer(), make_prompts(3), length_reward, state=st)
     assert [r._draw()[0] for _ in range(3)] == ["sample_1_4", "sample_2_6", "sample_2_8"]
+
+
+async def test_a_dead_engine_is_left_out_and_its_requests_go_to_a_live_one(model_path):
+    import ray
+
+    class Dead:
+        calls = 0
+
+        async def generate(self, request):
+            Dead.calls += 1
+            raise ray.exceptions.ActorDiedError()
+
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        producer = ListProducer()
+        cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10, max_concurrent=1)
+        r = Rollouter(cfg, [Dead(), engine], producer, make_prompts(2), length_reward)
+        await asyncio.wait_for(r.run(num_groups=3), 60)
+    finally:
+        await engine.close()
+    assert all(g.complete for g in producer.groups) and len(producer.groups) == 3
+    assert Dead.calls == 1  # tried once, then left out
+    only_dead = Rollouter(cfg, [Dead()], ListProducer(), make_prompts(1), length_reward)
+    await asyncio.wait_for(only_dead.run(num_groups=1), 30)
+    assert "every engine died" in only_dead.producer.groups[0].error
