@@ -1,4 +1,4 @@
-"""``python -m asyncrl.launch``: parse flags, start or join Ray, place the processes, run, shut down.
+"""``python -m asyncrl.launch``: parse, config, plan, start, run, close.
 
 With no flags on a machine without GPUs it runs the CPU demo: the tiny warm-started model
 learns the built-in addition task, fully asynchronously, in a few minutes::
@@ -7,121 +7,247 @@ learns the built-in addition task, fully asynchronously, in a few minutes::
 
 On a GPU cluster (Ray already running, or under ``ray job submit``)::
 
+    python -m asyncrl.launch --config run.yaml trainer.optim.lr=1e-6 rollout.n=16
     python -m asyncrl.launch --rollouter-gpus 8 --trainer-gpus 8 \\
-        --model /models/Qwen2.5-1.5B --dataset data/train.jsonl --reward mypkg.rewards:score
+        --model /models/Qwen2.5-1.5B --dataset data/train.parquet --reward mypkg.rewards:compute_score
 
-Heavy packages (torch, ray, transformers) are imported only after the flags are parsed, so
-``--help`` is instant.
+Settings are `asyncrl.config.RunConfig`: a YAML file (``--config``), then dotted overrides
+(``key.path=value``); the flags below are short aliases of dotted keys. Everything is checked
+before Ray starts (exit 2, one line on stderr). Heavy packages (torch, ray, transformers) are
+imported only after the flags are parsed, so ``--help`` is instant.
+
+A run continues from its latest checkpoint with ``--resume RUN_DIR`` (its ``config.yaml``
+first, then any ``--config``/flags/overrides given, e.g. ``--steps 200`` to train further);
+a run directory that holds a checkpoint is never started over by accident. Ctrl-C or SIGTERM
+stops cleanly (checkpoint, drain, exit 0); a second Ctrl-C stops at once (`asyncrl.shutdown`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import time
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+# flag -> (type, help); each one sets the dotted key asyncrl.config.ALIASES names.
+_FLAGS = {
+    "placement": [
+        ("rollouter_gpus", int, "GPUs for inference engines (one replica per engine.tensor_parallel_size GPUs); "
+                                "0 = built-in engine on CPU"),
+        ("trainer_gpus", int, "GPUs for FSDP2 trainer ranks; 0 = CPU ranks"),
+        ("engines", int, "built-in engine replicas when --rollouter-gpus is 0 (default 1)"),
+        ("trainer_ranks", int, "trainer ranks when --trainer-gpus is 0 (default 1)"),
+        ("nodes", int, "nodes to spread the Rollouter and the Trainer over (default 1)"),
+        ("address", str, "Ray address to join (default: RAY_ADDRESS, else a local Ray)"),
+    ],
+    "model and data": [
+        ("model", str, "local HF model directory (default: the tiny warm-started model)"),
+        ("dataset", str, "JSONL/parquet in verl's layout (default: the built-in task)"),
+        ("val_dataset", str, "validation JSONL/parquet, scored every data.val_every steps"),
+        ("reward", str, "module:function, verl's compute_score(data_source, solution_str, ground_truth, "
+                        "extra_info) or (prompt, response); required with --dataset"),
+    ],
+    "algorithm": [
+        ("steps", int, "train steps to run (default 100)"),
+        ("n", int, "responses per prompt, the group size (default 8)"),
+        ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8)"),
+        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step)"),
+        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead"),
+        ("max_tokens", int, "response budget (default: 6 for the built-in task, else 512)"),
+        ("lr", float, "learning rate (default: 2e-3 for the demo model, else 1e-5)"),
+        ("temperature", float, "sampling temperature (default 1.0)"),
+    ],
+    "output": [
+        ("run_dir", str, "where config.yaml, metrics, the log and checkpoints go (default: runs/<time>)"),
+        ("seed", int, "seed (default 0)"),
+    ],
+}
 
 
-SAVED_ARGS = "launch.json"
-"""The run's flags, saved in its run directory so ``--resume`` continues it with the same ones."""
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line, like every other usage error of the launcher (argparse prints the usage too).
+        self.exit(EXIT_USAGE, f"asyncrl: error: {message} (see --help)\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = _parser().parse_args(argv)
-    if args.resume is not None:
-        args = _resumed(args, vars(_parser(argparse.SUPPRESS).parse_args(argv)))
-    _check(args)
-    return args
+    p = _Parser(prog="python -m asyncrl.launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Any other setting: key.path=value, e.g. trainer.optim.lr=1e-6 "
+                                       "skip.async_rollout.steps=[3,4] (see --print-config for every key).")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides, applied last")
+    p.add_argument("--config", action="append", default=[], metavar="run.yaml",
+                   help="YAML file of settings (repeatable; later files win, overrides win over files)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue the run in RUN_DIR from its latest checkpoint, with its config.yaml "
+                        "(settings given here win)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything, resolve placement against the cluster, print the plan and the config; "
+                        "start nothing heavy")
+    for title, flags in _FLAGS.items():
+        group = p.add_argument_group(title)
+        for name, type_, help_ in flags:
+            # Values stay text: OmegaConf coerces them and names the key when it cannot.
+            group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=type_.__name__.upper(),
+                               help=help_)
+    return p.parse_args(argv)
 
 
-def _parser(default=None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m asyncrl.launch", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=default)
-    place = p.add_argument_group("placement")
-    place.add_argument("--rollouter-gpus", type=int, default=0,
-                       help="GPUs for inference engines (one vLLM engine per GPU); 0 = built-in engine on CPU")
-    place.add_argument("--trainer-gpus", type=int, default=0, help="GPUs for FSDP2 trainer ranks; 0 = CPU ranks")
-    place.add_argument("--engines", type=int, default=1, help="built-in engines when --rollouter-gpus is 0")
-    place.add_argument("--trainer-ranks", type=int, default=1, help="trainer ranks when --trainer-gpus is 0")
-    place.add_argument("--address", default=None, help="Ray address to join (default: RAY_ADDRESS, else a local Ray)")
-    data = p.add_argument_group("model and data")
-    data.add_argument("--model", default=None, help="local HF model directory (default: the tiny warm-started model)")
-    data.add_argument("--dataset", default=None, help="JSONL with a 'prompt' column (default: the built-in task)")
-    data.add_argument("--reward", default=None,
-                      help="reward as module:function(prompt_text, response_text) -> float (default: built-in task)")
-    algo = p.add_argument_group("algorithm")
-    algo.add_argument("--steps", type=int, default=100, help="train steps to run")
-    algo.add_argument("--n", type=int, default=8, help="responses per prompt (group size)")
-    algo.add_argument("--groups-per-step", type=int, default=8, help="groups per train step")
-    algo.add_argument("--sync-every", type=int, default=1, help="train steps per weight sync (trigger_parameter_sync_step)")
-    algo.add_argument("--staleness-threshold", type=float, default=0.5,
-                      help="extra fraction of a sync's groups the Rollouter may generate ahead")
-    algo.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the task's)")
-    algo.add_argument("--lr", type=float, default=None, help="learning rate (default: tuned for the demo)")
-    algo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    out = p.add_argument_group("output")
-    out.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<time>)")
-    out.add_argument("--seed", type=int, default=0)
-    out.add_argument("--resume", default=None, metavar="RUN_DIR",
-                     help="continue the run in RUN_DIR from its latest checkpoint, with its saved flags "
-                          "(flags given here win, e.g. --steps to train further)")
-    if default is argparse.SUPPRESS:  # a parser that returns only the flags given
-        for action in p._actions:
-            action.default = argparse.SUPPRESS
-    return p
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """The flags as dotted overrides (before the explicit ones, which win)."""
+    from asyncrl.config import ALIASES
 
-
-def _resumed(args: argparse.Namespace, given: dict) -> argparse.Namespace:
-    """The saved flags of the run being resumed, with the ones given now on top."""
-    import json
-    from pathlib import Path
-
-    run_dir = Path(args.resume)
-    saved_path = run_dir / SAVED_ARGS
-    if not saved_path.exists():
-        raise SystemExit(_usage(f"--resume {args.resume}: no {SAVED_ARGS} there (not a run directory?)"))
-    saved = json.loads(saved_path.read_text())
-    merged = {**vars(args), **saved, **given, "run_dir": str(run_dir), "resume": args.resume}
-    return argparse.Namespace(**merged)
-
-
-def _check(args: argparse.Namespace) -> None:
-    def error(text: str):
-        raise SystemExit(_usage(text))
-
-    p = argparse.Namespace(error=error)
-    for name in ("steps", "n", "groups_per_step", "sync_every", "engines", "trainer_ranks"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.rollouter_gpus < 0 or args.trainer_gpus < 0:
-        p.error("--rollouter-gpus and --trainer-gpus must be >= 0")
-    if (args.rollouter_gpus > 0) != (args.trainer_gpus > 0):
-        p.error("give both --rollouter-gpus and --trainer-gpus (GPU run) or neither (CPU run)")
-    if args.staleness_threshold < 0:
-        p.error("--staleness-threshold must be >= 0")
-
-
-def _usage(text: str) -> int:
-    print(f"usage: python -m asyncrl.launch [options]\npython -m asyncrl.launch: error: {text}", file=sys.stderr)
-    return 2
+    given = [f"{ALIASES[name]}={getattr(args, name)}" for _, flags in _FLAGS.items() for name, _, _ in flags
+             if getattr(args, name) is not None]
+    return given + list(args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import json
-    from pathlib import Path
+    args = parse_args(argv)                                              # parse
+    from asyncrl.config import ConfigError, load_config, to_yaml
+    from asyncrl.data import DataError
+    from asyncrl.placement import PlacementError
 
-    if args.run_dir is not None and args.resume is None and (Path(args.run_dir) / "checkpoints" / "latest").exists():
-        return _usage(f"--run-dir {args.run_dir} holds a checkpoint already: pass --resume {args.run_dir} to "
-                      "continue that run, or choose another --run-dir")
+    try:
+        cfg, resolved = load_config(*config_layers(args))                # config
+        if args.print_config:
+            print(to_yaml(resolved), end="")
+            return 0
+        preflight(cfg)                                                   # checked before Ray starts
+    except (ConfigError, DataError) as e:
+        return _usage_error(e)
+
+    from asyncrl import placement
+
+    cluster = placement.connect(cfg.placement, cpu_actors=cfg.engine_replicas + cfg.trainer_world_size + 1)
+    try:
+        try:
+            plan = placement.make_plan(cfg, cluster)                     # plan
+        except PlacementError as e:
+            return _usage_error(e)
+        if args.dry_run:
+            print(dry_run(plan))
+            print(to_yaml(resolved), end="")
+            return 0
+        try:
+            run_dir = _make_run_dir(cfg, resolved, resume=args.resume is not None)
+        except ConfigError as e:
+            return _usage_error(e)
+        return asyncio.run(run(cfg, plan, run_dir))                      # start, run, close
+    finally:
+        placement.disconnect(cluster)
+
+
+def config_layers(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """YAML files and overrides: a resumed run's own config.yaml first, its run dir kept."""
+    from asyncrl.config import ConfigError
+
+    overrides = overrides_of(args)
     if args.resume is None:
-        import time
+        return list(args.config), overrides
+    run_dir = Path(args.resume)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
+    if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
+        raise ConfigError(f"--resume {args.resume} continues that run in its own directory; drop --run-dir")
+    return [str(run_dir / "config.yaml"), *args.config], [*overrides, f"run_dir={run_dir}"]
 
-        args.run_dir = args.run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-        saved = {k: v for k, v in vars(args).items() if k not in ("resume", "run_dir")}
-        (Path(args.run_dir) / SAVED_ARGS).write_text(json.dumps(saved, indent=1) + "\n")
-    from asyncrl.pipeline import run
 
-    return run(args)
+def _usage_error(e: Exception) -> int:
+    print(f"asyncrl: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def preflight(cfg) -> None:
+    """What can be checked without Ray: the model directory, every dataset row, the reward."""
+    from asyncrl import data
+
+    if cfg.model.path is not None:
+        data.check_model_dir(cfg.model.path)
+    sets = {name: data.read_rows(path) for name, path in (("train", cfg.data.train), ("val", cfg.data.val)) if path}
+    if cfg.data.reward is not None:
+        data.load_reward(cfg.data.reward)
+    chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
+    if chat and cfg.model.path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        for name, rows in chat.items():
+            data.check_renderable(tokenizer, rows, getattr(cfg.data, name))
+
+
+def dry_run(plan) -> str:
+    """Reserve the plan's placement groups (no process starts), describe them, release them."""
+    plan.reserve()
+    try:
+        for name in plan.groups:
+            reserved = plan.reserved_nodes(name)
+            slots = [plan.rollouter, *plan.engines] if name == "rollout" else plan.ranks
+            moved = [s.process for s in slots if reserved.get(s.bundle) != s.node.node_id]
+            if moved:
+                raise RuntimeError(f"Ray reserved {moved} on other nodes than planned")
+        return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
+    finally:
+        plan.release()
+
+
+def _make_run_dir(cfg, resolved, resume: bool = False) -> Path:
+    from omegaconf import OmegaConf
+
+    from asyncrl.config import ConfigError
+
+    run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    if not resume and (run_dir / "checkpoints" / "latest").exists():
+        raise ConfigError(f"run_dir {run_dir} holds a checkpoint already: --resume {run_dir} continues that "
+                          "run; or choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(resolved, run_dir / "config.yaml")
+    return run_dir
+
+
+async def run(cfg, plan, run_dir: Path) -> int:
+    """Start every process on its planned place, train to step ``cfg.steps``, close everything.
+
+    The first SIGINT/SIGTERM stops cleanly: the step in hand is finished or abandoned, a
+    checkpoint written, the processes closed in order, exit 0. A second one stops at once.
+    """
+    from asyncrl.processes import start
+    from asyncrl.progress import train
+    from asyncrl.shutdown import EXIT_INTERRUPTED, GracefulStop
+
+    procs = None
+
+    def on_stop() -> None:
+        if procs is not None:
+            procs.trainer.request_stop()
+        else:
+            stop.task.cancel()  # still starting: nothing to checkpoint
+
+    stop = GracefulStop(on_stop)
+    try:
+        with stop:
+            procs = await start(cfg, plan, run_dir)                                # start
+            if stop.requested:
+                procs.trainer.request_stop()
+            await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n)  # run
+            if stop.requested:
+                print(f"asyncrl: stopped cleanly at step {procs.trainer.step} ({stop.requested}); continue with: "
+                      f"python -m asyncrl.launch --resume {run_dir}", flush=True)
+        return 0
+    except asyncio.CancelledError:
+        if stop.hard is not None:
+            return EXIT_INTERRUPTED
+        if stop.requested is not None:
+            print(f"asyncrl: stopped while starting ({stop.requested})", flush=True)
+            return 0
+        raise
+    finally:
+        if procs is not None:
+            await procs.close(drain=stop.hard is None)                    # close
 
 
 if __name__ == "__main__":

@@ -62,6 +62,8 @@ class ConsumerStats:
     """Groups sent under an earlier consumer session (the producer re-sends them)."""
     malformed: int = 0
     """Messages rejected: foreign, garbage, wrong version, undecodable group."""
+    rejected_peers: int = 0
+    """Connection attempts whose CURVE handshake failed (a peer without the run's keys)."""
 
 
 @dataclass
@@ -87,6 +89,8 @@ class StreamConsumer:
         self.config = config or StreamConfig()
         self.session = uuid.uuid4().hex
         self.stats = ConsumerStats()
+        self.endpoint = self.config.endpoint
+        """The endpoint bound (a ``:*`` port resolved once started): what producers connect to."""
         self._committed = CommittedSet(committed)
         self._holders: dict[str, list[bytes]] = {}  # sample_id held now -> peers that sent it
         self._delivered: set[str] = set()
@@ -113,10 +117,11 @@ class StreamConsumer:
         if self.config.keep_freed_memory:
             keep_freed_memory()
         sock = StreamSocket(
-            zmq.ROUTER, max_frame_bytes=self.config.max_frame_bytes, buffer_bytes=self.config.socket_buffer_bytes
+            zmq.ROUTER, max_frame_bytes=self.config.max_frame_bytes, buffer_bytes=self.config.socket_buffer_bytes,
+            curve=self.config.curve, on_reject=self._on_rejected_peer,
         )
         try:
-            sock.bind(self.config.endpoint)
+            self.endpoint = sock.bind(self.config.endpoint)
         except zmq.ZMQError as e:
             await sock.close()
             raise StreamError(f"cannot bind StreamConfig.endpoint={self.config.endpoint!r}: {e}") from e
@@ -126,6 +131,13 @@ class StreamConsumer:
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
         log.info("stream consumer bound %s (session %s, window %d)", self.config.endpoint, self.session, self.config.window)
+
+    def _on_rejected_peer(self) -> None:
+        # Called from the CURVE monitor's thread; a counter bump is safe under the GIL.
+        self.stats.rejected_peers += 1
+        if self.stats.rejected_peers <= 10 or self.stats.rejected_peers % 1000 == 0:
+            log.warning("stream consumer refused a peer without the run's CURVE keys (%d so far)",
+                        self.stats.rejected_peers)
 
     async def close(self) -> None:
         """Send the last acks, stop the I/O loop and close the socket.

@@ -105,7 +105,7 @@ class StreamProducer:
             keep_freed_memory()
         sock = StreamSocket(
             zmq.DEALER, routing_id=f"{self.producer_id}/{self.incarnation}".encode(),
-            buffer_bytes=self.config.socket_buffer_bytes,
+            buffer_bytes=self.config.socket_buffer_bytes, curve=self.config.curve,
         )
         sock.connect(self.config.endpoint)
         self._sock = sock

@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 
 from asyncrl.queue.codec import DEFAULT_MAX_FRAME_BYTES
+from asyncrl.queue.security import CurveKeys
 
 MAGIC = b"asyncrl-stream"
 PROTOCOL_VERSION = 2
@@ -83,6 +84,10 @@ class StreamConfig:
     send_timeout_s: float | None = None
     """Deadline of ``producer.send`` waiting for credit; None waits as long as the consumer
     needs (backpressure by design)."""
+    curve: CurveKeys | None = None
+    """ZeroMQ CURVE keys (`asyncrl.queue.security`): the consumer authenticates producers and
+    every message is encrypted. The launcher makes them per run when the stream leaves
+    loopback; None: plain TCP (loopback)."""
 
     def __post_init__(self) -> None:
         if "://" not in self.endpoint:

@@ -20,9 +20,12 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import zmq
+
+from asyncrl.queue.security import CurveGuard, CurveKeys, apply_curve
 
 log = logging.getLogger("asyncrl.queue")
 
@@ -69,11 +72,17 @@ class StreamSocket:
 
     def __init__(
         self, kind: int, *, routing_id: bytes | None = None, max_frame_bytes: int | None = None,
-        buffer_bytes: int | None = None,
+        buffer_bytes: int | None = None, curve: CurveKeys | None = None,
+        on_reject: Callable[[], None] | None = None,
     ) -> None:
         # An own context, so close() can wait for the last messages to leave (ctx.term).
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(kind)
+        self.guard: CurveGuard | None = None
+        if curve is not None:  # the ROUTER is the consumer: the CURVE server
+            apply_curve(self._sock, curve, server=kind == zmq.ROUTER)
+            if kind == zmq.ROUTER:
+                self.guard = CurveGuard(self._ctx, self._sock, curve, on_reject)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
@@ -89,8 +98,10 @@ class StreamSocket:
         self._fd = self._sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._fd, self._readable.set)
 
-    def bind(self, endpoint: str) -> None:
+    def bind(self, endpoint: str) -> str:
+        """Bind; returns the endpoint bound (a ``:*`` or ``:0`` port resolved to the one taken)."""
         self._sock.bind(endpoint)
+        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, endpoint: str) -> None:
         self._sock.connect(endpoint)
@@ -121,5 +132,7 @@ class StreamSocket:
     async def close(self, linger_s: float = 0.0) -> None:
         """Close; queued messages get up to ``linger_s`` seconds to leave before they are dropped."""
         self._loop.remove_reader(self._fd)
+        if self.guard is not None:
+            self.guard.close()
         self._sock.close(linger=int(linger_s * 1000))
         await self._loop.run_in_executor(None, self._ctx.term)

@@ -32,8 +32,9 @@ and the SkipManager hook.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,11 +128,12 @@ class Rollouter:
     """Generates groups from ``prompts`` on ``engines`` and sends them on ``producer``.
 
     ``engines`` are EngineActor handles (``.generate.remote``) or in-process engines
-    (awaitable ``generate``); ``reward_fn(prompt_text, response_ids) -> float``.
+    (awaitable ``generate``); ``reward_fn(prompt, response_ids) -> float`` (or an awaitable of
+    one) gets the `Prompt` (its text and row meta) and the response's token ids.
     """
 
     def __init__(self, cfg: RolloutConfig, engines: Sequence[Any], producer: Any, prompts: Sequence[Prompt],
-                 reward_fn: Callable[[str, np.ndarray], float], *, state: RolloutState | None = None):
+                 reward_fn: Callable[[Prompt, np.ndarray], float | Awaitable[float]], *, state: RolloutState | None = None):
         if not engines:
             raise ValueError("Rollouter needs at least one engine")
         if not prompts:
@@ -292,10 +294,13 @@ class Rollouter:
             finally:
                 self._load[e] -= 1
                 del self._requests[request.request_id]
+        reward = self.reward_fn(prompt, result.response_ids)
+        if inspect.isawaitable(reward):
+            reward = await reward
         return Trajectory(
             sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=result.response_ids,
             logprobs=result.logprobs, versions=result.versions, finish_reason=result.finish_reason,
-            reward=float(self.reward_fn(prompt.text, result.response_ids)),
+            reward=float(reward),
         )
 
 

@@ -23,7 +23,7 @@ _EXPORTS = {
     "BucketLayout": "asyncrl.sync.buckets",
     "plan_buckets": "asyncrl.sync.buckets",
     "WeightSyncCoordinator": "asyncrl.sync.coordinator",
-    "WeightSyncConfig": "asyncrl.sync.coordinator",
+    "WeightSyncConfig": "asyncrl.sync.config",
     "WeightSyncer": "asyncrl.sync.coordinator",
 }
 

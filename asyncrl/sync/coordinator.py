@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from asyncrl.sync.config import WeightSyncConfig
 from asyncrl.sync.sender import WeightSyncError
 
 
@@ -47,49 +48,6 @@ class WeightSyncer(Protocol):
     async def sync(self) -> int:
         """Run one weight sync; return the new version."""
         ...
-
-
-@dataclass(kw_only=True)
-class WeightSyncConfig:
-    """Settings of the weight sync."""
-
-    bucket_mb: float = 4.0
-    """Size of one packed bucket in MiB (a larger tensor travels alone, from its own memory,
-    and lands straight in an engine parameter that has the ``weight_views`` hook). 4 beat 16
-    and 1 on the 2-core CPU bench (500 MB, hidden 1024): 96% of the bytes go unpacked, in
-    71 buckets; 16 packs half the model (two copies per byte), 1 sends 111 buckets."""
-    backend: str = "auto"
-    """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is available)."""
-    master_addr: str = "127.0.0.1"
-    """Address trainer rank 0 hosts the sync group's store on; it must reach every engine.
-    ``auto`` = rank 0's Ray node address (multi-node); the loopback default suits one machine."""
-    master_port: int = 0
-    """Port of that store; 0 = a free port picked by trainer rank 0."""
-    workers_per_engine: int = 1
-    """Group ranks each engine occupies (its tensor/pipeline-parallel workers)."""
-    connect_timeout_s: float = 120.0
-    """Deadline of forming the sync group (all engines joining)."""
-    pause_timeout_s: float = 60.0
-    """Deadline of ``pause(keep)`` on every engine, and of the liveness ping after a failure."""
-    transfer_timeout_s: float = 300.0
-    """Deadline of one broadcast + load of the whole model (also every collective's timeout)."""
-    resume_timeout_s: float = 60.0
-    """Deadline of ``resume()`` on every engine."""
-    retries: int = 1
-    """Re-sends to the live engines over a re-formed group after a failed transfer."""
-
-    def __post_init__(self) -> None:
-        if self.bucket_mb <= 0:
-            raise ValueError(f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"WeightSyncConfig.backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
-        if self.workers_per_engine < 1:
-            raise ValueError(f"WeightSyncConfig.workers_per_engine must be >= 1, got {self.workers_per_engine}")
-        for name in ("connect_timeout_s", "pause_timeout_s", "transfer_timeout_s", "resume_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"WeightSyncConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.retries < 0:
-            raise ValueError(f"WeightSyncConfig.retries must be >= 0, got {self.retries}")
 
 
 @dataclass

@@ -31,15 +31,23 @@ class RankGroup:
         self.world_size = len(self.workers)
 
     @classmethod
-    def start_ray(cls, cfg: TrainerConfig) -> RankGroup:
-        """Start ``cfg.world_size`` rank actors on the connected Ray cluster and wait until all are up."""
+    def start_ray(cls, cfg: TrainerConfig, actor_options: Sequence[dict] | None = None) -> RankGroup:
+        """Start ``cfg.world_size`` rank actors on the connected Ray cluster and wait until all are up.
+
+        ``actor_options[r]`` (Ray actor options, e.g. a placement-group bundle) places rank ``r``;
+        without them each rank reserves ``cpus_per_rank`` / ``gpus_per_rank`` anywhere.
+        """
         import ray
 
         port = free_port()
-        actor = ray.remote(TrainerWorker).options(num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank)
+        default = {"num_cpus": cfg.cpus_per_rank, "num_gpus": cfg.gpus_per_rank}
+        options = list(actor_options) if actor_options is not None else [default] * cfg.world_size
+        if len(options) != cfg.world_size:
+            raise ValueError(f"actor_options has {len(options)} entries for world_size={cfg.world_size}")
         workers = [
-            actor.remote(cfg.worker, rank=r, world_size=cfg.world_size, master_port=port,
-                         init_timeout_s=cfg.rank_start_timeout_s)
+            ray.remote(TrainerWorker).options(**options[r]).remote(
+                cfg.worker, rank=r, world_size=cfg.world_size, master_port=port,
+                init_timeout_s=cfg.rank_start_timeout_s)
             for r in range(cfg.world_size)
         ]
         group = cls(workers, remote=True)

@@ -87,8 +87,8 @@ async def rollout(engine, tokenizer, rows: list[dict], *, first_index: int, n: i
     cfg = RolloutConfig(n=n, max_tokens=max_tokens, temperature=temperature, groups_per_sync=len(rows),
                         max_concurrent=len(rows), seed=seed)
 
-    def reward(text: str, response_ids: np.ndarray) -> float:
-        return arithmetic.reward(text, arithmetic.decode_response(tokenizer, response_ids))
+    def reward(prompt, response_ids: np.ndarray) -> float:
+        return arithmetic.reward(prompt.text, arithmetic.decode_response(tokenizer, response_ids))
 
     prompts = encode_prompts(tokenizer, rows, encode=arithmetic.encode_prompt)
     rollouter = Rollouter(cfg, [engine], collected, prompts, reward, state=RolloutState(next_index=first_index))

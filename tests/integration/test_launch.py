@@ -33,7 +33,7 @@ def test_bad_flags_name_the_flag():
     assert out.returncode == 2 and "--trainer-gpus" in out.stderr
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--steps", "0"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 2 and "--steps must be >= 1" in out.stderr
+    assert out.returncode == 2 and "steps (--steps) must be >= 1" in out.stderr
 
 
 @pytest.mark.timeout(400)
@@ -59,6 +59,13 @@ def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
     assert all(r["groups"] == 3 for r in rows)
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
     assert "step   4/4" in out and "mean reward" in out
+    # The resolved config and the per-step log are in the run directory.
+    from asyncrl.config import load_config
+
+    cfg, _ = load_config([str(run_dir / "config.yaml")], [])
+    assert (cfg.steps, cfg.rollout.n, cfg.trainer.trigger_parameter_sync_step, cfg.model.path) == (4, 4, 2, str(model))
+    log = (run_dir / "train.log").read_text().splitlines()
+    assert len(log) == 4 and log[-1].startswith("step   4/4")
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert ckpts
     sidecars = [json.loads(p.read_text()) for p in (run_dir / "checkpoints").rglob("*.json")]

@@ -46,7 +46,7 @@ async def until(predicate, timeout=60.0):
     await asyncio.wait_for(poll(), timeout)
 
 
-def length_reward(prompt_text, response_ids):
+def length_reward(prompt, response_ids):
     return float(len(response_ids))
 
 

@@ -1,0 +1,524 @@
+"""`RunConfig`: the whole run's typed config, composed of the parts' own dataclasses.
+
+::
+
+    steps, seed, run_dir
+    model            ModelConfig             which weights (a local HF directory, or the tiny demo model)
+    data             DataConfig              train / validation files, reward function
+    rollout          RolloutConfig           (asyncrl.rollouter) n, max_tokens, temperature, staleness
+    engine           EngineConfig            built-in torch engine or vLLM, tensor parallel size
+    trainer          TrainerSection          (asyncrl.trainer) TrainerConfig's loop + WorkerConfig's optim/algorithm
+    weight_sync      WeightSyncConfig        (asyncrl.sync)
+    stream           StreamConfig            (asyncrl.queue)
+    partial_rollout  PartialRolloutConfig    long-tail truncation
+    skip             SkipConfig              rollout cache/replay per role
+    metrics          MetricsConfig           sinks
+    placement        PlacementConfig         GPUs, replicas, ranks, nodes, Ray address
+
+OmegaConf does the merging: the dataclasses are the schema, a YAML file and dotted overrides
+(``trainer.optim.lr=1e-6 skip.async_rollout.steps=[3,4]``) merge into it with type coercion,
+and an unknown key or a value of the wrong type is an error naming its dotted path. Values
+that follow from others are interpolations in the defaults (``rollout.groups_per_sync`` is
+``${trainer.groups_per_batch} * require_batches * trigger_parameter_sync_step``,
+``trainer.algorithm.temperature`` is ``${rollout.temperature}``); a user may set one, and
+`check` then fails if it contradicts the values it follows from, naming both.
+
+Every error here is a `ConfigError` whose message is one line naming the dotted path (and the
+launcher flag, when the value came from one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl.queue.protocol import StreamConfig
+from asyncrl.rollouter.rollouter import RolloutConfig
+from asyncrl.sync.config import WeightSyncConfig
+from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line naming the setting(s)."""
+
+
+# ---------------------------------------------------------------------------------- sections
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy's weights."""
+
+    path: str | None = None
+    """Local Hugging Face model directory (config.json + weights + tokenizer); None: the tiny
+    warm-started demo model (built at first use, cached)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompts and how responses are scored (verl's dataset layout, see `asyncrl.data`)."""
+
+    train: str | None = None
+    """JSONL or parquet file of prompts; None: the built-in arithmetic task."""
+    val: str | None = None
+    """Validation file (same layout), scored greedily every ``val_every`` steps under ``val/``."""
+    val_every: int = 10
+    """Train steps between two validations (and one after the last step)."""
+    reward: str | None = None
+    """``module:function``: verl's ``compute_score(data_source, solution_str, ground_truth,
+    extra_info)`` or ``(prompt, response)``, sync or async; required with ``train``."""
+
+    def __post_init__(self) -> None:
+        if self.val_every < 1:
+            raise ValueError(f"val_every must be >= 1, got {self.val_every}")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The inference engine every replica runs (`asyncrl.rollouter.actor.make_engine`)."""
+
+    kind: Literal["auto", "torch", "vllm"] = "auto"
+    """``auto``: vLLM when the Rollouter has GPUs, else the built-in torch engine."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine replica (vLLM); replicas = ``placement.rollouter_gpus / tensor_parallel_size``."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of each GPU one vLLM replica may take."""
+    max_model_len: int | None = None
+    """Prompt + response token limit; None: the model's."""
+    max_running: int = 32
+    """Built-in engine: requests decoded together in one batched forward."""
+    enforce_eager: bool = False
+    """vLLM: skip CUDA graph capture (faster start, slower decode)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Other vLLM ``AsyncEngineArgs`` fields, passed as given."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """Where the processes run on the Ray cluster."""
+
+    rollouter_gpus: int = 0
+    """GPUs for the engine replicas; 0: built-in engines on CPU."""
+    trainer_gpus: int = 0
+    """GPUs for the FSDP2 trainer ranks (one rank each); 0: CPU ranks."""
+    engines: int = 1
+    """Engine replicas when ``rollouter_gpus`` is 0."""
+    trainer_ranks: int = 1
+    """Trainer ranks when ``trainer_gpus`` is 0."""
+    nodes: int = 1
+    """Nodes to spread over: GPU runs put the Rollouter's and the Trainer's GPUs on separate
+    nodes when 2 or more; CPU runs put the Rollouter with its engines on one node, the Trainer's
+    ranks on another."""
+    gpus_per_node: int | None = None
+    """GPUs to use on each node; None: what the cluster reports."""
+    address: str | None = None
+    """Ray cluster to join (``auto``, ``ray://...``, ``host:port``); None: ``RAY_ADDRESS`` if set
+    (so ``ray job submit`` works), else a local Ray started for the run."""
+    ready_timeout_s: float = 600.0
+    """Deadline for every engine replica and the Rollouter to load and report ready."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollouter_gpus", "trainer_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("engines", "trainer_ranks", "nodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1 or None, got {self.gpus_per_node}")
+        if self.ready_timeout_s <= 0:
+            raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+
+
+# Placeholders until the owning parts land theirs (#11 partial rollout, #12 skip, #16 metrics):
+# the same names and fields, so a run config written today stays valid.
+
+
+@dataclass(kw_only=True)
+class PartialRolloutConfig:
+    """Long-tail truncation across every engine replica (not wired yet)."""
+
+    enable: bool = False
+    """Truncate a round's unfinished requests at ``threshold``."""
+    threshold: int | None = None
+    """Finished trajectories that end a round; None: ``rollout.groups_per_sync * rollout.n``."""
+    max_age: int = 4
+    """Truncations a response may survive."""
+
+    def __post_init__(self) -> None:
+        if self.threshold is not None and self.threshold < 1:
+            raise ValueError(f"threshold must be >= 1 (or None for the default), got {self.threshold}")
+        if self.max_age < 0:
+            raise ValueError(f"max_age must be >= 0, got {self.max_age}")
+
+
+@dataclass(kw_only=True)
+class SkipRoleConfig:
+    """Cache/replay of one role's calls (not wired yet)."""
+
+    enable: bool = False
+    dump_dir: str | None = None
+    steps: list[int] = field(default_factory=list)
+    action: Literal["cache", "repeat"] = "cache"
+
+
+@dataclass(kw_only=True)
+class SkipConfig:
+    """SkipManager roles (not wired yet)."""
+
+    rollout: SkipRoleConfig = field(default_factory=SkipRoleConfig)
+    async_rollout: SkipRoleConfig = field(default_factory=SkipRoleConfig)
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Metric sinks (not wired yet: the launcher writes ``metrics.jsonl`` and a progress view)."""
+
+    sinks: list[str] = field(default_factory=lambda: ["jsonl", "console"])
+
+
+# ------------------------------------------------------------------------------ trainer
+
+
+# The Trainer's section is TrainerConfig without what the run decides (the ranks come from
+# placement, the checkpoint directory and samples.jsonl from run_dir) plus WorkerConfig's computing knobs, so the
+# optimizer is ``trainer.optim`` as verl users type it. Fields, types and defaults are the
+# owners' own: a knob added to TrainerConfig or WorkerConfig appears here by itself.
+_FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_dir", "samples_path",
+                          "model_path", "pad_token_id", "seed", "engine_kind"}
+_SECTION_DEFAULTS = {"micro_batch_size": 16, "groups_per_batch": 8}
+
+
+def _trainer_section() -> type:
+    fields = []
+    for owner in (WorkerConfig, TrainerConfig):
+        hints = typing.get_type_hints(owner)
+        for f in dataclasses.fields(owner):
+            if f.name in _FROM_PLACEMENT_OR_RUN:
+                continue
+            spec = dataclasses.field(default_factory=f.default_factory) \
+                if f.default_factory is not dataclasses.MISSING \
+                else dataclasses.field(default=_SECTION_DEFAULTS.get(f.name, f.default))
+            fields.append((f.name, hints[f.name], spec))
+    section = dataclasses.make_dataclass("TrainerSection", fields, kw_only=True)
+    section.__module__ = __name__
+    return section
+
+
+TrainerSection = _trainer_section()
+TrainerSection.__doc__ = "The Trainer: its loop (TrainerConfig) and per-rank computing (WorkerConfig)."
+_WORKER_KEYS = [f.name for f in dataclasses.fields(WorkerConfig) if f.name not in _FROM_PLACEMENT_OR_RUN]
+
+
+# --------------------------------------------------------------------------------- root
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """One run: every part's settings. Build it with `load_config`."""
+
+    steps: int = 100
+    """Train steps to run."""
+    seed: int = 0
+    """Seeds the dataset order of the built-in task, every request's sampler and torch."""
+    run_dir: str | None = None
+    """Where config.yaml, metrics.jsonl, the log and checkpoints go; None: runs/<time>."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)  # type: ignore[valid-type]
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    skip: SkipConfig = field(default_factory=SkipConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+    # What the parts need, built from the sections.
+
+    @property
+    def gpu(self) -> bool:
+        return self.placement.rollouter_gpus > 0
+
+    @property
+    def engine_kind(self) -> str:
+        if self.engine.kind != "auto":
+            return self.engine.kind
+        return "vllm" if self.gpu else "torch"
+
+    @property
+    def engine_replicas(self) -> int:
+        p = self.placement
+        return p.rollouter_gpus // self.engine.tensor_parallel_size if self.gpu else p.engines
+
+    @property
+    def trainer_world_size(self) -> int:
+        return self.placement.trainer_gpus if self.gpu else self.placement.trainer_ranks
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.trainer.groups_per_batch * self.trainer.require_batches
+
+    def trainer_config(self, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None,
+                       samples_path: str | None = None) -> TrainerConfig:
+        t = self.trainer
+        worker = WorkerConfig(model_path=model_path, pad_token_id=pad_token_id, seed=self.seed,
+                              engine_kind=self.engine_kind, **{k: getattr(t, k) for k in _WORKER_KEYS})
+        loop = {f.name: getattr(t, f.name) for f in dataclasses.fields(TrainerConfig)
+                if f.name not in _FROM_PLACEMENT_OR_RUN}
+        return TrainerConfig(worker=worker, world_size=self.trainer_world_size,
+                             gpus_per_rank=1.0 if self.placement.trainer_gpus else 0.0,
+                             checkpoint_dir=checkpoint_dir, samples_path=samples_path, **loop)
+
+    def engine_kwargs(self, model_path: str) -> dict:
+        """Keyword settings of one engine replica (`make_engine(kind, **these)`)."""
+        e = self.engine
+        if self.engine_kind == "vllm":
+            return dict(model_path=model_path, seed=self.seed, tensor_parallel_size=e.tensor_parallel_size,
+                        gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
+                        enforce_eager=e.enforce_eager, engine_kwargs=dict(e.engine_kwargs))
+        return dict(model_path=model_path, seed=self.seed, max_running=e.max_running, max_model_len=e.max_model_len)
+
+
+# ------------------------------------------------------------------------ derived values
+
+
+def _window(per_step: int, checkpoint_every: int, per_sync: int, staleness: float) -> int:
+    # Groups are acked once the checkpoint holding their step is written, so the window covers
+    # a checkpoint interval plus what the Rollouter may run ahead of the next sync.
+    return per_step * checkpoint_every + int((1 + staleness) * per_sync) + 1
+
+
+OmegaConf.register_resolver("asyncrl.mul", lambda *xs: _product(xs), replace=True)
+OmegaConf.register_resolver("asyncrl.min", lambda *xs: min(xs), replace=True)
+OmegaConf.register_resolver("asyncrl.max", lambda *xs: max(xs), replace=True)
+OmegaConf.register_resolver("asyncrl.window", _window, replace=True)
+
+
+def _product(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+_PER_STEP = "${asyncrl.mul:${trainer.groups_per_batch},${trainer.require_batches}}"
+_PER_SYNC = ("${asyncrl.mul:${trainer.groups_per_batch},${trainer.require_batches},"
+             "${trainer.trigger_parameter_sync_step}}")
+DERIVED: dict[str, str] = {
+    "rollout.groups_per_sync": _PER_SYNC,
+    "rollout.max_concurrent": "${asyncrl.max:4,${trainer.groups_per_batch}}",
+    "rollout.seed": "${seed}",
+    "trainer.algorithm.temperature": "${rollout.temperature}",
+    "trainer.checkpoint_every": "${asyncrl.min:10,${steps}}",
+    "stream.window": (f"${{asyncrl.window:{_PER_STEP},${{trainer.checkpoint_every}},{_PER_SYNC},"
+                      "${rollout.staleness_threshold}}"),
+}
+"""Defaults that follow from other values (interpolations, resolved when the config is)."""
+
+DEMO_DEFAULTS = {"trainer.optim.lr": 2e-3}
+"""Defaults when no model is given: the tiny demo model learns fast at a high rate."""
+BUILTIN_TASK_DEFAULTS = {"rollout.max_tokens": 6}
+"""Defaults when no dataset is given: the built-in task's answers are a few tokens."""
+REAL_DEFAULTS = {"rollout.max_tokens": 512}
+
+# Launcher flags kept as short aliases of dotted keys (the launcher's --help lists them).
+ALIASES: dict[str, str] = {
+    "rollouter_gpus": "placement.rollouter_gpus",
+    "trainer_gpus": "placement.trainer_gpus",
+    "engines": "placement.engines",
+    "trainer_ranks": "placement.trainer_ranks",
+    "nodes": "placement.nodes",
+    "address": "placement.address",
+    "model": "model.path",
+    "dataset": "data.train",
+    "val_dataset": "data.val",
+    "reward": "data.reward",
+    "steps": "steps",
+    "n": "rollout.n",
+    "groups_per_step": "trainer.groups_per_batch",
+    "sync_every": "trainer.trigger_parameter_sync_step",
+    "staleness_threshold": "rollout.staleness_threshold",
+    "max_tokens": "rollout.max_tokens",
+    "lr": "trainer.optim.lr",
+    "temperature": "rollout.temperature",
+    "run_dir": "run_dir",
+    "seed": "seed",
+}
+_FLAG_OF = {key: "--" + alias.replace("_", "-") for alias, key in ALIASES.items()}
+
+
+def named(key: str) -> str:
+    """``key`` as a user reads it: the dotted path, and the flag when one sets it."""
+    return f"{key} ({_FLAG_OF[key]})" if key in _FLAG_OF else key
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def load_config(yaml_files: list[str] = (), overrides: list[str] = ()) -> tuple[RunConfig, DictConfig]:
+    """Schema defaults < derived values < demo defaults < YAML files (in order) < overrides.
+
+    Returns the typed `RunConfig` and the resolved `DictConfig` (what ``config.yaml`` holds).
+    Raises `ConfigError` (one line, naming the dotted path) for anything that cannot run.
+    """
+    layers = [_read_yaml(p) for p in yaml_files] + [_dotlist(overrides)]
+    base = OmegaConf.structured(RunConfig)
+    for key, expr in DERIVED.items():
+        OmegaConf.update(base, key, expr, merge=False)
+    try:
+        user = OmegaConf.merge(base, *layers)
+        given = OmegaConf.merge(*layers) if layers else OmegaConf.create()
+        presets = {}
+        if OmegaConf.select(user, "model.path") is None:
+            presets.update(DEMO_DEFAULTS)
+        presets.update(BUILTIN_TASK_DEFAULTS if OmegaConf.select(user, "data.train") is None else REAL_DEFAULTS)
+        preset = OmegaConf.create()
+        for key, value in presets.items():
+            OmegaConf.update(preset, key, value)
+        merged = OmegaConf.merge(base, preset, *layers)
+        OmegaConf.resolve(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_message(e)) from None
+    cfg = _instantiate(merged)
+    check(cfg, given)
+    return cfg, merged
+
+
+def to_yaml(resolved: DictConfig) -> str:
+    return OmegaConf.to_yaml(resolved)
+
+
+def _read_yaml(path: str) -> DictConfig:
+    try:
+        loaded = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except Exception as e:  # noqa: BLE001 - YAML syntax errors come in several types
+        raise ConfigError(f"--config {path}: not valid YAML ({_first_line(str(e))})") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections, got a list")
+    return loaded
+
+
+def _dotlist(overrides: list[str]) -> DictConfig:
+    bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0].strip()]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} must look like key.path=value (e.g. trainer.optim.lr=1e-6)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_message(e)) from None
+
+
+def _omegaconf_message(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or ""
+    msg = _first_line(getattr(e, "msg", None) or str(e))
+    if "not in" in msg and key:
+        return f"unknown key {named(key)}: {msg}"
+    return f"{named(key)}: {msg}" if key else msg
+
+
+def _first_line(text: str) -> str:
+    return " ".join(text.strip().splitlines()[:1]) or text
+
+
+def _instantiate(node: DictConfig, path: str = "") -> Any:
+    """Build the dataclasses bottom-up, so a `__post_init__` error is named by its section."""
+    for key in node:
+        child = node[key]
+        if isinstance(child, DictConfig) and OmegaConf.get_type(child) not in (dict, None):
+            _instantiate(child, f"{path}{key}.")
+    try:
+        return OmegaConf.to_object(node)
+    except ValueError as e:
+        section = path.rstrip(".") or "config"
+        msg = _first_line(str(e))
+        # Owners name their fields without the section (or as Class.field): give the dotted path.
+        field_name = msg.split(" ", 1)[0].split(".")[-1]
+        if field_name in node:
+            key = f"{path}{field_name}"
+            rest = msg.split(" ", 1)[1] if " " in msg else ""
+            raise ConfigError(f"{named(key)} {rest}".strip()) from None
+        raise ConfigError(f"{section}: {msg}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_message(e)) from None
+
+
+# -------------------------------------------------------------------------------- checks
+
+
+def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
+    """Every cross-part invariant, in one place; raises `ConfigError` naming both sides."""
+    p, t, r = cfg.placement, cfg.trainer, cfg.rollout
+
+    def was_given(key: str) -> bool:
+        return given is not None and OmegaConf.select(given, key, default=None) is not None
+
+    if (p.rollouter_gpus > 0) != (p.trainer_gpus > 0):
+        raise ConfigError(f"{named('placement.rollouter_gpus')}={p.rollouter_gpus} and "
+                          f"{named('placement.trainer_gpus')}={p.trainer_gpus}: give both (GPU run) or neither (CPU run)")
+    if cfg.engine_kind == "vllm" and not cfg.gpu:
+        raise ConfigError(f"engine.kind=vllm needs GPUs: set {named('placement.rollouter_gpus')}")
+    if cfg.gpu and p.rollouter_gpus % cfg.engine.tensor_parallel_size:
+        raise ConfigError(f"{named('placement.rollouter_gpus')}={p.rollouter_gpus} is not a multiple of "
+                          f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} (GPUs per replica)")
+    if cfg.engine.tensor_parallel_size > 1 and cfg.engine_kind != "vllm":
+        raise ConfigError(f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} needs engine.kind=vllm "
+                          f"(the built-in engine runs on one device), got engine.kind={cfg.engine_kind}")
+
+    per_sync = cfg.groups_per_step * t.trigger_parameter_sync_step
+    if r.groups_per_sync != per_sync:
+        raise ConfigError(f"rollout.groups_per_sync={r.groups_per_sync} contradicts trainer.groups_per_batch x "
+                          f"trainer.require_batches x trainer.trigger_parameter_sync_step = {per_sync} "
+                          "(leave rollout.groups_per_sync unset: it follows from those)")
+    if t.algorithm.temperature != r.temperature:
+        raise ConfigError(f"trainer.algorithm.temperature={t.algorithm.temperature} differs from "
+                          f"{named('rollout.temperature')}={r.temperature}: the loss would be off-policy by "
+                          "construction (leave trainer.algorithm.temperature unset: it follows rollout.temperature)")
+    held = cfg.groups_per_step * t.checkpoint_every
+    if cfg.stream.window <= held:
+        raise ConfigError(f"stream.window={cfg.stream.window} must exceed the groups of one checkpoint interval, "
+                          f"trainer.groups_per_batch x trainer.require_batches x trainer.checkpoint_every = {held} "
+                          "(groups are acked only when their checkpoint is written; the stream would stall)")
+    if r.max_concurrent < 1:
+        raise ConfigError(f"rollout.max_concurrent must be >= 1, got {r.max_concurrent}")
+    if was_given("stream.endpoint") and cfg.stream.endpoint != StreamConfig().endpoint:
+        raise ConfigError("stream.endpoint is chosen by the launcher (the Trainer's node and a port bound there); "
+                          "remove it")
+    if cfg.stream.curve is not None:
+        raise ConfigError("stream.curve keys are made per run by the launcher (and never written down); remove them")
+    threshold = cfg.partial_rollout.threshold
+    if cfg.partial_rollout.enable and threshold is not None:
+        reachable = int((1 + r.staleness_threshold) * per_sync) * r.n
+        if threshold > reachable:
+            raise ConfigError(f"partial_rollout.threshold={threshold} can never be reached: a round admits at most "
+                              f"(1 + {named('rollout.staleness_threshold')}) x rollout.groups_per_sync x "
+                              f"{named('rollout.n')} = {reachable} trajectories")
+    if cfg.data.train is not None and cfg.data.reward is None:
+        raise ConfigError(f"{named('data.train')}={cfg.data.train} needs a reward: set {named('data.reward')} "
+                          "to module:function (the built-in task's reward only scores the built-in task)")
+    if cfg.data.val is not None and cfg.data.train is None and cfg.data.reward is None:
+        raise ConfigError(f"{named('data.val')} needs {named('data.reward')} (or the training data's reward)")
+    for role in ("rollout", "async_rollout"):
+        skip = getattr(cfg.skip, role)
+        if skip.enable and not skip.dump_dir:
+            raise ConfigError(f"skip.{role}.enable=true needs skip.{role}.dump_dir")

@@ -1,0 +1,200 @@
+"""Start the run's processes on their planned places, and close them: the launcher's *start* and *close*.
+
+::
+
+    EngineActor x R ◄── RolloutWorker (Rollouter) ──► StreamProducer ══ZeroMQ══► StreamConsumer (here)
+          ▲                                                                       │
+          └──── WeightSyncCoordinator ◄── every K steps ── Trainer (here) ◄───────┘
+                 (pause keep, broadcast, load, resume)         └─► TrainerWorker x T (FSDP2)
+
+The Trainer's driver loop runs in the launcher's process, with the stream's consumer; the
+Rollouter, the engines and the trainer ranks are Ray actors in the placement groups of the
+`asyncrl.placement.Plan`. Every wait for a process to be ready has a deadline naming its setting.
+
+Resume: when ``<run_dir>/checkpoints`` holds a checkpoint, the ranks load it (model, optimizer,
+step, version, committed set); the stream's consumer starts from that committed set; the
+engines get the restored weights (`WeightSyncCoordinator.republish`) before the Rollouter
+starts; the coordinator and the Rollouter continue at the restored version; the Rollouter
+regenerates, by id, every id it had admitted that the checkpoint does not hold as trained or
+dropped, then feeds new ids from ``next_index`` (`RolloutState.resume`).
+
+Close: the Rollouter is drained (no new prompts, in-flight requests aborted), then the stream,
+the ranks and the engines are closed, in that order; a hard stop kills them all at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("asyncrl.launch")
+
+
+@dataclass
+class Processes:
+    """Handles of everything `start` started; `close` stops them in reverse order."""
+
+    plan: Any
+    engines: list
+    ranks: Any = None
+    consumer: Any = None
+    rollouter: Any = None
+    trainer: Any = None
+    rollout_run: Any = None
+    """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
+
+    async def close(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop everything: drain the Rollouter, close the stream, the ranks, the engines (in that
+        order, each under ``timeout_s``); ``drain=False`` kills them at once."""
+        import ray
+
+        if self.rollouter is not None:
+            if drain:
+                try:
+                    await asyncio.wait_for(self.rollouter.stop.remote(), timeout_s)
+                except Exception as e:  # noqa: BLE001 - a dead or wedged Rollouter is killed below
+                    log.warning("the Rollouter did not drain (%s: %s)", type(e).__name__, e)
+            ray.kill(self.rollouter)
+        if self.consumer is not None:
+            await self.consumer.close()
+        if self.ranks is not None:
+            self.ranks.close()
+        if drain and self.engines:
+            await asyncio.wait([asyncio.ensure_future(_quietly(e.close.remote())) for e in self.engines],
+                               timeout=timeout_s)
+        for e in self.engines:
+            ray.kill(e)
+        self.plan.release()
+
+
+async def _quietly(ref) -> None:
+    try:
+        await ref
+    except Exception:  # noqa: BLE001 - closing an engine that already died
+        pass
+
+
+class NotifyingSyncer:
+    """The coordinator's sync, then tell the Rollouter which version the engines now serve.
+
+    An engine that died is dropped by the coordinator; while live engines took the new weights
+    the run goes on with them (the Rollouter stops using a dead engine on its own)."""
+
+    def __init__(self, coordinator: Any, rollouter: Any):
+        self.coordinator, self.rollouter = coordinator, rollouter
+
+    async def sync(self) -> int:
+        from asyncrl.sync.sender import WeightSyncError
+
+        try:
+            version = await self.coordinator.sync()
+        except WeightSyncError as e:
+            c = self.coordinator
+            if not c.engines or not set(c.last.failed) <= set(c.dead) or c.version != c.last.version:
+                raise
+            log.warning("weight sync to version %d went on without dead engines: %s", c.version, e)
+            print(f"asyncrl: engine(s) {', '.join(c.last.failed)} died; going on with {len(c.engines)}", flush=True)
+            version = c.version
+        await self.rollouter.on_sync.remote(version)
+        return version
+
+
+class FeedState:
+    """The Rollouter's feed state for each checkpoint; if the Rollouter cannot answer (it died),
+    the last answer it gave, marked stale (`RolloutState.resume` moves a stale position past the
+    committed ids)."""
+
+    def __init__(self, rollouter: Any, last: dict | None = None, timeout_s: float = 60.0):
+        self.rollouter, self.last, self.timeout_s = rollouter, dict(last or {}), timeout_s
+
+    async def __call__(self) -> dict:
+        try:
+            self.last = await asyncio.wait_for(self.rollouter.feed_state.remote(), self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure to answer leaves the last known state
+            log.warning("the Rollouter did not give its feed state (%s: %s); the checkpoint keeps its last one",
+                        type(e).__name__, e)
+            return {**self.last, "stale": True}
+        return self.last
+
+
+async def start(cfg, plan, run_dir: Path) -> Processes:
+    """Reserve the plan's placement groups and start engines, ranks, stream and Rollouter on them."""
+    import ray
+
+    from asyncrl.net import free_port
+    from asyncrl.queue import StreamConsumer
+    from asyncrl.rollouter.actor import remote_engine_actor
+    from asyncrl.rollouter.worker import DataSpec, RolloutWorker
+    from asyncrl.sync import WeightSyncCoordinator
+    from asyncrl.trainer.ranks import RankGroup
+    from asyncrl.trainer.trainer import Trainer
+
+    model_path = cfg.model.path or _default_model()
+    print(f"asyncrl: run dir {run_dir}; model {model_path}; {cfg.engine_replicas} engine replica(s), "
+          f"{cfg.trainer_world_size} trainer rank(s)", flush=True)
+    plan.reserve()
+    procs = Processes(plan=plan, engines=[])
+    try:
+        kind = cfg.engine_kind
+        procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
+                         for slot in plan.engines]
+        await _ready([e.ready.remote() for e in procs.engines], plan.ready_timeout_s, "engine replicas")
+
+        tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=_pad_token_id(model_path),
+                                  checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"))
+        procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks])
+        procs.trainer = trainer = Trainer(tcfg, procs.ranks, source=None)
+        resume = None
+        if await trainer.restore():
+            resume = {"saved": trainer.restored_rollouter_state, "committed": trainer.committed.to_json(),
+                      "dropped": trainer.dropped}
+            print(f"asyncrl: resumed at step {trainer.step}, version {trainer.version}; "
+                  f"{len(trainer.committed)} groups done", flush=True)
+
+        stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://127.0.0.1:{free_port()}")
+        procs.consumer = StreamConsumer(stream, committed=trainer.committed)
+        await procs.consumer.start()
+
+        data = DataSpec(train=cfg.data.train, reward=cfg.data.reward, seed=cfg.seed)
+        procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
+            cfg.rollout, procs.engines, stream, model_path, data, resume)
+        await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
+
+        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, cfg.weight_sync,
+                                            version=trainer.version)
+        if resume is not None:
+            await coordinator.republish()  # the engines serve the restored weights before they generate
+        await procs.rollouter.on_sync.remote(trainer.version)
+        procs.rollout_run = procs.rollouter.run.remote()
+        trainer.source = procs.consumer
+        trainer.syncer = NotifyingSyncer(coordinator, procs.rollouter)
+        trainer.rollouter_state = FeedState(procs.rollouter, last=trainer.restored_rollouter_state)
+        return procs
+    except BaseException:
+        await procs.close(drain=False)
+        raise
+
+
+async def _ready(refs: list, timeout_s: float, what: str) -> list:
+    try:
+        return await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"{what} not ready within placement.ready_timeout_s={timeout_s}") from None
+
+
+def _default_model() -> str:
+    from asyncrl.models import default_model_path
+
+    print("asyncrl: preparing the tiny warm-started model (cached after the first run)...", flush=True)
+    return str(default_model_path())
+
+
+def _pad_token_id(model_path: str) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)

@@ -1,0 +1,126 @@
+"""The launcher's *run*: train the steps, watch the Rollouter, show progress, write metrics and the log.
+
+Each step appends its metrics to ``<run_dir>/metrics.jsonl`` and one line to
+``<run_dir>/train.log``. On a terminal a rich progress bar shows the step, reward, staleness,
+response tokens/s and the ETA; elsewhere (a pipe, a CI log, ``ray job submit``) the same line
+as the log is printed per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def step_line(m: dict, steps: int) -> str:
+    return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
+            f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
+            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s")
+
+
+class ProgressView:
+    """A rich progress bar on a terminal, plain per-step lines otherwise."""
+
+    def __init__(self, steps: int, live: bool | None = None):
+        self.steps = steps
+        self.live = sys.stdout.isatty() if live is None else live
+        self._bar = None
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+            self._task = self._bar.add_task("train", total=steps, stats="waiting for the first groups")
+            self._bar.start()
+
+    def update(self, m: dict) -> None:
+        if self._bar is None:
+            print(step_line(m, self.steps), flush=True)
+            return
+        stats = (f"reward {m['reward_mean']:.3f}  staleness {m['staleness_mean']:.2f}  "
+                 f"{m['tokens_per_s']:.0f} tok/s  v{m['version']}")
+        self._bar.update(self._task, completed=m["step"], stats=stats)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int) -> list[dict]:
+    """Train until step ``steps`` (restored steps count), or until a stop is requested.
+
+    Ends with a checkpoint whenever the Trainer can write one: at the last step, after a stop
+    request, and after a failure outside the ranks' training (then re-raised). A Rollouter that
+    stops first fails the run under its own name.
+    """
+    from asyncrl.trainer.trainer import StepAbandoned
+
+    rows: list[dict] = []
+    t0 = last = time.monotonic()
+    rollout_task = asyncio.wrap_future(rollout_ref.future())
+    rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen below, under its own name
+    view = ProgressView(steps)
+    try:
+        with open(run_dir / "metrics.jsonl", "a") as metrics, open(run_dir / "train.log", "a") as log:
+            while trainer.step < steps and not trainer.stopping:
+                step_task = asyncio.ensure_future(trainer.train_step())
+                done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
+                if step_task not in done:
+                    # The step in hand ends cleanly (abandoned while collecting, or finished), so the
+                    # Trainer can still be checkpointed; then the Rollouter's failure is the run's.
+                    trainer.request_stop()
+                    await asyncio.gather(step_task, return_exceptions=True)
+                    rollout_task.result()  # re-raises the Rollouter's failure, under its own name
+                    raise RuntimeError("the Rollouter stopped before training finished")
+                try:
+                    m = step_task.result().metrics
+                except StepAbandoned:
+                    break
+                now = time.monotonic()
+                m["time_s"] = round(now - t0, 2)
+                m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
+                last = now
+                metrics.write(json.dumps(m) + "\n")
+                metrics.flush()
+                log.write(step_line(m, steps) + "\n")
+                log.flush()
+                view.update(m)
+                rows.append(m)
+    except Exception as e:
+        view.close()
+        await checkpoint_after_failure(trainer, e, run_dir)
+        raise
+    finally:
+        view.close()
+    await trainer.finish()
+    if rows:
+        rewards = [r["reward_mean"] for r in rows]
+        k = max(1, min(5, len(rewards) // 3))
+        print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
+              f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
+              f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+    return rows
+
+
+async def checkpoint_after_failure(trainer: Any, error: Exception, run_dir: Path) -> None:
+    """Make what the Trainer did durable before the run stops on ``error``, if its ranks allow."""
+    where = f"continue with: python -m asyncrl.launch --resume {run_dir}"
+    if trainer.broken:
+        print(f"asyncrl: stopping on {type(error).__name__}; no checkpoint ({trainer.broken}); {where} "
+              "(from the last checkpoint)", file=sys.stderr, flush=True)
+        return
+    try:
+        await trainer.finish()
+    except Exception as e:  # noqa: BLE001 - the original failure is what the run reports
+        print(f"asyncrl: stopping on {type(error).__name__}; the checkpoint failed too ({type(e).__name__}: {e}); "
+              f"{where} (from the last checkpoint)", file=sys.stderr, flush=True)
+        return
+    print(f"asyncrl: stopping on {type(error).__name__}: {error}\nasyncrl: checkpoint of step {trainer.step} "
+          f"written; {where}", file=sys.stderr, flush=True)

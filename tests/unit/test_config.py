@@ -1,0 +1,121 @@
+"""`asyncrl.config`: one typed root config from YAML + dotted overrides, checked in one place."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from asyncrl.config import ConfigError, RunConfig, load_config, to_yaml
+from asyncrl.trainer.config import TrainerConfig
+
+
+def test_dotted_overrides_are_typed_and_land_in_the_parts_dataclasses():
+    cfg, _ = load_config([], ["trainer.optim.lr=1e-6", "skip.async_rollout.steps=[3,4]", "rollout.n=4",
+                              "trainer.algorithm.loss_agg_mode=seq-mean-token-sum", "engine.max_model_len=128"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.trainer.optim.lr == 1e-6 and isinstance(cfg.trainer.optim.lr, float)
+    assert cfg.skip.async_rollout.steps == [3, 4]
+    assert cfg.rollout.n == 4
+    tc = cfg.trainer_config(model_path="/m", pad_token_id=3, checkpoint_dir="/ck")
+    assert isinstance(tc, TrainerConfig)
+    assert tc.worker.optim.lr == 1e-6 and tc.worker.algorithm.loss_agg_mode == "seq-mean-token-sum"
+    assert tc.worker.model_path == "/m" and tc.worker.pad_token_id == 3 and tc.checkpoint_dir == "/ck"
+    assert cfg.engine_kwargs("/m")["max_model_len"] == 128
+
+
+def test_yaml_then_overrides_and_the_printed_config_round_trips(tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("steps: 7\nrollout:\n  n: 2\n  temperature: 0.7\ntrainer:\n  groups_per_batch: 3\n")
+    cfg, resolved = load_config([str(run)], ["rollout.n=5"])
+    assert cfg.steps == 7 and cfg.rollout.n == 5 and cfg.trainer.groups_per_batch == 3
+    # Derived values follow what they derive from.
+    assert cfg.rollout.groups_per_sync == 3 and cfg.trainer.algorithm.temperature == 0.7
+    assert cfg.trainer.checkpoint_every == 7
+    assert cfg.stream.window == 3 * 7 + 3 + 1
+    printed = tmp_path / "config.yaml"
+    printed.write_text(to_yaml(resolved))
+    again, _ = load_config([str(printed)], [])
+    assert again == cfg
+
+
+def test_later_yaml_files_win(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("steps: 3\nseed: 1\n")
+    b.write_text("steps: 4\n")
+    cfg, _ = load_config([str(a), str(b)], [])
+    assert (cfg.steps, cfg.seed) == (4, 1)
+
+
+def test_demo_defaults_apply_only_without_model_or_dataset():
+    demo, _ = load_config([], [])
+    assert demo.trainer.optim.lr == 2e-3 and demo.rollout.max_tokens == 6
+    real, _ = load_config([], ["model.path=/m", "data.train=/d.jsonl", "data.reward=m:f"])
+    assert real.trainer.optim.lr == 1e-5 and real.rollout.max_tokens == 512
+    given, _ = load_config([], ["trainer.optim.lr=5e-4"])
+    assert given.trainer.optim.lr == 5e-4
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("trainer.optim.lrr=1", "unknown key trainer.optim.lrr"),
+    ("nosuchsection.x=1", "unknown key nosuchsection"),
+    ("trainer.optim.lr=fast", "trainer.optim.lr (--lr): Value 'fast'"),
+    ("rollout.n=2.5", "rollout.n (--n)"),
+    ("trainer.algorithm.loss_agg_mode=mean", "trainer.algorithm.loss_agg_mode: Invalid value 'mean'"),
+    ("trainer.optim.lr=0", "trainer.optim.lr (--lr) must be > 0"),
+    ("placement.engines=0", "placement.engines (--engines) must be >= 1"),
+    ("engine.tensor_parallel_size=0", "engine.tensor_parallel_size must be >= 1"),
+    ("steps=0", "steps (--steps) must be >= 1"),
+    ("lr", "must look like key.path=value"),
+])
+def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config([], [override])
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, both", [
+    (["rollout.groups_per_sync=5"], ("rollout.groups_per_sync=5", "trigger_parameter_sync_step = 8")),
+    (["trainer.algorithm.temperature=0.5"], ("trainer.algorithm.temperature=0.5", "rollout.temperature")),
+    (["stream.window=20", "trainer.checkpoint_every=3"], ("stream.window=20", "checkpoint_every = 24")),
+    (["placement.rollouter_gpus=2"], ("--rollouter-gpus", "--trainer-gpus")),
+    (["placement.rollouter_gpus=6", "placement.trainer_gpus=2", "engine.tensor_parallel_size=4"],
+     ("rollouter_gpus (--rollouter-gpus)=6", "tensor_parallel_size=4")),
+    (["engine.tensor_parallel_size=2"], ("tensor_parallel_size=2", "engine.kind=torch")),
+    (["engine.kind=vllm"], ("engine.kind=vllm", "rollouter_gpus")),
+    (["data.train=/d.jsonl"], ("data.train (--dataset)", "data.reward (--reward)")),
+    (["partial_rollout.enable=true", "partial_rollout.threshold=1000"], ("threshold=1000", "rollout.n")),
+    (["stream.endpoint=tcp://0.0.0.0:1"], ("stream.endpoint",)),
+    (["skip.rollout.enable=true"], ("skip.rollout.enable", "skip.rollout.dump_dir")),
+])
+def test_cross_part_invariants_name_both_sides(overrides, both):
+    with pytest.raises(ConfigError) as e:
+        load_config([], overrides)
+    for part in both:
+        assert part in str(e.value)
+
+
+def test_consistent_explicit_values_are_accepted():
+    cfg, _ = load_config([], ["rollout.groups_per_sync=16", "trainer.groups_per_batch=8",
+                              "trainer.trigger_parameter_sync_step=2", "trainer.algorithm.temperature=1.0"])
+    assert cfg.rollout.groups_per_sync == 16
+
+
+def test_bad_yaml_file_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config([str(bad)], [])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config([str(tmp_path / "missing.yaml")], [])
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config([str(listed)], [])
+
+
+def test_resolved_config_has_no_interpolations_left():
+    _, resolved = load_config([], [])
+    text = to_yaml(resolved)
+    assert "${" not in text
+    assert OmegaConf.create(text).rollout.groups_per_sync == 8
