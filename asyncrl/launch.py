@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(resolved), end="")
             return 0
         preflight(cfg)                                                   # checked before Ray starts
+        run_dir = _run_dir(cfg, resume=args.resume is not None)
     except (ConfigError, DataError) as e:
         return _usage_error(e)
 
@@ -133,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print(dry_run(plan))
             print(to_yaml(resolved), end="")
             return 0
-        try:
-            run_dir = _make_run_dir(cfg, resolved, resume=args.resume is not None)
-        except ConfigError as e:
-            return _usage_error(e)
+        _make_run_dir(run_dir, resolved)
         return asyncio.run(run(cfg, plan, run_dir))                      # start, run, close
     finally:
         placement.disconnect(cluster)
@@ -195,18 +193,22 @@ def dry_run(plan) -> str:
         plan.release()
 
 
-def _make_run_dir(cfg, resolved, resume: bool = False) -> Path:
-    from omegaconf import OmegaConf
-
+def _run_dir(cfg, *, resume: bool) -> Path:
+    """The run directory; one holding a checkpoint is continued only when asked (``--resume``)."""
     from asyncrl.config import ConfigError
 
     run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     if not resume and (run_dir / "checkpoints" / "latest").exists():
         raise ConfigError(f"run_dir {run_dir} holds a checkpoint already: --resume {run_dir} continues that "
                           "run; or choose another --run-dir")
+    return run_dir
+
+
+def _make_run_dir(run_dir: Path, resolved) -> None:
+    from omegaconf import OmegaConf
+
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(resolved, run_dir / "config.yaml")
-    return run_dir
 
 
 async def run(cfg, plan, run_dir: Path) -> int:
