@@ -54,8 +54,9 @@ _FLAGS = {
         ("steps", int, "train steps to run (default 100)"),
         ("n", int, "responses per prompt, the group size (default 8)"),
         ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8)"),
-        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step)"),
-        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead"),
+        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step, default 1)"),
+        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead "
+                                       "(default 1: the next step's groups while the Trainer trains)"),
         ("max_tokens", int, "response budget (default: 6 for the built-in task, else 512)"),
         ("lr", float, "learning rate (default: 2e-3 for the demo model, else 1e-5)"),
         ("temperature", float, "sampling temperature (default 1.0)"),
@@ -82,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", action="append", default=[], metavar="run.yaml",
                    help="YAML file of settings (repeatable; later files win, overrides win over files)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--dashboard", action="store_true",
+                   help="serve the live metrics dashboard on 127.0.0.1 (metrics.dashboard=true; port metrics.dashboard_port)")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the run in RUN_DIR from its latest checkpoint, with its config.yaml "
                         "(settings given here win)")
@@ -103,7 +106,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
     given = [f"{ALIASES[name]}={getattr(args, name)}" for _, flags in _FLAGS.items() for name, _, _ in flags
              if getattr(args, name) is not None]
-    return given + list(args.overrides)
+    return given + (["metrics.dashboard=true"] if getattr(args, "dashboard", False) else []) + list(args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             plan = placement.make_plan(cfg, cluster)                     # plan
+            if args.dry_run:
+                print(dry_run(plan))
+                print(to_yaml(resolved), end="")
+                return 0
         except PlacementError as e:
             return _usage_error(e)
-        if args.dry_run:
-            print(dry_run(plan))
-            print(to_yaml(resolved), end="")
-            return 0
         _make_run_dir(run_dir, resolved)
         return asyncio.run(run(cfg, plan, run_dir))                      # start, run, close
     finally:
@@ -170,7 +173,11 @@ def preflight(cfg) -> None:
     if cfg.data.reward is not None:
         data.load_reward(cfg.data.reward)
     chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
-    if chat and cfg.model.path is not None:
+    if chat and cfg.model.path is None:
+        name = next(iter(chat))
+        raise data.DataError(f"{getattr(cfg.data, name)}: chat-message prompts need a model with a chat template; "
+                             "the built-in demo model has none (set model.path)")
+    if chat:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -180,17 +187,9 @@ def preflight(cfg) -> None:
 
 def dry_run(plan) -> str:
     """Reserve the plan's placement groups (no process starts), describe them, release them."""
-    plan.reserve()
-    try:
-        for name in plan.groups:
-            reserved = plan.reserved_nodes(name)
-            slots = [plan.rollouter, *plan.engines] if name == "rollout" else plan.ranks
-            moved = [s.process for s in slots if reserved.get(s.bundle) != s.node.node_id]
-            if moved:
-                raise RuntimeError(f"Ray reserved {moved} on other nodes than planned")
-        return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
-    finally:
-        plan.release()
+    plan.reserve()  # checks that Ray put every bundle on its planned node
+    plan.release()
+    return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
 
 
 def _run_dir(cfg, *, resume: bool) -> Path:
@@ -235,7 +234,9 @@ async def run(cfg, plan, run_dir: Path) -> int:
             procs = await start(cfg, plan, run_dir)                                # start
             if stop.requested:
                 procs.trainer.request_stop()
-            await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n)  # run
+            await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
+                        validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
+                        report=procs.metrics.reporter.after_step if procs.metrics else None)
             if stop.requested:
                 print(f"asyncrl: stopped cleanly at step {procs.trainer.step} ({stop.requested}); continue with: "
                       f"python -m asyncrl.launch --resume {run_dir}", flush=True)

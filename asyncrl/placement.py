@@ -99,6 +99,12 @@ class Plan:
                 self.release()
                 raise PlacementError(f"the {name} placement group was not reserved within "
                                      f"placement.ready_timeout_s={self.ready_timeout_s} (see `ray status`)")
+        for name, slots in (("rollout", [self.rollouter, *self.engines]), ("trainer", self.ranks)):
+            reserved = self.reserved_nodes(name)
+            moved = [s.process for s in slots if reserved.get(s.bundle) != s.node.node_id]
+            if moved:
+                self.release()
+                raise PlacementError(f"Ray reserved {moved} on other nodes than planned")
         del ray
 
     def reserved_nodes(self, name: str) -> dict[int, str]:
@@ -140,7 +146,8 @@ def connect(placement, cpu_actors: int) -> Cluster:
         ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
     else:
         # Every actor reserves one CPU; on a laptop they share the cores (torch uses 1 thread each).
-        ray.init(num_cpus=max(cpu_actors, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
+        # address="local": a new instance even where another local one runs (a bare init would join it).
+        ray.init(address="local", num_cpus=max(cpu_actors, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     return Cluster(nodes=alive_nodes(), started_here=not address)
 

@@ -46,6 +46,12 @@ class Processes:
     trainer: Any = None
     rollout_run: Any = None
     """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
+    metrics: Any = None
+    """The run's `asyncrl.metrics.MetricsService` (None when ``metrics.enabled`` is false)."""
+
+    async def validate(self, step: int) -> dict[str, float]:
+        """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
+        return await self.rollouter.validate.remote(step)
 
     async def close(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
         """Stop everything: drain the Rollouter, close the stream, the ranks, the engines (in that
@@ -69,6 +75,8 @@ class Processes:
         for e in self.engines:
             ray.kill(e)
         self.plan.release()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 async def _quietly(ref) -> None:
@@ -125,7 +133,6 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     """Reserve the plan's placement groups and start engines, ranks, stream and Rollouter on them."""
     import ray
 
-    from asyncrl.net import free_port
     from asyncrl.queue import StreamConsumer
     from asyncrl.rollouter.actor import remote_engine_actor
     from asyncrl.rollouter.worker import DataSpec, RolloutWorker
@@ -136,17 +143,24 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     model_path = cfg.model.path or _default_model()
     print(f"asyncrl: run dir {run_dir}; model {model_path}; {cfg.engine_replicas} engine replica(s), "
           f"{cfg.trainer_world_size} trainer rank(s)", flush=True)
+    print(plan.describe(), flush=True)
     plan.reserve()
     procs = Processes(plan=plan, engines=[])
     try:
+        if cfg.metrics.enabled:  # metrics (#16): the run's metric stream, its sinks, the dashboard
+            from asyncrl.metrics.service import MetricsService
+
+            procs.metrics = MetricsService(cfg.metrics, run_dir)
         kind = cfg.engine_kind
         procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
                          for slot in plan.engines]
         await _ready([e.ready.remote() for e in procs.engines], plan.ready_timeout_s, "engine replicas")
 
+        net = addresses(cfg, plan)
         tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=_pad_token_id(model_path),
                                   checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"))
-        procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks])
+        procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks],
+                                          master_addr=net.trainer_master_addr)
         procs.trainer = trainer = Trainer(tcfg, procs.ranks, source=None)
         resume = None
         if await trainer.restore():
@@ -155,28 +169,76 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
             print(f"asyncrl: resumed at step {trainer.step}, version {trainer.version}; "
                   f"{len(trainer.committed)} groups done", flush=True)
 
-        stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://127.0.0.1:{free_port()}")
-        procs.consumer = StreamConsumer(stream, committed=trainer.committed)
+        procs.consumer = StreamConsumer(net.consumer_stream, committed=trainer.committed)
         await procs.consumer.start()
+        print(f"asyncrl: sample stream on {procs.consumer.endpoint}"
+              f"{' (CURVE: authenticated, encrypted)' if net.curve else ' (loopback)'}", flush=True)
+        # Producers get the endpoint the consumer bound and the keys without the server's secret.
+        stream = dataclasses.replace(net.consumer_stream, endpoint=procs.consumer.endpoint,
+                                     curve=net.curve.for_producer() if net.curve else None)
 
-        data = DataSpec(train=cfg.data.train, reward=cfg.data.reward, seed=cfg.seed)
+        data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
-            cfg.rollout, procs.engines, stream, model_path, data, resume)
+            cfg.rollout, procs.engines, stream, model_path, data, resume,
+            metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
+            metrics_interval_s=cfg.metrics.poll_interval_s)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
 
-        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, cfg.weight_sync,
+        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
                                             version=trainer.version)
         if resume is not None:
             await coordinator.republish()  # the engines serve the restored weights before they generate
         await procs.rollouter.on_sync.remote(trainer.version)
         procs.rollout_run = procs.rollouter.run.remote()
-        trainer.source = procs.consumer
+        source = procs.consumer
+        if procs.metrics is not None:  # metrics (#16): time the Trainer's waits, report each step
+            from asyncrl.metrics.report import MeteredSource, TrainerReporter
+
+            source = MeteredSource(procs.consumer)
+            procs.metrics.reporter = TrainerReporter(procs.metrics.emitter("trainer"), source, coordinator,
+                                                     procs.consumer)
+        trainer.source = source
         trainer.syncer = NotifyingSyncer(coordinator, procs.rollouter)
         trainer.rollouter_state = FeedState(procs.rollouter, last=trainer.restored_rollouter_state)
         return procs
     except BaseException:
         await procs.close(drain=False)
         raise
+
+
+@dataclass
+class Addresses:
+    """How the processes reach each other: loopback on one node, routable addresses across nodes."""
+
+    consumer_stream: Any
+    """The consumer's StreamConfig: the endpoint to bind (port ``*``: taken at bind) and CURVE keys."""
+    curve: Any
+    """The run's CurveKeys when the stream leaves loopback, else None."""
+    trainer_master_addr: str
+    weight_sync: Any
+
+
+def addresses(cfg, plan) -> Addresses:
+    """Loopback when every process (the launcher's Trainer loop included) shares one node; else
+    the nodes' routable addresses, ports bound on those nodes, and an authenticated stream."""
+    import ray
+
+    from asyncrl.queue.security import make_curve_keys
+
+    here = ray.get_runtime_context().get_node_id()
+    slots = [plan.rollouter, *plan.engines, *plan.ranks]
+    one_node = all(s.node.node_id == here for s in slots)
+    rank_nodes = {s.node.node_id for s in plan.ranks}
+    trainer_addr = "127.0.0.1" if len(rank_nodes) == 1 else plan.ranks[0].node.address
+    if one_node:
+        return Addresses(dataclasses.replace(cfg.stream, endpoint="tcp://127.0.0.1:*"), None, trainer_addr,
+                         cfg.weight_sync_config())
+    curve = make_curve_keys()
+    stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://{ray.util.get_node_ip_address()}:*", curve=curve)
+    sync = cfg.weight_sync_config()  # its backend follows the engines' kind
+    if sync.master_addr in ("127.0.0.1", "localhost"):
+        sync = dataclasses.replace(sync, master_addr="auto")  # trainer rank 0's node address, port bound there
+    return Addresses(stream, curve, trainer_addr, sync)
 
 
 async def _ready(refs: list, timeout_s: float, what: str) -> list:
@@ -189,7 +251,6 @@ async def _ready(refs: list, timeout_s: float, what: str) -> list:
 def _default_model() -> str:
     from asyncrl.models import default_model_path
 
-    print("asyncrl: preparing the tiny warm-started model (cached after the first run)...", flush=True)
     return str(default_model_path())
 
 

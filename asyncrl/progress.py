@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,16 @@ import numpy as np
 
 
 def step_line(m: dict, steps: int) -> str:
+    val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
     return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
             f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s")
+            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{val}")
 
 
 class ProgressView:
     """A rich progress bar on a terminal, plain per-step lines otherwise."""
 
-    def __init__(self, steps: int, live: bool | None = None):
+    def __init__(self, steps: int, live: bool | None = None, console=None):
         self.steps = steps
         self.live = sys.stdout.isatty() if live is None else live
         self._bar = None
@@ -35,7 +37,7 @@ class ProgressView:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=console)
             self._task = self._bar.add_task("train", total=steps, stats="waiting for the first groups")
             self._bar.start()
 
@@ -53,12 +55,15 @@ class ProgressView:
             self._bar = None
 
 
-async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int) -> list[dict]:
+async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
+                validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10,
+                report: Callable[[Any], None] | None = None) -> list[dict]:
     """Train until step ``steps`` (restored steps count), or until a stop is requested.
 
     Ends with a checkpoint whenever the Trainer can write one: at the last step, after a stop
     request, and after a failure outside the ranks' training (then re-raised). A Rollouter that
-    stops first fails the run under its own name.
+    stops first fails the run under its own name. With ``validate``, every ``val_every`` steps
+    and after the last one its ``val/`` metrics join the step's metrics.
     """
     from asyncrl.trainer.trainer import StepAbandoned
 
@@ -80,19 +85,24 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                     rollout_task.result()  # re-raises the Rollouter's failure, under its own name
                     raise RuntimeError("the Rollouter stopped before training finished")
                 try:
-                    m = step_task.result().metrics
+                    result = step_task.result()
                 except StepAbandoned:
                     break
+                m = result.metrics
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
                 m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
-                last = now
+                if validate is not None and (m["step"] % val_every == 0 or m["step"] == steps):
+                    m.update(await validate(m["step"]))
+                last = time.monotonic()
                 metrics.write(json.dumps(m) + "\n")
                 metrics.flush()
                 log.write(step_line(m, steps) + "\n")
                 log.flush()
                 view.update(m)
                 rows.append(m)
+                if report is not None:
+                    report(result)  # to the metric stream (asyncrl.metrics)
     except Exception as e:
         view.close()
         await checkpoint_after_failure(trainer, e, run_dir)
@@ -102,7 +112,7 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
     await trainer.finish()
     if rows:
         rewards = [r["reward_mean"] for r in rows]
-        k = max(1, min(5, len(rewards) // 3))
+        k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
         print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
               f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
               f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)

@@ -147,7 +147,7 @@ def _tune(sock, tuned: bool) -> None:
 def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned: bool) -> None:
     import zmq
 
-    from asyncrl.queue.codec import pack_groups, prepare_group
+    from asyncrl.queue.group_codec import pack_groups, prepare_group
 
     arrays = _arrays(tokens, 1)
     frames = pack_groups([prepare_group(make_group(i, arrays)) for i in range(per_message)])

@@ -1,4 +1,4 @@
-/* Optional accelerator for the sample stream's group codec (asyncrl/queue/codec.py).
+/* Optional accelerator for the sample stream's group codec (asyncrl/queue/group_codec.py).
  *
  * Two loops run once per response of every group the stream carries, and in CPython they
  * were most of the stream's own CPU time:
@@ -12,13 +12,13 @@
  *
  * Both only take the path where everything is as expected. On anything else (a field of the
  * wrong type, a length out of bounds, an unknown finish_reason, an array subclass) they
- * return None and codec.py runs its pure-Python code, which handles odd-but-valid input and
+ * return None and group_codec.py runs its pure-Python code, which handles odd-but-valid input and
  * raises CodecError naming what is wrong: the error messages live in one place, and a
  * malformed message can at worst cost the Python path's time here, never a wrong record.
  *
  * Views are made with numpy's C API (PyArray_NewFromDescr + PyArray_SetBaseObject: what
  * basic slicing does, without parsing an index), and fields are read and written through the
- * Trajectory class's own slot descriptors. `setup()` must be called once, by codec.py,
+ * Trajectory class's own slot descriptors. `setup()` must be called once, by group_codec.py,
  * before the other two.
  */
 #define PY_SSIZE_T_CLEAN

@@ -15,11 +15,8 @@ value; every array is a view on a received frame (``numpy.frombuffer`` /
 arrays as read-only: one decoded from immutable bytes is read-only, and a tensor shares the
 frame's memory.
 
-The sample stream itself uses a leaner path for its one record type: `prepare_group` checks
-a `Group` once, when the producer accepts it, and `pack_groups` encodes any number of
-prepared groups as ``[header, pool]``, each token column gathered across all of them in one
-copy; `unpack_groups` slices them back into `Group` records whose arrays are views on the
-pool.
+The sample stream itself uses a leaner path for its one record type: the group-batch codec
+in `asyncrl.queue.group_codec`; what both share is in `asyncrl.queue.codec_base`.
 
 Supported values: None, bool, int (64-bit), float, str, bytes, lists/tuples (decoded as
 lists), dicts with str/int keys, numpy arrays and scalars of numeric or bool dtype, torch
@@ -36,31 +33,38 @@ frame whose length does not match dtype x shape, a frame over ``max_frame_bytes`
 `CodecError` with a message saying what was wrong; it never returns a wrong array.
 """
 
+
 from __future__ import annotations
 
 import math
-import os
 import sys
-import threading
 import warnings
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from asyncrl.types import FINISH_REASONS, Group, Trajectory
+from asyncrl.queue.codec_base import (
+    _ALIGN,
+    _COLUMN_DTYPES,
+    _NP_KINDS,
+    CODEC_VERSION,
+    DEFAULT_MAX_FRAME_BYTES,
+    CodecError,
+    _buffer,
+    _build,
+)
+from asyncrl.queue.group_codec import _slice_responses
+from asyncrl.types import Group, Trajectory
 
-CODEC_VERSION = 1
-"""Bumped on any change to the header layout; a peer with another version is refused."""
+__all__ = ["CODEC_VERSION", "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_OWN_FRAME_BYTES", "CodecError", "PoolBuffers",
+           "pack", "unpack"]
 
-DEFAULT_MAX_FRAME_BYTES = 512 * 1024 * 1024
-"""Largest frame `unpack` accepts unless told otherwise (512 MiB)."""
 
 DEFAULT_OWN_FRAME_BYTES = 64 * 1024
 """Arrays this large or larger travel as their own frame (ZeroMQ copies smaller frames anyway)."""
 
 _MAX_NDIM = 32
-_ALIGN = 16  # pool offsets keep every dtype (complex128 included) aligned
 _GROW = 256 * 1024  # recycled pool buffers grow in steps of this many bytes
 
 # msgpack extension codes used in the header.
@@ -70,17 +74,11 @@ _EXT_NPSCALAR = 3
 _EXT_TRAJECTORY = 4
 _EXT_GROUP = 5
 
-# Numeric and bool numpy dtypes, keyed by `dtype.str` (byte order included).
-_NP_KINDS = set("biufc")
-
 _TRAJECTORY_FIELDS = (
     "sample_id", "index", "prompt_ids", "response_ids", "logprobs", "versions",
     "finish_reason", "reward", "age",
 )
 
-
-class CodecError(ValueError):
-    """A value cannot be encoded, or frames cannot be decoded; the message says why."""
 
 
 # --------------------------------------------------------------------------------------
@@ -270,25 +268,9 @@ def pack(obj: Any, *, own_frame_bytes: int = DEFAULT_OWN_FRAME_BYTES, buffers: P
     return [header, enc.pool(buffers), *enc.own]
 
 
-def frames_nbytes(frames: list[Any]) -> int:
-    """Total bytes of a frame list as `pack` returns it (header included)."""
-    return sum(_buffer(f).nbytes for f in frames)
-
-
 # --------------------------------------------------------------------------------------
 # decode
 
-
-def _buffer(frame: Any) -> memoryview:
-    # zmq.Frame exposes .buffer; bytes/bytearray/memoryview/ndarray support the buffer protocol.
-    buf = getattr(frame, "buffer", frame)
-    try:
-        mv = memoryview(buf)
-    except TypeError as e:
-        raise CodecError(f"frame of type {type(frame).__name__} is not a buffer") from e
-    if not mv.c_contiguous:
-        raise CodecError(f"frame of type {type(frame).__name__} is not contiguous memory")
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 class _Decoder:
@@ -403,62 +385,8 @@ class _Decoder:
 
 
 _GROUP_COLUMNS = 15
-_I8, _F4 = np.dtype(np.int64), np.dtype(np.float32)
-_COLUMN_DTYPES = (_I8, _I8, _F4, _I8)  # prompt_ids, response_ids, logprobs, versions
+
 _NP_DTYPES = {np.dtype(c).str: np.dtype(c) for c in "?bBhHiIlLqQefdFD"}
-
-# The optional C accelerator (asyncrl/queue/_fastgroups.c) runs the per-response loops of
-# prepare_group and unpack_groups; where it is not built, or ASYNCRL_PURE_PYTHON is set, the
-# Python code below does the same. It takes only the path where all is as expected and
-# returns None otherwise, so every error message and every odd-but-valid case stays here.
-_fast: Any = None
-if not os.environ.get("ASYNCRL_PURE_PYTHON"):
-    try:
-        from asyncrl.queue import _fastgroups as _fast
-    except ImportError:
-        _fast = None
-    else:
-        _fast.setup(Trajectory, FINISH_REASONS, _I8, _F4)
-
-
-def _build(cls: type, **kwargs: Any) -> Any:
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise CodecError(f"invalid {cls.__name__}: {e}") from e
-
-
-def _slice_responses(
-    sid: str, per_response: list[list[Any]], columns: tuple[np.ndarray, ...], po: int, ro: int
-) -> tuple[list[Trajectory], int, int]:
-    """One group's trajectories, sliced from the token ``columns`` starting at prompt token
-    ``po`` and response token ``ro``; returns them with the positions after them.
-
-    ``per_response`` is ``[index, finish, reward, age, plens, rlens]``, lists of one length
-    (the caller checked). The columns are typed (int64, int64, float32, int64) and the response
-    columns equally long, so each record is built without re-checking its arrays
-    (Trajectory._from_typed checks what is left: finish_reason).
-    """
-    if _fast is not None:
-        done = _fast.trajectories(sid, *per_response, *columns, po, ro)
-        if done is not None:
-            return done
-    index, finish, reward, age, plens, rlens = per_response
-    p, r, lp, v = columns
-    np_, nr = len(p), len(r)
-    make, trajectories = Trajectory._from_typed, []
-    try:
-        for i in range(len(index)):
-            pe, re = po + plens[i], ro + rlens[i]
-            if not (po <= pe <= np_ and ro <= re <= nr):
-                raise CodecError(f"group {sid!r}: response {i}'s lengths run outside the token columns")
-            trajectories.append(make(sid, index[i], p[po:pe], r[ro:re], lp[ro:re], v[ro:re], finish[i], reward[i], age[i]))
-            po, ro = pe, re
-    except CodecError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise CodecError(f"invalid Trajectory in group {sid!r}: {e}") from e
-    return trajectories, po, ro
 
 
 def _group_from_columns(c: list[Any]) -> Group:
@@ -519,213 +447,3 @@ def unpack(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
     return value
 
 
-# --------------------------------------------------------------------------------------
-# group batches: the sample stream's own fast path
-
-
-_BATCH = "groups"  # the second field of a group batch's header
-_ZEROS = bytes(_ALIGN)  # column padding
-
-
-class PreparedGroup:
-    """A `Group` checked and laid out for `pack_groups`: done once, when the producer accepts it.
-
-    ``record`` is the group's msgpack record (ids, per-response values, lengths), ``sources``
-    its four token columns as lists of 1-d arrays (not copied yet), ``nbytes`` their size.
-    """
-
-    __slots__ = ("group", "record", "sources", "counts", "nbytes")
-
-    def __init__(self, group: Group, record: bytes, sources: tuple[list[Any], ...], counts: tuple[int, int]) -> None:
-        self.group = group
-        self.record = record
-        self.sources = sources
-        self.counts = counts  # prompt tokens, response tokens
-        # int64 prompt ids; int64 response ids + float32 logprobs + int64 versions; the record
-        self.nbytes = counts[0] * 8 + counts[1] * 20 + len(record)
-
-    @property
-    def sample_id(self) -> str:
-        return self.group.sample_id
-
-
-def _plain(obj: Any) -> Any:
-    # numpy scalars (a reward computed with numpy, say) become the Python value they hold.
-    if isinstance(obj, np.generic) and obj.dtype.kind in _NP_KINDS:
-        return obj.item()
-    raise TypeError(f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__} (no pickle)")
-
-
-_local = threading.local()  # one msgpack Packer per thread: a Packer is reusable but not shared
-
-
-def _record_packer() -> msgpack.Packer:
-    try:
-        return _local.packer
-    except AttributeError:
-        _local.packer = msgpack.Packer(default=_plain, use_bin_type=True)  # a failed pack() leaves it empty
-        return _local.packer
-
-
-def prepare_group(group: Group) -> PreparedGroup:
-    """Check ``group`` for `pack_groups` and lay it out; `CodecError` says what is wrong with it.
-
-    Every token array must be a 1-d numpy array of its field's dtype (int64 ids and versions,
-    float32 logprobs), as `Trajectory` makes them; ``meta`` and the per-response values must
-    be plain (numpy scalars become Python numbers).
-    """
-    if not isinstance(group, Group):
-        raise CodecError(f"the stream carries Group records, got {type(group).__module__}.{type(group).__qualname__}")
-    sid, ts = group.sample_id, group.trajectories
-    laid_out = _fast.columns(ts) if _fast is not None else None
-    if laid_out is not None:
-        p, r, lp, v, index, finish, reward, age, plens, rlens, np_, nr = laid_out
-        fields = [sid, group.expected, group.status, group.error, group.meta, index, finish, reward, age, plens, rlens]
-        return PreparedGroup(group, _record(sid, fields), (p, r, lp, v), (np_, nr))
-    try:
-        p = [t.prompt_ids for t in ts]
-        r = [t.response_ids for t in ts]
-        lp = [t.logprobs for t in ts]
-        v = [t.versions for t in ts]
-        plens = list(map(len, p))
-        rlens = list(map(len, r))
-        # dtype objects of numpy's built-in types are singletons: `is` is the cheap test here.
-        typed = all([a.dtype is _I8 and b.dtype is _I8 and c.dtype is _F4 and d.dtype is _I8
-                     and a.ndim == 1 and b.ndim == 1 and c.ndim == 1 and d.ndim == 1 and len(c) == n == len(d)
-                     for a, b, c, d, n in zip(p, r, lp, v, rlens)])
-        fields = [sid, group.expected, group.status, group.error, group.meta, [t.index for t in ts],
-                  [t.finish_reason for t in ts], [t.reward for t in ts], [t.age for t in ts], plens, rlens]
-    except (AttributeError, TypeError) as e:
-        _explain_untyped(group)
-        raise CodecError(f"group {sid!r}: {type(e).__name__}: {e}") from e  # e.g. a field deleted
-    if not typed:
-        _explain_untyped(group)
-    return PreparedGroup(group, _record(sid, fields), (p, r, lp, v), (sum(plens), sum(rlens)))
-
-
-def _record(sid: str, fields: list[Any]) -> bytes:
-    try:
-        return _record_packer().pack(fields)
-    except (OverflowError, TypeError, ValueError) as e:
-        raise CodecError(f"group {sid!r}: {e}") from e
-
-
-def _explain_untyped(group: Group) -> None:
-    """Raise `CodecError` naming what keeps ``group`` off `prepare_group`'s fast path.
-
-    Arrays equal in dtype to the expected one without being numpy's own singleton (a dtype
-    with metadata, say) are fine: then this returns and the group is packed as it is.
-    """
-    sid = group.sample_id
-    for t in group.trajectories:
-        if not isinstance(t, Trajectory):
-            raise CodecError(f"group {sid!r} holds a {type(t).__name__}, not a Trajectory")
-        arrays = (t.prompt_ids, t.response_ids, t.logprobs, t.versions)
-        for name, a, dt in zip(("prompt_ids", "response_ids", "logprobs", "versions"), arrays, _COLUMN_DTYPES):
-            if not isinstance(a, np.ndarray) or a.dtype != dt or a.ndim != 1:
-                what = f"{a.ndim}-d {a.dtype}" if isinstance(a, np.ndarray) else type(a).__name__
-                raise CodecError(
-                    f"group {sid!r} response {t.index}: {name} must be a 1-d numpy array of {dt} "
-                    f"(as Trajectory makes it), got {what}"
-                )
-        if not len(t.response_ids) == len(t.logprobs) == len(t.versions):
-            raise CodecError(f"group {sid!r} response {t.index}: response_ids, logprobs, versions differ in length")
-
-
-def pack_groups(batch: list[PreparedGroup]) -> list[Any]:
-    """Encode prepared groups as one message, ``[header, pool]``.
-
-    The pool holds four token columns (prompt ids, response ids, logprobs, versions), each
-    gathered across every response of every group; the header holds each group's record and
-    where the columns lie. `unpack_groups` slices them back into views.
-
-    The pool is one ``bytes`` joined from the arrays themselves: one memcpy per array into a
-    fresh frame, about half the cost of numpy gathering the same arrays into a recycled
-    buffer (its per-array setup and copy loop), and no buffer to track while ZeroMQ sends it.
-    """
-    np_ = sum(g.counts[0] for g in batch)
-    nr = sum(g.counts[1] for g in batch)
-    columns, parts, offset = [], [], 0
-    for k, (dt, count) in enumerate(zip(_COLUMN_DTYPES, (np_, nr, nr, nr))):
-        columns.append([dt.str, count, offset])
-        for g in batch:
-            parts += g.sources[k]
-        nbytes = count * dt.itemsize
-        pad = -nbytes % _ALIGN  # the next column starts aligned
-        if pad:
-            parts.append(_ZEROS[:pad])
-        offset += nbytes + pad
-    try:
-        pool = b"".join(parts)
-    except TypeError:  # a strided view has no contiguous buffer to copy from: numpy lays it out
-        pool = b"".join([np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a for a in parts])
-    header = msgpack.packb([CODEC_VERSION, _BATCH, offset, columns, [g.record for g in batch]], use_bin_type=True)
-    return [header, pool]
-
-
-def unpack_groups(frames: list[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[Group]:
-    """Decode ``[header, pool]`` as `pack_groups` made it; token arrays are views on the pool.
-
-    Raises `CodecError` for any malformed input, naming what was wrong.
-    """
-    if not isinstance(frames, (list, tuple)) or len(frames) != 2:
-        raise CodecError(f"a group batch is [header, pool], got {len(frames) if isinstance(frames, (list, tuple)) else type(frames).__name__} frames")
-    head, pool = _buffer(frames[0]), _buffer(frames[1])
-    for i, buf in enumerate((head, pool)):
-        if buf.nbytes > max_frame_bytes:
-            raise CodecError(f"frame {i} has {buf.nbytes} bytes, over max_frame_bytes={max_frame_bytes}")
-    try:
-        header = msgpack.unpackb(head, raw=False)
-    except Exception as e:
-        raise CodecError(f"group batch header is not valid msgpack: {type(e).__name__}: {e}") from e
-    if isinstance(header, list) and header and header[0] != CODEC_VERSION:
-        raise CodecError(f"codec version {header[0]!r} is not supported (this side speaks {CODEC_VERSION})")
-    if not isinstance(header, list) or len(header) != 5 or header[1] != _BATCH:
-        raise CodecError("header is not a group batch [version, 'groups', pool_nbytes, columns, records]")
-    _, _, pool_nbytes, columns, records = header
-    if type(pool_nbytes) is not int or pool_nbytes != pool.nbytes:
-        raise CodecError(f"pool frame has {pool.nbytes} bytes but the header announces {pool_nbytes!r}")
-    if not isinstance(records, list) or not isinstance(columns, list) or len(columns) != 4:
-        raise CodecError("group batch header lacks its four columns or its records")
-    arrays = []
-    for col, dt in zip(columns, _COLUMN_DTYPES):
-        if not (isinstance(col, list) and len(col) == 3 and col[0] == dt.str and type(col[1]) is int
-                and type(col[2]) is int and col[1] >= 0 and col[2] >= 0):
-            raise CodecError(f"group batch column {col!r} is not [{dt.str!r}, count, offset]")
-        count, start = col[1], col[2]
-        if start + count * dt.itemsize > pool.nbytes:
-            raise CodecError(f"column of {count} x {dt} at offset {start} overruns the {pool.nbytes}-byte pool")
-        arrays.append(np.frombuffer(pool, dt, count, start))
-    if not len(arrays[1]) == len(arrays[2]) == len(arrays[3]):
-        raise CodecError(
-            f"response columns disagree: {len(arrays[1])} ids, {len(arrays[2])} logprobs, {len(arrays[3])} versions"
-        )
-    return _groups_from_records(records, *arrays)
-
-
-def _groups_from_records(records: list[Any], p: np.ndarray, r: np.ndarray, lp: np.ndarray, v: np.ndarray) -> list[Group]:
-    """Slice the batch's columns back into groups, checking each record on the way."""
-    groups, columns = [], (p, r, lp, v)
-    po = ro = 0  # next prompt token, next response token
-    for rec in records:
-        try:
-            c = msgpack.unpackb(rec, raw=False, strict_map_key=False)
-        except Exception as e:
-            raise CodecError(f"group record is not valid msgpack: {type(e).__name__}: {e}") from e
-        if type(c) is not list or len(c) != 11:
-            raise CodecError("group record is not a list of 11 fields")
-        sid, expected, status, error, meta, index, finish, reward, age, plens, rlens = c
-        if type(sid) is not str or type(expected) is not int or type(meta) is not dict or not (error is None or type(error) is str):
-            raise CodecError(f"group record {sid!r}: sample_id, expected, error or meta has the wrong type")
-        n = len(index) if type(index) is list else -1
-        if not (n >= 0 and type(finish) is list and type(reward) is list and type(age) is list and type(plens) is list
-                and type(rlens) is list and len(finish) == n == len(reward) == len(age) == len(plens) == len(rlens)):
-            raise CodecError(f"group {sid!r}: per-response columns disagree in length")
-        trajectories, po, ro = _slice_responses(sid, c[5:11], columns, po, ro)
-        try:
-            groups.append(Group._from_typed(sid, trajectories, expected, status, error, meta))
-        except ValueError as e:
-            raise CodecError(f"invalid group {sid!r}: {e}") from e
-    if po != len(p) or ro != len(r):
-        raise CodecError(f"group records cover {po} prompt and {ro} response tokens, the columns hold {len(p)} and {len(r)}")
-    return groups

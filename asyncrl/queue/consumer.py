@@ -31,7 +31,9 @@ from typing import Any, Iterable
 import zmq
 
 from asyncrl.queue import protocol as P
-from asyncrl.queue.codec import CodecError, unpack_groups
+from asyncrl.queue.codec_base import CodecError
+from asyncrl.queue.group_codec import unpack_groups
+from asyncrl.queue.lifecycle import StreamEndpoint
 from asyncrl.queue.protocol import StreamConfig, StreamError
 from asyncrl.queue.transport import StreamSocket, keep_freed_memory
 from asyncrl.types import CommittedSet, Group
@@ -79,13 +81,16 @@ class _Peer:
     """Acks not yet sent to it."""
 
 
-class StreamConsumer:
+class StreamConsumer(StreamEndpoint):
     """Receives groups from any number of producers; see the module docstring.
 
     Use from one asyncio event loop (`BlockingStreamConsumer` wraps it for a plain thread).
     """
 
+    role = "stream consumer"
+
     def __init__(self, config: StreamConfig | None = None, *, committed: Iterable[str] = ()) -> None:
+        super().__init__()
         self.config = config or StreamConfig()
         self.session = uuid.uuid4().hex
         self.stats = ConsumerStats()
@@ -103,17 +108,12 @@ class StreamConsumer:
         # The coalescing timer is not cancelled when a batch of acks goes out early: it fires
         # once, within _ACK_COALESCE_S, and sends what is dirty by then (often nothing).
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._failure: BaseException | None = None
-        self._sock: StreamSocket | None = None
-        self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         """Bind the ROUTER and start the I/O loop; producers get credit as they say hello."""
-        if self._sock is not None:
-            raise StreamError("consumer already started")
+        self._check_not_started()
         if self.config.keep_freed_memory:
             keep_freed_memory()
         sock = StreamSocket(
@@ -126,10 +126,7 @@ class StreamConsumer:
             await sock.close()
             raise StreamError(f"cannot bind StreamConfig.endpoint={self.config.endpoint!r}: {e}") from e
         self._sock = sock
-        for coro in (self._read_loop(), self._heartbeat_loop()):
-            task = asyncio.create_task(coro)
-            task.add_done_callback(self._on_task_done)
-            self._tasks.append(task)
+        self._start_loops(self._read_loop(), self._heartbeat_loop())
         log.info("stream consumer bound %s (session %s, window %d)", self.config.endpoint, self.session, self.config.window)
 
     def _on_rejected_peer(self) -> None:
@@ -147,10 +144,7 @@ class StreamConsumer:
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self._stop_loops()
         if self._flush_timer is not None:
             self._flush_timer.cancel()
         if self._sock is not None:
@@ -162,18 +156,8 @@ class StreamConsumer:
             await self._sock.close(linger_s=_CLOSE_FLUSH_S)
         self._wake_reader.set()
 
-    async def __aenter__(self) -> StreamConsumer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-    def _on_task_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
-            log.error("stream consumer I/O loop failed", exc_info=self._failure)
-            self._wake_reader.set()
+    def _wake(self) -> None:
+        self._wake_reader.set()
 
     # ---------------------------------------------------------------- the Trainer's API
 
@@ -186,6 +170,11 @@ class StreamConsumer:
     def unacked(self) -> list[str]:
         """``sample_id``s handed out by ``recv`` and not yet acked."""
         return sorted(self._delivered)
+
+    @property
+    def depth(self) -> int:
+        """Groups received and waiting for `recv` (the stream's depth on the Trainer's side)."""
+        return len(self._ready)
 
     async def recv(self, timeout: float | None = None) -> Group:
         """The next group, waiting up to ``timeout`` seconds (None: no deadline).
@@ -241,12 +230,6 @@ class StreamConsumer:
 
     # ---------------------------------------------------------------- I/O
 
-    def _raise_if_down(self) -> None:
-        if self._failure is not None:
-            raise StreamError("stream consumer I/O loop failed") from self._failure
-        if self._closed or self._sock is None:
-            raise StreamError("stream consumer is closed (or was never started)")
-
     def _finish(self, peer_id: bytes, sid: str) -> None:
         peer = self._peers.get(peer_id)
         if peer is not None:
@@ -276,18 +259,18 @@ class StreamConsumer:
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
             raise P.ProtocolError(f"message of {len(frames)} frames has no envelope")
-        peer_id, kind, fields = frames[0].bytes, *P.parse_envelope(frames[1])
-        if kind == P.PING:
-            self._hello(peer_id, P.field(fields, "producer", str))
-        elif kind == P.GROUPS:
-            self._groups(peer_id, fields, frames[2:])
-        elif kind == P.BYE:
+        peer_id, msg = frames[0].bytes, P.decode(frames[1])
+        if isinstance(msg, P.Ping):
+            self._hello(peer_id, msg.producer)
+        elif isinstance(msg, P.Groups):
+            self._groups(peer_id, msg, frames[2:])
+        elif isinstance(msg, P.Bye):
             peer = self._peers.get(peer_id)
             if peer is not None:
                 peer.gone = True
                 log.info("producer %s said bye", peer.producer)
         else:
-            raise P.ProtocolError(f"a consumer does not accept {kind!r} messages")
+            raise P.ProtocolError(f"a consumer does not accept {type(msg).__name__.lower()!r} messages")
 
     def _hello(self, peer_id: bytes, producer: str) -> None:
         peer = self._peers.get(peer_id)
@@ -303,11 +286,8 @@ class StreamConsumer:
             log.info("producer %s is back", producer)
         peer.last_seen = time.monotonic()
 
-    def _groups(self, peer_id: bytes, fields: dict[str, Any], payload: list[Any]) -> None:
-        session = P.field(fields, "session", str)
-        sids = P.field(fields, "sample_ids", list)
-        if not sids or not all(type(s) is str for s in sids):
-            raise P.ProtocolError("field 'sample_ids' must be a non-empty list of str")
+    def _groups(self, peer_id: bytes, msg: P.Groups, payload: list[Any]) -> None:
+        session, sids = msg.session, msg.sample_ids
         if peer_id not in self._peers:
             raise P.ProtocolError(f"groups {sids[:3]} from a producer that never said hello")
         self._hello(peer_id, self._peers[peer_id].producer)
@@ -375,9 +355,7 @@ class StreamConsumer:
             if peer is None:
                 continue
             acks, peer.acks = peer.acks, []
-            msg = P.envelope(
-                P.CREDIT, {"session": self.session, "granted": peer.finished + self.config.window, "acks": acks}
-            )
+            msg = P.Credit(self.session, peer.finished + self.config.window, acks).encode()
             self._sock.send([peer_id, msg])
 
     async def _heartbeat_loop(self) -> None:

@@ -31,8 +31,10 @@ from typing import Any, Iterable
 import zmq
 
 from asyncrl.queue import protocol as P
-from asyncrl.queue.codec import CodecError, PreparedGroup, pack_groups, prepare_group
-from asyncrl.queue.protocol import StreamConfig, StreamError
+from asyncrl.queue.codec_base import CodecError
+from asyncrl.queue.group_codec import PreparedGroup, pack_groups, prepare_group
+from asyncrl.queue.lifecycle import StreamEndpoint
+from asyncrl.queue.protocol import StreamConfig
 from asyncrl.queue.transport import StreamSocket, keep_freed_memory
 from asyncrl.types import Group
 
@@ -59,15 +61,18 @@ class ProducerStats:
     """Messages from the socket rejected as malformed."""
 
 
-class StreamProducer:
+class StreamProducer(StreamEndpoint):
     """Sends groups to one consumer; see the module docstring.
 
     Use from one asyncio event loop (`BlockingStreamProducer` wraps it for a plain thread).
     """
 
+    role = "stream producer"
+
     def __init__(
         self, config: StreamConfig | None = None, *, producer_id: str = "producer", unacked: Iterable[Group] = ()
     ) -> None:
+        super().__init__()
         self.config = config or StreamConfig()
         self.producer_id = producer_id
         self.incarnation = uuid.uuid4().hex[:12]
@@ -90,17 +95,12 @@ class StreamProducer:
         self._last_heard = 0.0
         self._connected = False
         self._changed = asyncio.Event()  # replaced by a fresh one each time it is set (see _signal)
-        self._tasks: list[asyncio.Task] = []
-        self._failure: BaseException | None = None
-        self._sock: StreamSocket | None = None
-        self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         """Connect and say hello; returns at once (credit arrives when the consumer is up)."""
-        if self._sock is not None:
-            raise StreamError("producer already started")
+        self._check_not_started()
         if self.config.keep_freed_memory:
             keep_freed_memory()
         sock = StreamSocket(
@@ -111,10 +111,7 @@ class StreamProducer:
         self._sock = sock
         self._last_heard = time.monotonic()
         self._ping()
-        for coro in (self._read_loop(), self._heartbeat_loop()):
-            task = asyncio.create_task(coro)
-            task.add_done_callback(self._on_task_done)
-            self._tasks.append(task)
+        self._start_loops(self._read_loop(), self._heartbeat_loop())
         log.info("stream producer %s connecting to %s", self.producer_id, self.config.endpoint)
 
     async def close(self) -> None:
@@ -125,29 +122,16 @@ class StreamProducer:
         if self._sock is not None and self._failure is None:
             try:
                 self._flush_outbox()  # what send() accepted goes out before the bye
-                self._sock.send([P.envelope(P.BYE, {})])
+                self._sock.send([P.Bye().encode()])
             except zmq.ZMQError:
                 pass
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self._stop_loops()
         if self._sock is not None:
             await self._sock.close(linger_s=0.2)  # time for the bye; unacked groups are kept in any case
         self._signal()
 
-    async def __aenter__(self) -> StreamProducer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-    def _on_task_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
-            log.error("stream producer I/O loop failed", exc_info=self._failure)
-            self._signal()
+    def _wake(self) -> None:
+        self._signal()
 
     def _signal(self) -> None:
         # Wake every waiter; each re-checks its own condition.
@@ -232,15 +216,6 @@ class StreamProducer:
             )
         return prepared
 
-    def _down(self) -> bool:
-        return self._closed or self._failure is not None
-
-    def _raise_if_down(self) -> None:
-        if self._failure is not None:
-            raise StreamError("stream producer I/O loop failed") from self._failure
-        if self._closed or self._sock is None:
-            raise StreamError("stream producer is closed (or was never started)")
-
     def _may_send(self) -> bool:
         return self._down() or (self.credit > 0 and not self._resend)
 
@@ -266,7 +241,7 @@ class StreamProducer:
         batch, self._outbox, self._outbox_bytes = self._outbox, [], 0
         try:
             frames = pack_groups(batch)
-            head = P.envelope(P.GROUPS, {"session": self._session, "sample_ids": [g.sample_id for g in batch]})
+            head = P.Groups(self._session, [g.sample_id for g in batch]).encode()
             self._sock.send([head, *frames], copy=False)
         except Exception as e:  # groups were checked by send(): this is out of memory or a dead socket
             if self._failure is None:
@@ -279,24 +254,21 @@ class StreamProducer:
 
     def _ping(self) -> None:
         assert self._sock is not None
-        self._sock.send([P.envelope(P.PING, {"producer": self.producer_id, "incarnation": self.incarnation})])
+        self._sock.send([P.Ping(self.producer_id, self.incarnation).encode()])
 
     async def _read_loop(self) -> None:
         assert self._sock is not None
         while True:
             for frames in await self._sock.recv_burst():
                 try:
-                    kind, fields = P.parse_envelope(frames[0])
-                    if kind != P.CREDIT:
-                        raise P.ProtocolError(f"a producer does not accept {kind!r} messages")
-                    session = P.field(fields, "session", str)
-                    granted = P.field(fields, "granted", int)
-                    acks = P.field(fields, "acks", list)
+                    msg = P.decode(frames[0])
+                    if not isinstance(msg, P.Credit):
+                        raise P.ProtocolError(f"a producer does not accept {type(msg).__name__.lower()!r} messages")
                 except P.ProtocolError as e:
                     self.stats.malformed += 1
                     log.warning("stream producer %s rejected a message: %s", self.producer_id, e)
                     continue
-                self._on_credit(session, granted, acks)
+                self._on_credit(msg.session, msg.granted, msg.acks)
             self._signal()
 
     def _on_credit(self, session: str, granted: int, acks: list[Any]) -> None:

@@ -2,7 +2,7 @@
 
 Every message is ``[envelope, *payload]``; the ROUTER side also sees the peer's routing id
 in front. The envelope is msgpack ``[MAGIC, PROTOCOL_VERSION, kind, fields]``; only
-``groups`` messages carry a payload: `asyncrl.queue.codec.pack_groups`'s ``[header, pool]``
+``groups`` messages carry a payload: `asyncrl.queue.group_codec.pack_groups`'s ``[header, pool]``
 of one or more groups.
 
 Producer -> consumer
@@ -29,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from asyncrl.queue.codec import DEFAULT_MAX_FRAME_BYTES
+from asyncrl.queue.codec_base import DEFAULT_MAX_FRAME_BYTES
 from asyncrl.queue.security import CurveKeys
 
 MAGIC = b"asyncrl-stream"
@@ -147,3 +147,67 @@ def field(fields: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> A
     if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
         raise ProtocolError(f"field {name!r} is {type(value).__name__}, expected {kind}")
     return value
+
+
+# -- the four messages as typed records ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Producer -> consumer: hello and heartbeat."""
+
+    producer: str
+    incarnation: str = ""
+
+    def encode(self) -> bytes:
+        return envelope(PING, {"producer": self.producer, "incarnation": self.incarnation})
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """Producer -> consumer: the envelope of ``[header, pool]`` of groups sent under ``session``'s credit."""
+
+    session: str
+    sample_ids: list[str]
+
+    def encode(self) -> bytes:
+        return envelope(GROUPS, {"session": self.session, "sample_ids": self.sample_ids})
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """Producer -> consumer: the producer closes."""
+
+    def encode(self) -> bytes:
+        return envelope(BYE, {})
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """Consumer -> producer: heartbeat, cumulative credit of ``session`` and acks, in one message."""
+
+    session: str
+    granted: int
+    acks: list[str]
+
+    def encode(self) -> bytes:
+        return envelope(CREDIT, {"session": self.session, "granted": self.granted, "acks": self.acks})
+
+
+Message = Ping | Groups | Bye | Credit
+
+
+def decode(frame: Any) -> Message:
+    """The typed message of envelope ``frame``; `ProtocolError` names what is wrong with it."""
+    kind, fields = parse_envelope(frame)
+    if kind == GROUPS:
+        sids = field(fields, "sample_ids", list)
+        if not sids or not all(type(s) is str for s in sids):
+            raise ProtocolError("field 'sample_ids' must be a non-empty list of str")
+        return Groups(field(fields, "session", str), sids)
+    if kind == CREDIT:
+        return Credit(field(fields, "session", str), field(fields, "granted", int), field(fields, "acks", list))
+    if kind == PING:
+        incarnation = fields.get("incarnation", "")
+        return Ping(field(fields, "producer", str), incarnation if isinstance(incarnation, str) else "")
+    return Bye()

@@ -7,19 +7,22 @@ cross Ray as the `asyncrl.types` dataclasses.
 
 The engine is built by kind: ``"torch"`` -> `TorchEngine` (built-in), ``"vllm"`` ->
 ``asyncrl.rollouter.vllm_engine.VLLMEngine`` (imported only when asked for). Weight sync:
-``init_weight_sync`` / ``receive_weights`` go to the engine's own methods when it has them
-(vLLM's weight-transfer engine), else to a ``asyncrl.sync.receiver.WeightReceiver`` that
-loads received buckets through the engine's ``load_weights``.
+``init_weight_sync(ReceiverInit)`` builds the receiver of the record's method
+(`asyncrl.sync.base.make_receiver`: ``broadcast`` for the built-in engine, ``vllm`` for vLLM)
+and ``receive_weights`` goes to it; a method that does not fit the engine's kind is refused.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 from asyncrl.rollouter.engine import PauseMode
 from asyncrl.types import GenerateRequest, GenerateResult
 
 ENGINE_KINDS = ("torch", "vllm")
+SYNC_METHOD_OF_KIND = {"torch": "broadcast", "vllm": "vllm"}
+"""The weight-sync method (`asyncrl.sync.base`) each engine kind receives with."""
 
 
 def make_engine(kind: str = "torch", **engine_kwargs):
@@ -83,28 +86,40 @@ class EngineActor:
     async def finish_weight_update(self, version: int) -> None:
         await self.engine.finish_weight_update(version)
 
-    async def init_weight_sync(self, **kwargs):
-        if hasattr(self.engine, "init_weight_sync"):
-            return await self.engine.init_weight_sync(**kwargs)
-        from asyncrl.sync.receiver import WeightReceiver
+    async def weight_dtype(self) -> str:
+        """The dtype the engine holds its weights in (``vllm``: what the sync sends by default)."""
+        if self.kind == "vllm":
+            return self.engine.weight_dtype()
+        from asyncrl.sync.wire import dtype_name
 
-        self._receiver = WeightReceiver(self.engine, **kwargs)
+        return dtype_name(next(d for _, d, _ in self.engine.param_meta() if d.is_floating_point))
+
+    async def init_weight_sync(self, init):
+        """Join the weight-sync group described by ``init`` (this engine's `ReceiverInit`)."""
+        from asyncrl.sync.base import make_receiver
+
+        want = SYNC_METHOD_OF_KIND[self.kind]
+        if init.method != want:
+            raise ValueError(f"a {self.kind!r} engine receives weights with method {want!r}, "
+                             f"not {init.method!r}: set WeightSyncConfig.method={want!r}")
+        if self._receiver is not None:
+            await _maybe_await(self._receiver.close())
+        self._receiver = make_receiver(self.engine, init)
         return await self._receiver.connect()
 
     async def receive_weights(self, **kwargs):
-        if hasattr(self.engine, "receive_weights"):
-            return await self.engine.receive_weights(**kwargs)
         if self._receiver is None:
             raise RuntimeError("receive_weights before init_weight_sync: call init_weight_sync first")
         return await self._receiver.receive(**kwargs)
 
     async def close(self) -> None:
-        close = getattr(self._receiver, "close", None)
-        if close is not None:
-            result = close()
-            if hasattr(result, "__await__"):
-                await result
+        if self._receiver is not None:
+            await _maybe_await(self._receiver.close())
         await self.engine.close()
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
 
 
 def remote_engine_actor(num_cpus: float = 1, num_gpus: float = 0, **options):

@@ -23,11 +23,21 @@ vLLM starts). What maps onto what:
   ``resume()`` -> ``resume_generation()``; ``abort(ids)`` -> ``AsyncLLM.abort(ids)`` (the
   request's final output then has ``finish_reason="abort"`` and its partial tokens).
   Requests vLLM rejects while paused (``RetryableRequestError``) raise `EnginePausedError`.
-- Weights: `init_weight_sync` -> ``init_weight_transfer_engine``; `receive_weights` ->
-  ``start_weight_update``, ``update_weights``, ``finish_weight_update`` (vLLM's NCCL
-  transfer engine; the trainer side is `asyncrl.sync.vllm.VLLMWeightSender`). An update
-  that fails part way leaves the engine refusing to ``resume()`` (vLLM's worker also stays
-  inside the update), so it never serves half-loaded weights; such an engine is rebuilt.
+- Weights arrive through vLLM's NCCL transfer engine, driven by
+  `asyncrl.sync.vllm.VLLMWeightReceiver` (both halves of that protocol live in
+  `asyncrl.sync.vllm`); this class commits them (`finish_weight_update`). A weight step that
+  fails or runs out of time sets ``weights_broken``: the engine then refuses ``resume()`` and
+  every later weight call (vLLM's worker may still be inside the step), so it never serves
+  half-loaded weights; such an engine is rebuilt.
+- Prefix cache: every prompt carries ``cache_salt`` = the weight version it will be
+  prefilled with (a fresh salt per pause while paused), so a request after an update never
+  reuses prompt KV computed with older weights (``prefix_cache_salt=False`` drops the salt).
+- Sampling: vLLM refuses ``temperature > 2`` and raises ``0 < temperature < 0.01`` to 0.01,
+  which would make the behaviour log-probs lie; such requests are refused here
+  (`check_vllm_temperature`, also run by the launcher on ``--temperature``).
+- ``close()`` aborts the requests still in flight (their callers get ``finish_reason="abort"``
+  with the partial tokens), waits up to ``close_timeout_s`` for them to leave, then shuts
+  vLLM down (``AsyncLLM.shutdown()`` alone can leave ``generate()`` callers waiting forever).
 
 Leaves out: ``load_weights`` from local tensors (vLLM's model lives in another process;
 weights arrive only over the transfer engine), LoRA, multimodal inputs, ``n > 1`` (asyncrl
@@ -60,7 +70,6 @@ from asyncrl.types import GenerateRequest, GenerateResult
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 _VLLM_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-_INIT_INFO_REQUIRED = ("master_address", "master_port", "rank_offset", "world_size")
 
 
 @dataclass(kw_only=True)
@@ -89,8 +98,11 @@ class VLLMEngineConfig:
     """Tokens that end every request (besides its own stop ids); None takes config.json's EOS."""
     initial_version: int = 0
     """Version of the weights the engine starts with."""
-    weight_sync_timeout_s: float = 600.0
-    """Deadline of each weight-transfer call (init, one update)."""
+    prefix_cache_salt: bool = True
+    """Salt each prompt's prefix-cache key with the weight version (see the module doc); False
+    only with prefix caching off (``engine_kwargs={"enable_prefix_caching": False}``)."""
+    close_timeout_s: float = 30.0
+    """How long `VLLMEngine.close` waits for aborted requests to leave before shutting down."""
     engine_kwargs: dict = field(default_factory=dict)
     """Other ``AsyncEngineArgs`` fields, passed as given."""
 
@@ -105,8 +117,14 @@ class VLLMEngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"VLLMEngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.weight_sync_timeout_s <= 0:
-            raise ValueError(f"VLLMEngineConfig.weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
+        if self.close_timeout_s <= 0:
+            raise ValueError(f"VLLMEngineConfig.close_timeout_s must be > 0, got {self.close_timeout_s}")
+        if not self.prefix_cache_salt and self.engine_kwargs.get("enable_prefix_caching", True):
+            raise ValueError(
+                "VLLMEngineConfig.prefix_cache_salt=False with prefix caching on would let requests after a weight "
+                "update reuse prompt KV of older weights: keep it True or set "
+                "engine_kwargs={'enable_prefix_caching': False}"
+            )
         clash = {"logprobs_mode", "weight_transfer_config", "model", "skip_tokenizer_init"} & set(self.engine_kwargs)
         if clash:
             raise ValueError(f"VLLMEngineConfig.engine_kwargs must not set {sorted(clash)}: use the fields of the same name")
@@ -135,6 +153,27 @@ class VLLMEngineConfig:
         return {**args, **self.engine_kwargs}
 
 
+VLLM_MIN_TEMPERATURE = 0.01
+"""vLLM 0.33 raises a temperature in (0, 0.01) to 0.01 (``SamplingParams._MAX_TEMP``)."""
+VLLM_MAX_TEMPERATURE = 2.0
+"""vLLM 0.33 refuses a temperature above 2."""
+
+
+def check_vllm_temperature(temperature: float, setting: str = "temperature") -> None:
+    """Refuse a sampling temperature vLLM would not honour as given; the error names ``setting``.
+
+    Above 2 vLLM rejects the request; below 0.01 it samples at 0.01 while the trainer would
+    divide the logits by the configured value, so the behaviour log-probs would not match.
+    Greedy decoding is not a temperature (it is sent as 0) and is not checked here.
+    """
+    if not VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE:
+        raise ValueError(
+            f"{setting}={temperature} is outside [{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}], the range vLLM 0.33 "
+            "samples at as given (it refuses > 2 and raises < 0.01 to 0.01); choose a temperature in it, "
+            "or greedy decoding"
+        )
+
+
 def sampling_kwargs(request: GenerateRequest, eos_token_ids: Iterable[int] = ()) -> dict:
     """vLLM ``SamplingParams`` keyword arguments for one asyncrl request.
 
@@ -143,6 +182,8 @@ def sampling_kwargs(request: GenerateRequest, eos_token_ids: Iterable[int] = ())
     built-in engine. ``output_kind`` (DELTA) is set by the engine, not here.
     """
     s = request.sampling
+    if not s.greedy:
+        check_vllm_temperature(s.temperature, f"request {request.request_id}: sampling.temperature")
     stops = dict.fromkeys([int(t) for t in eos_token_ids] + [int(t) for t in s.stop_token_ids])
     return {
         "n": 1,
@@ -265,19 +306,40 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
+        """vLLM's engine (`asyncrl.sync.vllm.VLLMWeightReceiver` drives its weight transfer)."""
         self._version = config.initial_version
         self._paused: PauseMode | None = None
-        self._update_open = False
-        self._weights_broken: str | None = None
+        self._pauses = 0
+        self.weight_update_open = False
+        """True between a started weight update and its `finish_weight_update`."""
+        self.weights_broken: str | None = None
+        """Why the weights may be half loaded (a weight step failed or timed out); None when whole."""
         self._closed = False
         self._live: dict[str, list[int]] = {}  # request id -> tokens so far (one-element list)
+        self._left = asyncio.Event()  # set whenever _live becomes empty
         self._waiters: dict[str, list[tuple[int, asyncio.Future]]] = {}
         self._counters = dict(tokens_generated=0, finished=0)
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def paused(self) -> PauseMode | None:
+        """The pause mode in force, or None while serving."""
+        return self._paused
+
+    def weight_dtype(self) -> str:
+        """The dtype vLLM holds the weights in (what the weight sync sends by default)."""
+        return str(self.llm.model_config.dtype).removeprefix("torch.")
+
+    def _cache_salt(self) -> str:
+        # The prompt is prefilled with the weights of the version after the current pause, which
+        # is unknown while paused: a salt of its own per pause never matches KV of older weights.
+        if self._paused is None:
+            return f"asyncrl-v{self._version}"
+        return f"asyncrl-v{self._version}-pause{self._pauses}"
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Generate one response; waits (queued in vLLM) while the engine is paused with ``keep``."""
@@ -287,7 +349,7 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         rid = request.request_id
-        self._check_open()
+        self.check_open()
         if self._paused in ("abort", "wait"):
             raise EnginePausedError(
                 f"request {rid} refused: the engine is paused with mode={self._paused!r}; call resume() first"
@@ -297,12 +359,15 @@ class VLLMEngine:
         # DELTA outputs: each step's new tokens, so progress is visible (wait_for_tokens).
         params = SamplingParams(**sampling_kwargs(request, self._eos), output_kind=RequestOutputKind.DELTA)
         prompt = {"prompt_token_ids": request.prompt_ids.tolist()}
+        if self.config.prefix_cache_salt:
+            prompt["cache_salt"] = self._cache_salt()
         ids: list[int] = []
         logps: list[np.ndarray] = []
         final = None
         self._live[rid] = [0]
+        self._left.clear()
         try:
-            async for out in self._llm.generate(prompt, params, rid):
+            async for out in self.llm.generate(prompt, params, rid):
                 completion = out.outputs[0]
                 new = list(completion.token_ids)
                 ids += new
@@ -315,6 +380,8 @@ class VLLMEngine:
             raise EngineClosedError(f"request {rid}: the vLLM engine died or was closed") from exc
         finally:
             self._live.pop(rid, None)
+            if not self._live:
+                self._left.set()
             self._progress(rid, 0, done=True)
         if final is None or final.finish_reason is None:
             raise EngineError(f"request {rid}: vLLM ended the request without a final output")
@@ -369,25 +436,26 @@ class VLLMEngine:
         """vLLM's ``pause_generation(mode=..., clear_cache=...)``; returns once the mode holds."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self._check_open()
+        self.check_open()
         self._paused = mode  # first, so a generate() racing the pause is refused here too
-        await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        self._pauses += 1
+        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> None:
         """vLLM's ``resume_generation()``; refused while a weight update is open or failed."""
-        self._check_open()
-        if self._update_open:
+        self.check_open()
+        if self.weights_broken is not None:
+            raise EngineError(f"refusing to resume on partly loaded weights: {self.weights_broken}")
+        if self.weight_update_open:
             raise EngineError("resume() during a weight update: call finish_weight_update(version) first")
-        if self._weights_broken is not None:
-            raise EngineError(f"refusing to resume on partly loaded weights: {self._weights_broken}")
-        await self._llm.resume_generation()
+        await self.llm.resume_generation()
         self._paused = None
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
         ids = [r for r in request_ids if r in self._live]
         if ids:
-            await self._llm.abort(ids)
+            await self.llm.abort(ids)
 
     def param_meta(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """Checkpoint-format ``(name, dtype, shape)`` of the model directory (`checkpoint_param_meta`).
@@ -399,69 +467,18 @@ class VLLMEngine:
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError(
-            "VLLMEngine takes weights only through vLLM's NCCL weight-transfer engine: "
-            "init_weight_sync(**info) once, then receive_weights(...) per sync (asyncrl.sync.vllm)"
+            "VLLMEngine takes weights only through vLLM's NCCL weight-transfer engine "
+            "(asyncrl.sync.vllm, WeightSyncConfig(method='vllm'))"
         )
-
-    async def init_weight_sync(self, **init_info) -> None:
-        """Join the trainer's NCCL group: vLLM's ``init_weight_transfer_engine(init_info)``.
-
-        ``init_info`` is this engine's entry of `asyncrl.sync.vllm.VLLMWeightSender.connect`'s
-        list (master_address, master_port, rank_offset, world_size, packed,
-        packed_buffer_size_bytes, packed_num_buffers). Returns when the trainer has joined.
-        """
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        missing = [k for k in _INIT_INFO_REQUIRED if k not in init_info]
-        if missing:
-            raise ValueError(f"init_weight_sync is missing {missing}: pass this engine's entry of VLLMWeightSender.connect()")
-        self._check_open()
-        self._check_no_open_update("init_weight_sync")
-        request = WeightTransferInitRequest(init_info=dict(init_info))
-        await self._deadline(self._llm.init_weight_transfer_engine(request), "init_weight_transfer_engine")
-
-    async def receive_weights(
-        self,
-        *,
-        names: Sequence[str] = (),
-        dtype_names: Sequence[str] = (),
-        shapes: Sequence[Sequence[int]] = (),
-        version: int | None = None,
-    ) -> None:
-        """Receive one full set of weights while paused, as the trainer's ``send`` broadcasts it.
-
-        The keywords are `VLLMWeightSender.weight_update_kwargs` (empty lists reuse the metadata
-        of the last update). With ``version`` the update is committed here; without it, call
-        `finish_weight_update(version)` next.
-        """
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        self._check_open()
-        if self._paused is None:
-            raise EngineError("receive_weights while serving: pause(mode='keep') first")
-        self._check_no_open_update("receive_weights")
-        if not len(names) == len(dtype_names) == len(shapes):
-            raise ValueError(
-                f"receive_weights: names, dtype_names and shapes differ in length "
-                f"({len(names)}, {len(dtype_names)}, {len(shapes)})"
-            )
-        info = {"names": list(names), "dtype_names": list(dtype_names), "shapes": [list(x) for x in shapes]}
-        # Until finish_weight_update succeeds the model may hold a mix of old and new tensors.
-        self._weights_broken = "a weight update started and did not finish; rebuild the engine"
-        await self._deadline(self._llm.start_weight_update(), "start_weight_update")
-        self._update_open = True
-        await self._deadline(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)), "update_weights")
-        if version is not None:
-            await self.finish_weight_update(version)
 
     async def finish_weight_update(self, version: int) -> None:
         """Commit the received weights as ``version``: tokens generated after resume carry it."""
-        self._check_open()
-        if not self._update_open:
-            raise EngineError("finish_weight_update without receive_weights: nothing to commit")
-        await self._deadline(self._llm.finish_weight_update(weight_version=str(version)), "finish_weight_update")
-        self._update_open = False
-        self._weights_broken = None
+        self.check_open()
+        if not self.weight_update_open:
+            raise EngineError("finish_weight_update without a started weight update: nothing to commit")
+        await self.llm.finish_weight_update(weight_version=str(version))
+        self.weight_update_open = False
+        self.weights_broken = None
         self._version = int(version)
 
     def stats(self) -> dict[str, int]:
@@ -473,26 +490,24 @@ class VLLMEngine:
         return dict(running=len(self._live), version=self._version, **self._counters)
 
     async def close(self) -> None:
-        """Shut vLLM down; requests still in flight end with `EngineClosedError`."""
+        """Abort the requests in flight (their callers get their partial output with
+        ``finish_reason="abort"``), wait up to ``close_timeout_s`` for them to leave, shut vLLM down."""
         if self._closed:
             return
         self._closed = True
-        self._llm.shutdown()
+        live = list(self._live)
+        if live:
+            try:
+                await asyncio.wait_for(self._abort_and_drain(live), self.config.close_timeout_s)
+            except TimeoutError:
+                pass  # shut down anyway; callers still waiting then get EngineClosedError from vLLM
+        self.llm.shutdown()
 
-    def _check_no_open_update(self, what: str) -> None:
-        # vLLM's worker is still inside the unfinished update (maybe blocked in NCCL): fail fast.
-        if self._update_open:
-            raise EngineError(f"{what}: an earlier weight update never finished; this engine must be rebuilt")
+    async def _abort_and_drain(self, ids: list[str]) -> None:
+        await self.llm.abort(ids)
+        await self._left.wait()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise `EngineClosedError` once `close` was called."""
         if self._closed:
             raise EngineClosedError("the vLLM engine is closed")
-
-    async def _deadline(self, awaitable, what: str):
-        try:
-            return await asyncio.wait_for(awaitable, self.config.weight_sync_timeout_s)
-        except TimeoutError:
-            raise TimeoutError(
-                f"vLLM {what} did not finish within VLLMEngineConfig.weight_sync_timeout_s="
-                f"{self.config.weight_sync_timeout_s}s"
-            ) from None

@@ -4,16 +4,20 @@ The launcher builds it with plain values (configs, engine handles, the stream's 
 calls `run`; the Trainer's side calls `on_sync` after every weight sync and `feed_state` for
 its checkpoints. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
 the built-in arithmetic task. Data and reward were checked by the launcher before Ray
-started; here they are loaded again in the process that uses them.
+started; here they are loaded again in the process that uses them. `validate` scores the
+validation file greedily on the same engines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
 
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
+from asyncrl.rollouter.rollouter import _call as call_engine
+from asyncrl.types import GenerateRequest, SamplingParams
 
 BUILTIN_TASK_ROWS = 4096
 """Prompts of the built-in task per epoch."""
@@ -25,25 +29,29 @@ class DataSpec:
 
     train: str | None = None
     """verl-layout JSONL/parquet; None: the built-in arithmetic task."""
+    val: str | None = None
+    """Validation file (same layout); None: no validation."""
     reward: str | None = None
     """``module:function``; None: the built-in task's reward."""
     seed: int = 0
     """Seed of the built-in task's prompts."""
 
 
-def load_prompts(tokenizer, spec: DataSpec) -> list[Prompt]:
-    """The dataset's rows as `Prompt`s (text as the model sees it, token ids, reward meta)."""
+def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Prompt]:
+    """The rows of ``path`` (default: the training file) as `Prompt`s (text as the model sees it,
+    token ids, reward meta); the built-in task when there is no training file."""
     from asyncrl import data
 
-    if spec.train is None:
+    path = path or spec.train
+    if path is None:
         from asyncrl.tasks import arithmetic
 
         rows = arithmetic.generate_dataset(BUILTIN_TASK_ROWS, seed=spec.seed)
         return [Prompt(text=r["prompt"], prompt_ids=arithmetic.encode_prompt(tokenizer, r["prompt"]),
                        meta={"data_source": r["data_source"], "ground_truth": r["reward_model"]["ground_truth"],
                              "extra_info": {}}) for r in rows]
-    rows = data.read_rows(spec.train)
-    data.check_renderable(tokenizer, rows, spec.train)
+    rows = data.read_rows(path)
+    data.check_renderable(tokenizer, rows, path)
     prompts = []
     for row in rows:
         text, ids = data.prompt_text_and_ids(tokenizer, row)
@@ -67,7 +75,7 @@ class RolloutWorker:
     """The Rollouter process; build it as a Ray actor (``ray.remote(RolloutWorker)``)."""
 
     def __init__(self, cfg: RolloutConfig, engines: list, stream, model_path: str, data_spec: DataSpec,
-                 resume: dict | None = None):
+                 resume: dict | None = None, *, metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0):
         """``resume``: ``{"saved": <the checkpoint's rollouter_state>, "committed": <CommittedSet
         JSON>, "dropped": int}`` of a restored Trainer: the feed continues where it stood, and
         what was admitted but not trained is generated again first (`RolloutState.resume`)."""
@@ -76,6 +84,7 @@ class RolloutWorker:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.cfg, self.engines, self.stream = cfg, engines, stream
         self.prompts = load_prompts(tokenizer, data_spec)
+        self.val_prompts = load_prompts(tokenizer, data_spec, data_spec.val) if data_spec.val else []
         self.reward_fn = make_reward_fn(tokenizer, data_spec)
         if resume is None:
             self.state = RolloutState()
@@ -86,6 +95,7 @@ class RolloutWorker:
                                              resume["dropped"], rows=len(self.prompts))
         self.version = 0
         self.rollouter: Rollouter | None = None
+        self.metrics_endpoint, self.metrics_interval_s = metrics_endpoint, metrics_interval_s
         self._stopped = False
 
     def ready(self) -> int:
@@ -98,13 +108,27 @@ class RolloutWorker:
 
         producer = StreamProducer(self.stream, producer_id="rollouter-0")
         await producer.start()
-        self.rollouter = Rollouter(self.cfg, self.engines, producer, self.prompts, self.reward_fn, state=self.state)
+        engines, report = self.engines, None
+        if self.metrics_endpoint:  # metrics (#16): idle clock on the engines, periodic report
+            from asyncrl.metrics.report import IdleClock, MeteredEngine, RolloutReporter, report_rollouter
+            from asyncrl.metrics.stream import MetricsEmitter
+
+            clock, emitter = IdleClock(), MetricsEmitter(self.metrics_endpoint, "rollouter")
+            engines = [MeteredEngine(e, clock) for e in self.engines]
+            report = asyncio.create_task(report_rollouter(
+                emitter, RolloutReporter(self.engines, clock, self.cfg.n), lambda: (self.rollouter, producer),
+                self.metrics_interval_s))
+        self.rollouter = Rollouter(self.cfg, engines, producer, self.prompts, self.reward_fn, state=self.state)
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
         if self._stopped:
             await self.rollouter.stop()
         try:
             await self.rollouter.run(num_groups)
         finally:
+            if report is not None:
+                report.cancel()
+                await asyncio.gather(report, return_exceptions=True)
+                emitter.close()
             await producer.close()
         return self.progress()
 
@@ -120,6 +144,29 @@ class RolloutWorker:
         if self.rollouter is not None:
             await self.rollouter.stop()
         return self.progress()
+
+    async def validate(self, step: int) -> dict[str, float]:
+        """One greedy response per validation prompt, scored: metrics under ``val/``.
+
+        Request ids are ``val_{step}_{i}``: they never take the form of a training ``sample_id``
+        (``sample_{epoch}_{index}``), never enter the stream and never move the feed.
+        """
+        if not self.val_prompts:
+            return {}
+        slots = asyncio.Semaphore(self.cfg.max_concurrent)
+
+        async def one(i: int, prompt: Prompt) -> tuple[float, int]:
+            request = GenerateRequest(request_id=f"val_{step}_{i}", prompt_ids=prompt.prompt_ids,
+                                      max_tokens=self.cfg.max_tokens, sampling=SamplingParams(greedy=True))
+            async with slots:
+                engine = self.engines[i % len(self.engines)]
+                result = await asyncio.wait_for(call_engine(engine, request), self.cfg.request_timeout_s)
+            return await self.reward_fn(prompt, result.response_ids), len(result.response_ids)
+
+        scored = await asyncio.gather(*(one(i, p) for i, p in enumerate(self.val_prompts)))
+        rewards = np.asarray([r for r, _ in scored], dtype=np.float64)
+        return {"val/reward_mean": float(rewards.mean()), "val/response_length_mean": float(np.mean([n for _, n in scored])),
+                "val/samples": float(len(scored))}
 
     def feed_state(self) -> dict:
         """The feed position and what is in flight, for the Trainer's checkpoint (``rollouter_state``)."""

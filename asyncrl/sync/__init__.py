@@ -1,11 +1,14 @@
-"""Weight sync: a process group outside the training world, bucketed broadcast, pause-keep coordinator.
+"""Weight sync: one interface (`base`), one file per backend, the coordinator that drives them.
 
-- `WeightSyncGroup` (`group`): rank 0 = trainer rank 0, ranks 1..N = engine workers; gloo on
-  CPU, nccl on CUDA, built beside each process's default group.
-- `WeightSender` (`sender`, in a trainer rank) and `WeightReceiver` (`receiver`, in an engine
-  actor): metadata once, then packed uint8 buckets (`buckets`).
-- `WeightSyncCoordinator` (`coordinator`): pause keep -> broadcast -> load -> resume ->
-  version += 1 on every engine, each step under a named timeout.
+- `base`: the `WeightSyncer` / `WeightSender` / `WeightReceiver` protocols, the typed init
+  records (`SenderInit`, `ReceiverInit`, `GroupInit`), `make_sender` / `make_receiver`;
+- `wire`: wire constants, dtype names and errors both halves import;
+- backends: `broadcast` (`BroadcastSender` / `BroadcastReceiver` over a `WeightSyncGroup`
+  (`group`) with packed uint8 buckets (`buckets`); gloo on CPU, nccl on CUDA), `vllm`
+  (vLLM's NCCL weight-transfer engine, both halves), `inprocess` (`InProcessSyncer`);
+- `coordinator`: `WeightSyncCoordinator`, pause keep -> transfer -> load -> resume ->
+  version += 1 on every engine, each step under a named timeout; the backend is
+  ``WeightSyncConfig.method``.
 
 Names are imported lazily so ``import asyncrl.sync`` stays cheap.
 """
@@ -15,16 +18,24 @@ from __future__ import annotations
 from asyncrl._lazy import lazy_exports
 
 _EXPORTS = {
+    "WeightSyncer": "asyncrl.sync.base",
+    "WeightSender": "asyncrl.sync.base",
+    "WeightReceiver": "asyncrl.sync.base",
+    "SenderInit": "asyncrl.sync.base",
+    "ReceiverInit": "asyncrl.sync.base",
+    "GroupInit": "asyncrl.sync.base",
+    "make_sender": "asyncrl.sync.base",
+    "make_receiver": "asyncrl.sync.base",
+    "WeightSyncError": "asyncrl.sync.wire",
     "WeightSyncGroup": "asyncrl.sync.group",
     "SyncGroupConfig": "asyncrl.sync.group",
-    "WeightSender": "asyncrl.sync.sender",
-    "WeightSyncError": "asyncrl.sync.sender",
-    "WeightReceiver": "asyncrl.sync.receiver",
+    "BroadcastSender": "asyncrl.sync.broadcast",
+    "BroadcastReceiver": "asyncrl.sync.broadcast",
     "BucketLayout": "asyncrl.sync.buckets",
     "plan_buckets": "asyncrl.sync.buckets",
+    "InProcessSyncer": "asyncrl.sync.inprocess",
     "WeightSyncCoordinator": "asyncrl.sync.coordinator",
     "WeightSyncConfig": "asyncrl.sync.config",
-    "WeightSyncer": "asyncrl.sync.coordinator",
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

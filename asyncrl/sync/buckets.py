@@ -25,24 +25,13 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
+from asyncrl.sync.wire import dtype_from_name, dtype_name
+
 ALIGN = 64
 """Byte alignment of every tensor inside a bucket."""
 
 LAYOUT_FORMAT = 1
 """Version of the encoded layout; a receiver refuses another one."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of `dtype_name`; ValueError names an unknown dtype."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in weight-sync metadata")
-    return dtype
 
 
 def _align(n: int) -> int:

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from asyncrl.sync.wire import VLLM_STORE_TIMEOUT_S
+
+SyncMethod = Literal["broadcast", "vllm"]
+SYNC_METHODS: tuple[str, ...] = ("broadcast", "vllm")
+"""The weight-sync backends (`asyncrl.sync.base`): asyncrl's own group, or vLLM's transfer engine."""
 
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
     """Settings of the weight sync."""
 
+    method: SyncMethod = "broadcast"
+    """Backend: ``broadcast`` (asyncrl's group into engines with ``load_weights``, the built-in
+    engine) or ``vllm`` (vLLM's NCCL weight-transfer engine). Must match the engines' kind."""
+    wire_dtype: str = "engine"
+    """``vllm`` only: dtype the weights travel in. ``engine`` asks the engines (bf16 engines get
+    half the bytes of fp32); a dtype name (e.g. ``float32``) forces it; ``trainer`` keeps the
+    trainer's own dtype."""
     bucket_mb: float = 4.0
     """Size of one packed bucket in MiB (a larger tensor travels alone, from its own memory,
     and lands straight in an engine parameter that has the ``weight_views`` hook). 4 beat 16
@@ -35,6 +49,13 @@ class WeightSyncConfig:
     """Re-sends to the live engines over a re-formed group after a failed transfer."""
 
     def __post_init__(self) -> None:
+        if self.method not in SYNC_METHODS:
+            raise ValueError(f"WeightSyncConfig.method must be one of {SYNC_METHODS}, got {self.method!r}")
+        if self.method == "vllm" and self.connect_timeout_s > VLLM_STORE_TIMEOUT_S:
+            raise ValueError(
+                f"WeightSyncConfig.connect_timeout_s={self.connect_timeout_s} must be <= {VLLM_STORE_TIMEOUT_S:g} "
+                f"with method='vllm': vLLM 0.33's workers give up their rendezvous after {VLLM_STORE_TIMEOUT_S:g} s"
+            )
         if self.bucket_mb <= 0:
             raise ValueError(f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -46,3 +67,6 @@ class WeightSyncConfig:
                 raise ValueError(f"WeightSyncConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.retries < 0:
             raise ValueError(f"WeightSyncConfig.retries must be >= 0, got {self.retries}")
+        if self.method == "broadcast" and self.workers_per_engine != 1:
+            raise ValueError("WeightSyncConfig.workers_per_engine must be 1 with method='broadcast' "
+                             f"(one group rank per engine), got {self.workers_per_engine}")

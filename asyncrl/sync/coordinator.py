@@ -6,18 +6,15 @@ receiver loads each bucket and calls ``finish_weight_update(version)`` -> ``resu
 ``version += 1``. Frozen requests keep their KV cache and continue after resume; their
 later tokens carry the new version.
 
-The coordinator drives Ray actor handles through these methods only, so any engine actor
-that has them plugs in (the built-in engine via `asyncrl.sync.receiver`, vLLM through its
-own weight-transfer engine):
+The coordinator drives Ray actor handles (the interface and the init records are in
+`asyncrl.sync.base`); the backend is ``WeightSyncConfig.method``, named once here:
 
-- trainer ranks: ``init_weight_sync(**group) -> dict | list | None`` (rank 0 returns
-  ``{master_addr, master_port}``, or one complete init dict per engine for a sender that
-  speaks the engine's own protocol, e.g. `asyncrl.sync.vllm`), ``send_weights(version=)``,
-  and optionally ``weight_update_kwargs(version=) -> dict`` (rank 0; merged into every
-  ``receive_weights`` call, e.g. vLLM's names/dtypes/shapes);
-- engines: ``init_weight_sync(master_addr=, master_port=, rank_offset=, world_size=,
-  backend=, timeout_s=, group_name=)``, ``receive_weights(version=, **receive_kwargs)``,
-  ``pause(mode, clear_cache)``, ``resume()``, ``version()``.
+- trainer ranks: ``init_weight_sync(SenderInit) -> list[ReceiverInit] | None`` (rank 0 answers
+  one record per engine), ``send_weights(version=)``, ``weight_update_kwargs(version=) -> dict``
+  (rank 0; merged into every ``receive_weights`` call, e.g. vLLM's names/dtypes/shapes);
+- engines: ``init_weight_sync(ReceiverInit)``, ``receive_weights(version=, **update)``,
+  ``pause(mode, clear_cache)``, ``resume()``, ``version()``, and for ``vllm`` with
+  ``wire_dtype="engine"`` ``weight_dtype()``.
 
 Failures. An engine that dies or fails during a transfer breaks the group for everyone
 (a collective cannot lose a member), so the coordinator pings every engine, drops the
@@ -35,19 +32,13 @@ import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
+from asyncrl.sync.base import GroupInit, ReceiverInit, SenderInit, WeightSyncer
 from asyncrl.sync.config import WeightSyncConfig
-from asyncrl.sync.sender import WeightSyncError
+from asyncrl.sync.wire import WeightSyncError
 
-
-@runtime_checkable
-class WeightSyncer(Protocol):
-    """What the Trainer needs: put its current weights into every engine."""
-
-    async def sync(self) -> int:
-        """Run one weight sync; return the new version."""
-        ...
+__all__ = ["SyncReport", "WeightSyncConfig", "WeightSyncCoordinator", "WeightSyncError", "WeightSyncer"]
 
 
 @dataclass
@@ -180,11 +171,9 @@ class WeightSyncCoordinator:
             errors = await self._connect(names)
             if errors:
                 return [], errors, None
-        extra = {}
-        if hasattr(self.trainers[0], "weight_update_kwargs"):
-            # per-sync metadata for engines whose transfer protocol wants it from the caller (vLLM)
-            extra = await self._one(self.trainers[0].weight_update_kwargs.remote(version=target),
-                                    cfg.transfer_timeout_s, "transfer_timeout_s", "weight_update_kwargs")
+        # per-sync metadata the engines' receive_weights takes from the caller ({} for broadcast)
+        extra = await self._one(self.trainers[0].weight_update_kwargs.remote(version=target),
+                                cfg.transfer_timeout_s, "transfer_timeout_s", "weight_update_kwargs")
         refs = {n: self.engines[n].receive_weights.remote(**{"version": target, **extra}) for n in names}
         trainer_refs = [w.send_weights.remote(version=target) for w in self.trainers]
         (ok, errors), (_, trainer_errors) = await asyncio.gather(
@@ -202,33 +191,41 @@ class WeightSyncCoordinator:
         """Form a fresh sync group of trainer rank 0 + ``names``; returns engines that failed to join."""
         cfg = self.config
         self._epoch += 1
-        w = cfg.workers_per_engine
-        group = dict(backend=cfg.backend, timeout_s=cfg.transfer_timeout_s, world_size=1 + w * len(names),
-                     group_name=f"asyncrl-weight-sync-{self._epoch}")
-        refs = [t.init_weight_sync.remote(bucket_mb=cfg.bucket_mb, master_addr=cfg.master_addr,
-                                          master_port=cfg.master_port, **group) for t in self.trainers]
+        init = SenderInit(
+            method=cfg.method, bucket_mb=cfg.bucket_mb, workers_per_engine=cfg.workers_per_engine,
+            wire_dtype=await self._wire_dtype(names),
+            group=GroupInit(master_addr=cfg.master_addr, master_port=cfg.master_port, backend=cfg.backend,
+                            world_size=1 + cfg.workers_per_engine * len(names), timeout_s=cfg.transfer_timeout_s,
+                            join_timeout_s=cfg.connect_timeout_s, group_name=f"asyncrl-weight-sync-{self._epoch}"),
+        )
+        refs = [t.init_weight_sync.remote(init) for t in self.trainers]
         results, errors = await self._wait(dict(enumerate(refs)), cfg.connect_timeout_s, "connect_timeout_s", "init_weight_sync")
         if errors:
             raise WeightSyncError(f"trainer ranks could not open the weight-sync group: {errors}")
-        rank0 = next((r for r in results.values() if r), None)
-        if isinstance(rank0, list):
-            # a sender that speaks an engine's own transfer protocol (asyncrl.sync.vllm) hands
-            # out one complete init dict per engine
-            if len(rank0) != len(names):
-                raise WeightSyncError(f"trainer rank 0 returned {len(rank0)} engine init dicts for {len(names)} engines")
-            refs = {n: self.engines[n].init_weight_sync.remote(**rank0[i]) for i, n in enumerate(names)}
-        elif isinstance(rank0, dict) and "master_port" in rank0:
-            refs = {
-                n: self.engines[n].init_weight_sync.remote(
-                    master_addr=rank0["master_addr"], master_port=rank0["master_port"], rank_offset=1 + i * w, **group
-                )
-                for i, n in enumerate(names)
-            }
-        else:
-            raise WeightSyncError(f"trainer rank 0's init_weight_sync returned {rank0!r}, not {{master_addr, master_port}}")
+        inits = results.get(0)
+        if not isinstance(inits, list) or len(inits) != len(names) or not all(isinstance(i, ReceiverInit) for i in inits):
+            raise WeightSyncError(f"trainer rank 0's init_weight_sync returned {inits!r}, not one ReceiverInit "
+                                  f"for each of {len(names)} engines")
+        refs = {n: self.engines[n].init_weight_sync.remote(inits[i]) for i, n in enumerate(names)}
         _, errors = await self._wait(refs, cfg.connect_timeout_s, "connect_timeout_s", "join the sync group")
         self._members = None if errors else tuple(names)
         return errors
+
+    async def _wire_dtype(self, names: list[str]) -> str | None:
+        """The dtype weights travel in (``vllm``): the engines' when ``wire_dtype="engine"``."""
+        cfg = self.config
+        if cfg.method != "vllm" or cfg.wire_dtype == "trainer":
+            return None
+        if cfg.wire_dtype != "engine":
+            return cfg.wire_dtype
+        dtypes, errors = await self._wait({n: self.engines[n].weight_dtype.remote() for n in names},
+                                          cfg.connect_timeout_s, "connect_timeout_s", "weight_dtype")
+        if errors:
+            raise WeightSyncError(f"engines did not report their weight dtype: {errors}")
+        found = set(dtypes.values())
+        if len(found) != 1:
+            raise WeightSyncError(f"engines run different dtypes {dtypes}: set WeightSyncConfig.wire_dtype explicitly")
+        return found.pop()
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
-"""Trainer-side sender for vLLM's NCCL weight-transfer engine (written against vLLM 0.33).
+"""The ``vllm`` weight-sync backend: vLLM's NCCL weight-transfer engine, both halves (vLLM 0.33).
 
 vLLM engines receive weights through vLLM's own transfer engine
 (``weight_transfer_config={"backend": "nccl"}``), not through asyncrl's `WeightSyncGroup`:
 their workers join a group that vLLM builds (a ``StatelessProcessGroup`` over a TCPStore
-plus a ``PyNcclCommunicator``), which a torch.distributed group cannot join. This module is
-the trainer's half of that protocol. The facts it relies on, read from vLLM 0.33's
+plus a ``PyNcclCommunicator``), which a torch.distributed group cannot join. The facts this
+relies on, read from vLLM 0.33.0's
 ``distributed/weight_transfer/{nccl_engine,nccl_common,packed_tensor}.py``:
 
 - Group: trainer rank 0 is NCCL rank 0 and hosts the TCPStore at
@@ -16,37 +16,40 @@ the trainer's half of that protocol. The facts it relies on, read from vLLM 0.33
 - Update (each sync): engines run ``start_weight_update``, then
   ``update_weights({names, dtype_names, shapes})`` *while* the trainer broadcasts, then
   ``finish_weight_update``. Empty lists mean "same metadata as last time"
-  (`VLLMWeightSender.update_info` sends names/dtypes/shapes once).
+  (`VLLMWeightSender.update_kwargs` sends names/dtypes/shapes once).
 - Packed geometry (`plan_vllm_buckets`): tensors in metadata order, raw bytes, no padding;
   a bucket closes right after the tensor that takes its total past
   ``packed_buffer_size_bytes`` (that tensor included), or at the end. One NCCL broadcast
   per bucket from rank 0. Both sides derive the same cut points from the same metadata.
 
-The order of calls (all trainer ranks build the sender and call `send`)::
+Both halves live here: `VLLMWeightSender` (every trainer rank) and `VLLMWeightReceiver` (the
+engine actor, driving its ``AsyncLLM``). `asyncrl.sync.coordinator.WeightSyncCoordinator` runs
+them with ``WeightSyncConfig(method="vllm")``::
 
-    sender = VLLMWeightSender(model, rank=trainer_rank, workers_per_engine=[tp * pp, ...])
-    infos = sender.connect()                      # rank 0: one dict per engine, join in background
-    # once:       engine i: engine_actor.init_weight_sync(**infos[i])
-    # each sync:  every engine: pause(mode="keep", clear_cache=False)
-    #             kw = sender.weight_update_kwargs(version=v + 1)       # rank 0
-    #             concurrently: every engine receive_weights(**kw); every trainer rank send(version=v + 1)
-    #             every engine: resume()
+    trainer ranks:  init_weight_sync(SenderInit)   # rank 0 returns one ReceiverInit per engine
+    engine i:       init_weight_sync(ReceiverInit) # init_weight_transfer_engine; joins the group
+    each sync:      every engine: pause(mode="keep", clear_cache=False)
+                    kw = rank 0's weight_update_kwargs(version=v + 1)
+                    concurrently: every engine receive_weights(version=v + 1, **kw); every trainer rank send_weights
+                    every engine: resume()
 
-`asyncrl.sync.coordinator.WeightSyncCoordinator` runs exactly this when a trainer rank's
-``init_weight_sync`` returns `connect`'s list, its ``send_weights`` calls `send`, and it
-exposes ``weight_update_kwargs``; `VLLMWeightSender.from_group_kwargs` builds the sender
-from the kwargs the coordinator passes. A failed transfer is not retried into a vLLM
-engine: vLLM's worker stays inside the failed update, so the engine stays paused and is
-reported (it never resumes on half-loaded weights; rebuild it).
+Deadlines are the coordinator's settings: the rendezvous waits ``connect_timeout_s`` on both
+sides (the trainer builds vLLM's ``StatelessProcessGroup`` itself with that store timeout; the
+engines' workers wait vLLM's fixed 300 s, so a longer setting is refused), each update step
+``transfer_timeout_s``. Weights travel in ``WeightSyncConfig.wire_dtype`` (the engine's dtype
+by default: bf16 halves fp32's bytes). A failed or timed-out step is not retried into a vLLM
+engine: its worker may still be inside the step, so the engine stays paused, refuses every
+later weight call and ``resume()`` (it never serves half-loaded weights; rebuild it).
 
 Leaves out: the unique-id (torch-free) rendezvous, CUDA-IPC (colocated) transfer, the
-sparse and m2n backends, and sending from more than one trainer rank. Nothing here can run
-without CUDA and vLLM; the geometry and packing are pure torch and tested on CPU.
+sparse and m2n backends, and sending from more than one trainer rank. What was checked
+against vLLM 0.33.0's source and what only a GPU run can confirm: docs/vllm.md. The
+geometry, packing, deadlines and failure paths are tested on CPU with stand-ins for vLLM.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
@@ -55,9 +58,14 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.net import free_port
-
-VLLM_DEFAULT_BUCKET_BYTES = 1024 * 1024 * 1024
-"""vLLM 0.33's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES`` (1 GiB)."""
+from asyncrl.sync.base import GroupInit, JoinThread, ReceiverInit, SenderInit, full_tensor, node_address
+from asyncrl.sync.wire import (
+    VLLM_DEFAULT_BUCKET_BYTES,
+    VLLM_STORE_TIMEOUT_S,
+    VLLMWeightSyncError,
+    dtype_from_name,
+    dtype_name,
+)
 
 
 @dataclass(kw_only=True)
@@ -74,8 +82,13 @@ class VLLMSyncConfig:
     """Buckets in flight at once on each side (vLLM's ``packed_num_buffers``)."""
     packed: bool = True
     """Packed buckets (True) or one broadcast per tensor (False), vLLM's ``packed``."""
-    timeout_s: float = 600.0
-    """How long `VLLMWeightSender.send` waits for every engine worker to have joined the group."""
+    join_timeout_s: float = 120.0
+    """Deadline of the rendezvous with every engine worker: the trainer's TCPStore waits this long,
+    and `VLLMWeightSender.send` waits this long for the join. At most vLLM's own store timeout
+    (300 s): the engines' workers give up then whatever is set here."""
+    wire_dtype: str | None = None
+    """Dtype the weights travel in (the engine's, e.g. ``bfloat16``: half the bytes of fp32);
+    None sends the trainer's own dtype. vLLM's ``load_weights`` casts to the engine's dtype."""
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -84,12 +97,22 @@ class VLLMSyncConfig:
             raise ValueError(f"VLLMSyncConfig.num_buffers must be >= 1, got {self.num_buffers}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"VLLMSyncConfig.master_port must be in [0, 65535], got {self.master_port}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"VLLMSyncConfig.timeout_s must be > 0, got {self.timeout_s}")
+        check_join_timeout(self.join_timeout_s, "VLLMSyncConfig.join_timeout_s")
+        if self.wire_dtype is not None:
+            dtype_from_name(self.wire_dtype)
 
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 1024 * 1024)
+
+
+def check_join_timeout(timeout_s: float, setting: str) -> None:
+    """Refuse a rendezvous deadline vLLM's workers would not honour (they wait 300 s at most)."""
+    if not 0 < timeout_s <= VLLM_STORE_TIMEOUT_S:
+        raise ValueError(
+            f"{setting}={timeout_s} must be in (0, {VLLM_STORE_TIMEOUT_S:g}]: vLLM 0.33's workers wait "
+            f"{VLLM_STORE_TIMEOUT_S:g} s in their TCPStore rendezvous, so a longer deadline cannot hold"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,11 +129,6 @@ class TensorMeta:
         for d in self.shape:
             n *= int(d)
         return n
-
-
-def vllm_dtype_name(dtype: torch.dtype) -> str:
-    """The name vLLM's worker resolves with ``getattr(torch, name)``: ``torch.bfloat16`` -> ``bfloat16``."""
-    return str(dtype).split(".")[-1]
 
 
 def plan_vllm_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[range]:
@@ -156,7 +174,7 @@ def update_info(metas: Sequence[TensorMeta]) -> dict[str, list]:
     """vLLM's ``NCCLWeightTransferUpdateInfo`` as plain lists (what ``update_weights`` takes)."""
     return {
         "names": [m.name for m in metas],
-        "dtype_names": [vllm_dtype_name(m.dtype) for m in metas],
+        "dtype_names": [dtype_name(m.dtype) for m in metas],
         "shapes": [list(m.shape) for m in metas],
     }
 
@@ -195,16 +213,22 @@ def engine_init_infos(
     return infos
 
 
-def model_tensor_metas(model: torch.nn.Module) -> list[TensorMeta]:
-    """Metadata of ``model.named_parameters()`` (tied weights once, global shapes under FSDP2)."""
-    return [TensorMeta(name, p.dtype, tuple(p.shape)) for name, p in model.named_parameters()]
+def model_tensor_metas(model: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> list[TensorMeta]:
+    """Metadata of ``model.named_parameters()`` (tied weights once, global shapes under FSDP2), with
+    floating-point tensors in ``wire_dtype`` when given."""
+    return [TensorMeta(name, _wire(p.dtype, wire_dtype), tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-def iter_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, full tensor)``; an FSDP2 shard (DTensor) is all-gathered, so every rank must iterate."""
+def iter_full_tensors(model: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` in ``wire_dtype`` (floating point only); an FSDP2 shard (DTensor)
+    is all-gathered, so every rank must iterate."""
     for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        yield name, full.detach()
+        full = full_tensor(p).detach()
+        yield name, full.to(_wire(full.dtype, wire_dtype))
+
+
+def _wire(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
+    return wire_dtype if wire_dtype is not None and dtype.is_floating_point else dtype
 
 
 def broadcast_packed(
@@ -279,12 +303,8 @@ def _next_checked(it: Iterator, metas: Sequence[TensorMeta], i: int) -> tuple[st
     return name, tensor
 
 
-class VLLMWeightSyncError(RuntimeError):
-    """A vLLM weight sync failed; the message names the step and the setting involved."""
-
-
 class VLLMWeightSender:
-    """The trainer's side of vLLM's NCCL weight transfer, shaped like `asyncrl.sync.sender.WeightSender`.
+    """The trainer's side of vLLM's NCCL weight transfer (`asyncrl.sync.base.WeightSender`).
 
     Built on every trainer rank around the (possibly FSDP2-sharded) model; every rank calls
     `send` (the all-gathers are collectives), only rank 0 opens the NCCL endpoint and
@@ -305,104 +325,110 @@ class VLLMWeightSender:
         self.workers_per_engine = list(workers_per_engine)
         if not self.workers_per_engine or any(w < 1 for w in self.workers_per_engine):
             raise ValueError(f"workers_per_engine needs one count >= 1 per engine, got {self.workers_per_engine}")
+        self.wire_dtype = dtype_from_name(self.config.wire_dtype) if self.config.wire_dtype else None
         self.port = 0
         self.device: torch.device | None = None
         self._comm = None
-        self._join_thread: threading.Thread | None = None
-        self._join_result: dict = {}
+        self._join: JoinThread | None = None
         self._streams: list[object | None] = []
         self._announced: list[TensorMeta] | None = None
         self.stats = {"syncs": 0, "meta_sends": 0, "bytes_sent": 0, "peak_extra_bytes": 0, "last_send_s": 0.0}
 
     @classmethod
-    def from_group_kwargs(
-        cls,
-        model: torch.nn.Module,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str = "127.0.0.1",
-        master_port: int = 0,
-        bucket_mb: float = 1024.0,
-        timeout_s: float = 600.0,
-        workers_per_engine: int = 1,
-        **_unused,
-    ) -> VLLMWeightSender:
-        """Build from the kwargs `asyncrl.sync.coordinator` passes a trainer rank's ``init_weight_sync``
-        (``backend``/``group_name`` do not apply: vLLM always builds its own NCCL group)."""
-        engines, rest = divmod(world_size - 1, workers_per_engine)
+    def from_init(cls, model: torch.nn.Module, *, rank: int, init: SenderInit) -> VLLMWeightSender:
+        """Build from the coordinator's `SenderInit` (``method="vllm"``): ``workers_per_engine``
+        workers for each of the ``(world_size - 1) / workers_per_engine`` engines."""
+        g, w = init.group, init.workers_per_engine
+        engines, rest = divmod(g.world_size - 1, w)
         if engines < 1 or rest:
-            raise ValueError(f"world_size={world_size} is not 1 + engines * workers_per_engine={workers_per_engine}")
-        config = VLLMSyncConfig(master_address=master_addr, master_port=master_port, bucket_mb=bucket_mb, timeout_s=timeout_s)
-        return cls(model, rank=rank, workers_per_engine=[workers_per_engine] * engines, config=config)
+            raise ValueError(f"world_size={g.world_size} is not 1 + engines * workers_per_engine={w}")
+        config = VLLMSyncConfig(
+            master_address=node_address() if g.master_addr == "auto" else g.master_addr,
+            master_port=g.master_port, bucket_mb=init.bucket_mb, wire_dtype=init.wire_dtype,
+            join_timeout_s=g.join_timeout_s or g.timeout_s,
+        )
+        return cls(model, rank=rank, workers_per_engine=[w] * engines, config=config)
 
     @property
     def world_size(self) -> int:
         return 1 + sum(self.workers_per_engine)
 
     def metas(self) -> list[TensorMeta]:
-        """What is sent, in order: `model_tensor_metas` of the model."""
-        return model_tensor_metas(self.model)
+        """What is sent, in order: `model_tensor_metas` of the model, in the wire dtype."""
+        return model_tensor_metas(self.model, self.wire_dtype)
 
     # -- rendezvous ---------------------------------------------------------------------------
 
-    def connect(self) -> list[dict] | None:
-        """Rank 0: start joining vLLM's group; return one ``init_weight_sync`` kwargs dict per engine.
+    def connect(self) -> list[ReceiverInit] | None:
+        """Rank 0: start joining vLLM's group; return one `ReceiverInit` per engine.
 
-        The join (vLLM's ``trainer_init`` on the current CUDA device) finishes only when every
-        engine worker has called ``init_weight_sync`` with its dict, so it runs in a thread and
-        `send` waits for it. Other ranks: nothing to do, None.
+        The join finishes only when every engine worker has run ``init_weight_transfer_engine``
+        with its record, so it runs in a thread and `send` waits for it. Other ranks: None.
         """
         if self.rank != 0:
             return None
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
         self.port = self.config.master_port or free_port(self.config.master_address)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        rendezvous = {"master_address": self.config.master_address, "master_port": self.port, "world_size": self.world_size}
-
-        def join() -> None:
-            try:
-                torch.cuda.set_device(self.device)
-                self._join_result["comm"] = trainer_init(rendezvous)
-            except BaseException as exc:  # noqa: BLE001 - forwarded to send()
-                self._join_result["error"] = exc
-
-        self._join_thread = threading.Thread(target=join, name="vllm-weight-transfer-join", daemon=True)
-        self._join_thread.start()
+        self.device = self._device()
+        self._join = self._start_join()
         self._announced = None  # vLLM's init_transfer_engine forgets the engines' cached metadata
-        return engine_init_infos(
-            master_address=self.config.master_address,
-            master_port=self.port,
-            workers_per_engine=self.workers_per_engine,
-            packed=self.config.packed,
-            bucket_bytes=self.config.bucket_bytes,
-            num_buffers=self.config.num_buffers,
+        return self.receiver_inits()
+
+    def receiver_inits(self) -> list[ReceiverInit]:
+        """One `ReceiverInit` per engine: vLLM's ``NCCLWeightTransferInitInfo`` fields."""
+        infos = engine_init_infos(
+            master_address=self.config.master_address, master_port=self.port,
+            workers_per_engine=self.workers_per_engine, packed=self.config.packed,
+            bucket_bytes=self.config.bucket_bytes, num_buffers=self.config.num_buffers,
         )
+        group = GroupInit(master_addr=self.config.master_address, master_port=self.port, world_size=self.world_size,
+                          timeout_s=self.config.join_timeout_s, join_timeout_s=self.config.join_timeout_s)
+        keys = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+        return [ReceiverInit(method="vllm", group=group, rank_offset=info["rank_offset"],
+                             options={k: info[k] for k in keys}) for info in infos]
+
+    @staticmethod
+    def _device() -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _start_join(self) -> JoinThread:
+        # vLLM's trainer_init waits 300 s in its TCPStore; building the same group here lets the
+        # store wait exactly join_timeout_s, the deadline the config names.
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        from vllm.utils.nccl import unpinned_nccl_env
+
+        cfg, device = self.config, self.device
+
+        def join():
+            torch.cuda.set_device(device)
+            pg = StatelessProcessGroup.create(host=cfg.master_address, port=self.port, rank=0,
+                                              world_size=self.world_size, store_timeout=int(cfg.join_timeout_s))
+            with unpinned_nccl_env():
+                return PyNcclCommunicator(pg, device=device)
+
+        return JoinThread(join, name="vllm-weight-transfer-join", error=VLLMWeightSyncError)
 
     def _wait_joined(self):
         if self._comm is not None:
             return self._comm
-        if self._join_thread is None:
+        if self._join is None:
             raise VLLMWeightSyncError("VLLMWeightSender.send before connect(): open the NCCL endpoint first")
-        self._join_thread.join(self.config.timeout_s)
-        if self._join_thread.is_alive():
-            raise VLLMWeightSyncError(
-                f"vLLM engines did not join the weight-transfer group at {self.config.master_address}:{self.port} "
-                f"({self.world_size} ranks) within VLLMSyncConfig.timeout_s={self.config.timeout_s}s; "
-                "did every engine run init_weight_sync?"
-            )
-        self._join_thread = None
-        if "error" in self._join_result:
-            err = self._join_result.pop("error")
-            raise VLLMWeightSyncError(f"joining vLLM's weight-transfer group failed: {err}") from err
-        self._comm = self._join_result.pop("comm")
-        self._streams = [torch.cuda.Stream(device=self.device) for _ in range(self.config.num_buffers)]
+        cfg = self.config
+        self._comm = self._join.wait(
+            cfg.join_timeout_s,
+            f"joining vLLM's weight-transfer group at {cfg.master_address}:{self.port} ({self.world_size} ranks; "
+            "every engine must run init_weight_sync; WeightSyncConfig.connect_timeout_s)",
+        )
+        self._join = None
+        if self.device is not None and self.device.type == "cuda":
+            self._streams = [torch.cuda.Stream(device=self.device) for _ in range(cfg.num_buffers)]
+        else:
+            self._streams = [None] * cfg.num_buffers
         return self._comm
 
     # -- one sync -----------------------------------------------------------------------------
 
-    def weight_update_kwargs(self, *, version: int) -> dict:
+    def update_kwargs(self, *, version: int) -> dict:
         """Rank 0: the ``receive_weights`` kwargs every vLLM engine gets for this sync.
 
         Names/dtypes/shapes go on the first sync after `connect` and whenever they change;
@@ -412,10 +438,10 @@ class VLLMWeightSender:
         if self.config.packed:
             check_vllm_alignment(metas, self.config.bucket_bytes)
         if metas == self._announced:
-            return {"names": [], "dtype_names": [], "shapes": [], "version": version}
+            return {"names": [], "dtype_names": [], "shapes": []}
         self._announced = metas
         self.stats["meta_sends"] += 1
-        return {**update_info(metas), "version": version}
+        return update_info(metas)
 
     def forget_metadata(self) -> None:
         """Announce full metadata at the next sync (e.g. after an engine was rebuilt)."""
@@ -424,18 +450,22 @@ class VLLMWeightSender:
     @torch.no_grad()
     def send(self, *, version: int) -> dict:
         """Broadcast every parameter; all trainer ranks call it while the engines run
-        ``receive_weights(**weight_update_kwargs(version=...))``. Returns stats."""
+        ``receive_weights(**update_kwargs(version=...))``. Returns stats.
+
+        Whatever fails on rank 0 (the join, a broadcast), it still runs every gather to the end
+        so the other trainer ranks never hang in a collective, then raises `VLLMWeightSyncError`.
+        """
         start = time.perf_counter()
         metas = self.metas()
-        pairs = iter_full_tensors(self.model)
+        pairs = iter_full_tensors(self.model, self.wire_dtype)
         if self.rank != 0:
             for _ in pairs:  # join the FSDP2 all-gathers rank 0's iteration runs
                 pass
             return {**self.stats, "version": version}
-        comm = self._wait_joined()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # send may run in a thread other than connect's caller
         try:
+            comm = self._wait_joined()
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # send may run in a thread other than connect's caller
             if self.config.packed:
                 sent, peak = broadcast_packed(
                     pairs,
@@ -451,6 +481,8 @@ class VLLMWeightSender:
             for _ in pairs:  # finish the gathers so the other trainer ranks do not hang
                 pass
             self._announced = None
+            if isinstance(exc, VLLMWeightSyncError):
+                raise
             raise VLLMWeightSyncError(f"broadcast of weights version {version} to vLLM failed: {exc}") from exc
         self.stats["syncs"] += 1
         self.stats["bytes_sent"] += sent
@@ -470,7 +502,97 @@ class VLLMWeightSender:
 
     def close(self) -> None:
         """Tear down the NCCL communicator (rank 0); the engines keep serving. Safe to call twice."""
+        self._join = None  # a join in progress ends at join_timeout_s
         if self._comm is not None:
             self._comm.destroy()
             self._comm = None
 
+
+class VLLMWeightReceiver:
+    """The engine's side (`asyncrl.sync.base.WeightReceiver`) inside a `VLLMEngine`'s actor.
+
+    vLLM's workers do the receiving; this drives them through the engine's ``AsyncLLM``:
+    `connect` -> ``init_weight_transfer_engine``; `receive` -> ``start_weight_update``,
+    ``update_weights`` (while the trainer broadcasts), then the engine's
+    ``finish_weight_update(version)``. Every call runs under a deadline taken from the init
+    record: the rendezvous under ``join_timeout_s`` (`WeightSyncConfig.connect_timeout_s`), each
+    update step under ``timeout_s`` (``transfer_timeout_s``).
+
+    When a step fails or runs out of time, vLLM's worker may still be inside it (blocked in the
+    rendezvous or a broadcast), and its later calls would queue behind it: the engine is marked
+    broken (it refuses ``resume()`` and every later weight call, naming why) and must be rebuilt.
+    It never serves half-loaded weights.
+    """
+
+    def __init__(self, engine, init_info: dict, *, join_timeout_s: float, timeout_s: float) -> None:
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in init_info]
+        if missing:
+            raise ValueError(f"vLLM init info is missing {missing}: pass this engine's ReceiverInit")
+        check_join_timeout(join_timeout_s, "join_timeout_s (WeightSyncConfig.connect_timeout_s)")
+        self.engine = engine
+        self.init_info = dict(init_info)
+        self.join_timeout_s = join_timeout_s
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_init(cls, engine, init: ReceiverInit) -> VLLMWeightReceiver:
+        g = init.group
+        info = {"master_address": g.master_addr, "master_port": g.master_port, "rank_offset": init.rank_offset,
+                "world_size": g.world_size, **init.options}
+        return cls(engine, info, join_timeout_s=g.join_timeout_s or g.timeout_s, timeout_s=g.timeout_s)
+
+    async def connect(self) -> None:
+        """Join the trainer's NCCL group; returns when the trainer has joined too."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._check_usable("init_weight_sync")
+        request = WeightTransferInitRequest(init_info=dict(self.init_info))
+        await self._step(self.engine.llm.init_weight_transfer_engine(request), "init_weight_transfer_engine",
+                         self.join_timeout_s, "connect_timeout_s")
+
+    async def receive(self, *, version: int, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
+                      shapes: Sequence[Sequence[int]] = ()) -> None:
+        """Receive one full set of weights while paused, as the trainer's ``send`` broadcasts it,
+        and commit it as ``version``. Empty lists reuse the metadata of the last update."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        engine = self.engine
+        if engine.paused is None:
+            raise VLLMWeightSyncError("receive_weights while serving: pause(mode='keep') first")
+        self._check_usable("receive_weights")
+        if not len(names) == len(dtype_names) == len(shapes):
+            raise ValueError(
+                f"receive_weights: names, dtype_names and shapes differ in length "
+                f"({len(names)}, {len(dtype_names)}, {len(shapes)})"
+            )
+        info = {"names": list(names), "dtype_names": list(dtype_names), "shapes": [list(x) for x in shapes]}
+        # Until finish_weight_update succeeds the model may hold a mix of old and new tensors.
+        engine.weights_broken = "a weight update started and did not finish; rebuild the engine"
+        await self._step(engine.llm.start_weight_update(), "start_weight_update", self.timeout_s, "transfer_timeout_s")
+        engine.weight_update_open = True
+        await self._step(engine.llm.update_weights(WeightTransferUpdateRequest(update_info=info)), "update_weights",
+                         self.timeout_s, "transfer_timeout_s")
+        await self._step(engine.finish_weight_update(version), "finish_weight_update", self.timeout_s,
+                         "transfer_timeout_s")
+
+    def close(self) -> None:
+        """Nothing to release here: vLLM's worker owns the group (it lives as long as the engine)."""
+
+    def _check_usable(self, what: str) -> None:
+        self.engine.check_open()
+        if self.engine.weights_broken is not None:
+            # vLLM's worker may still be inside the failed step (e.g. blocked in NCCL): fail fast.
+            raise VLLMWeightSyncError(f"{what}: {self.engine.weights_broken}")
+
+    async def _step(self, awaitable, what: str, timeout_s: float, setting: str):
+        try:
+            return await asyncio.wait_for(awaitable, timeout_s)
+        except TimeoutError:
+            self.engine.weights_broken = (f"vLLM {what} did not finish within WeightSyncConfig.{setting}={timeout_s}s; "
+                                          "its worker may still be inside it: rebuild the engine")
+            raise VLLMWeightSyncError(self.engine.weights_broken) from None
+        except VLLMWeightSyncError:
+            raise
+        except Exception as exc:
+            self.engine.weights_broken = f"vLLM {what} failed ({exc}); rebuild the engine"
+            raise VLLMWeightSyncError(self.engine.weights_broken) from exc

@@ -3,7 +3,8 @@
 - `config`: `TrainerConfig` (driver loop), `WorkerConfig` (one rank), `AlgorithmConfig`, `OptimConfig`;
 - `algorithm`: advantages and the policy loss; `batch`: Groups -> TensorDict, fail closed;
 - `fsdp`: ``parallelize(model, mesh)``; `worker`: `TrainerWorker` (one rank); `ranks`: `RankGroup`;
-- `trainer`: `Trainer` (the driver loop), `GroupSource`, `WeightSyncer`, `MemorySource`;
+- `trainer`: `Trainer` (the driver loop); it takes a `GroupSource` (`asyncrl.queue`) and a
+  `WeightSyncer` (`asyncrl.sync`), re-exported here with `MemorySource`;
 - `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: on-policy synchronous GRPO.
 
 Names are imported lazily so ``import asyncrl.trainer`` stays cheap (no torch until used).
@@ -24,9 +25,9 @@ _EXPORTS = {
     "TrainerWorker": "asyncrl.trainer.worker",
     "RankGroup": "asyncrl.trainer.ranks",
     "Trainer": "asyncrl.trainer.trainer",
-    "GroupSource": "asyncrl.trainer.trainer",
-    "WeightSyncer": "asyncrl.trainer.trainer",
-    "MemorySource": "asyncrl.trainer.trainer",
+    "GroupSource": "asyncrl.queue.base",
+    "WeightSyncer": "asyncrl.sync.base",
+    "MemorySource": "asyncrl.queue.memory",
     "StepResult": "asyncrl.trainer.trainer",
     "TrainerState": "asyncrl.trainer.checkpoint",
 }

@@ -99,9 +99,6 @@ class WorkerConfig:
     """``auto``: CUDA when available (bf16 mixed precision, nccl), else CPU (fp32, gloo)."""
     seed: int = 0
     """Seed of torch on every rank."""
-    engine_kind: Literal["torch", "vllm"] = "torch"
-    """Engines the weights are synced to: ``torch`` uses asyncrl's sync group, ``vllm`` vLLM's
-    own NCCL weight-transfer engine (`asyncrl.sync.vllm`)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -112,8 +109,6 @@ class WorkerConfig:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.engine_kind not in ("torch", "vllm"):
-            raise ValueError(f"engine_kind must be 'torch' or 'vllm', got {self.engine_kind!r}")
 
 
 @dataclass(kw_only=True)

@@ -31,11 +31,13 @@ class RankGroup:
         self.world_size = len(self.workers)
 
     @classmethod
-    def start_ray(cls, cfg: TrainerConfig, actor_options: Sequence[dict] | None = None) -> RankGroup:
+    def start_ray(cls, cfg: TrainerConfig, actor_options: Sequence[dict] | None = None,
+                  master_addr: str = "127.0.0.1") -> RankGroup:
         """Start ``cfg.world_size`` rank actors on the connected Ray cluster and wait until all are up.
 
         ``actor_options[r]`` (Ray actor options, e.g. a placement-group bundle) places rank ``r``;
-        without them each rank reserves ``cpus_per_rank`` / ``gpus_per_rank`` anywhere.
+        without them each rank reserves ``cpus_per_rank`` / ``gpus_per_rank`` anywhere. The ranks
+        rendezvous at ``master_addr`` (rank 0's node; loopback when all share one node).
         """
         import ray
 
@@ -46,7 +48,7 @@ class RankGroup:
             raise ValueError(f"actor_options has {len(options)} entries for world_size={cfg.world_size}")
         workers = [
             ray.remote(TrainerWorker).options(**options[r]).remote(
-                cfg.worker, rank=r, world_size=cfg.world_size, master_port=port,
+                cfg.worker, rank=r, world_size=cfg.world_size, master_addr=master_addr, master_port=port,
                 init_timeout_s=cfg.rank_start_timeout_s)
             for r in range(cfg.world_size)
         ]

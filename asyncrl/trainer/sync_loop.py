@@ -5,13 +5,11 @@ The reference point for the asynchronous system: ``staleness_threshold=0`` and
 
 1. samples ``n`` responses per prompt with the built-in `TorchEngine` (temperature ``T``,
    per-request seeds), scores them with the built-in arithmetic reward and forms `Group`s;
-2. runs one `Trainer.train_step` on them through a `MemorySource`;
-3. pushes the new weights into the engine with `DirectEngineSyncer`
+2. runs one `Trainer.train_step` on them through a `asyncrl.queue.memory.MemorySource`;
+3. pushes the new weights into the engine with `asyncrl.sync.inprocess.InProcessSyncer`
    (``pause("keep") -> load_weights -> finish_weight_update -> resume``).
 
-`DirectEngineSyncer` gathers the full state dict from rank 0 and copies it in-process: fine
-for one local engine and the tiny model; `asyncrl.sync` is the bucketed broadcast path for
-real engines. Run the full curve with ``python scripts/learn_sync.py``.
+Run the full curve with ``python scripts/learn_sync.py``.
 """
 
 from __future__ import annotations
@@ -22,34 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter, RolloutState, encode_prompts
+from asyncrl.sync.inprocess import InProcessSyncer
 from asyncrl.tasks import arithmetic
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.ranks import RankGroup
-from asyncrl.trainer.trainer import MemorySource, Trainer
+from asyncrl.queue.memory import MemorySink, MemorySource
+from asyncrl.trainer.trainer import Trainer
 from asyncrl.types import Group, parse_sample_id
-
-
-class DirectEngineSyncer:
-    """`WeightSyncer` for engines in this process: gather full weights from rank 0, load them."""
-
-    def __init__(self, ranks: RankGroup, engines, *, timeout_s: float = 600.0):
-        self.ranks = ranks
-        self.engines = list(engines)
-        self.timeout_s = timeout_s
-        self.version = max(e.version for e in self.engines)
-
-    async def sync(self) -> int:
-        full = (await self.ranks.call("full_state_dict", timeout=self.timeout_s, setting="timeout_s"))[0]
-        self.version += 1
-        for engine in self.engines:
-            names = {name for name, _, _ in engine.param_meta()}
-            await engine.pause("keep", clear_cache=False)
-            try:
-                await engine.load_weights([(k, v) for k, v in full.items() if k in names])
-                await engine.finish_weight_update(self.version)
-            finally:
-                await engine.resume()
-        return self.version
 
 
 @dataclass(kw_only=True)
@@ -83,7 +60,7 @@ async def rollout(engine, tokenizer, rows: list[dict], *, first_index: int, n: i
     The same `Rollouter` the asynchronous pipeline runs, with its gate wide open: every row is
     admitted at once and the groups are collected, in feed order, instead of streamed.
     """
-    collected = _Collector()
+    collected = MemorySink()
     cfg = RolloutConfig(n=n, max_tokens=max_tokens, temperature=temperature, groups_per_sync=len(rows),
                         max_concurrent=len(rows), seed=seed)
 
@@ -96,22 +73,12 @@ async def rollout(engine, tokenizer, rows: list[dict], *, first_index: int, n: i
     return sorted(collected.groups, key=lambda g: parse_sample_id(g.sample_id)[1])
 
 
-class _Collector:
-    """Stands where the Rollouter's StreamProducer would: keeps the groups in this process."""
-
-    def __init__(self) -> None:
-        self.groups: list[Group] = []
-
-    async def send(self, group: Group) -> None:
-        self.groups.append(group)
-
-
 async def learn_sync(cfg: SyncGRPOConfig, ranks: RankGroup, engine, tokenizer, on_step=None) -> list[dict]:
     """Run ``cfg.steps`` generate-then-train steps; returns (and passes to ``on_step``) each step's metrics."""
     prompts_per_step = cfg.trainer.groups_per_batch * cfg.trainer.require_batches
     data = arithmetic.generate_dataset(prompts_per_step * cfg.steps, seed=cfg.seed, config=cfg.task)
     source = MemorySource()
-    trainer = Trainer(cfg.trainer, ranks, source, DirectEngineSyncer(ranks, [engine]))
+    trainer = Trainer(cfg.trainer, ranks, source, InProcessSyncer(ranks, [engine]))
     history = []
     for step in range(cfg.steps):
         t0 = time.perf_counter()

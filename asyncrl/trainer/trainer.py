@@ -19,20 +19,22 @@ Audit: with ``samples_path`` set, every trained or dropped group gets one line i
 was trained, its groups stay unacked); a step already training finishes. `finish` then writes
 the checkpoint that makes everything durable.
 
-The source is anything with ``recv``/``ack`` (`GroupSource`): the ZeroMQ `StreamConsumer`,
-or `MemorySource` in tests. Leaves out: the metrics pipeline (each step returns a dict).
+The source is a `asyncrl.queue.base.GroupSource` (``recv``/``ack``): the ZeroMQ `StreamConsumer`,
+or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.sync.base.WeightSyncer`. Leaves out: the metrics pipeline (each step returns a dict).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
+
+from asyncrl.queue.base import GroupSource
+from asyncrl.queue.memory import MemorySource
+from asyncrl.sync.base import WeightSyncer
 
 from asyncrl.trainer import audit, checkpoint
 from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
@@ -41,50 +43,11 @@ from asyncrl.trainer.ranks import RankGroup
 from asyncrl.trainer.worker import merge_stats
 from asyncrl.types import CommittedSet, Group, parse_sample_id
 
-
-@runtime_checkable
-class GroupSource(Protocol):
-    """Where groups come from: the sample stream's consumer side."""
-
-    async def recv(self, timeout: float | None = None) -> Group:
-        """The next group; raises TimeoutError when none arrives within ``timeout`` seconds."""
-        ...
-
-    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
-        """Tell the producer these groups are done with (trained and durable, or dropped for ``reason``)."""
-        ...
-
-
-@runtime_checkable
-class WeightSyncer(Protocol):
-    """Pushes the trainer's current weights to every engine (pause-keep, broadcast, load, resume)."""
-
-    async def sync(self) -> int:
-        """Run one weight sync; returns the new weight version."""
-        ...
+__all__ = ["GroupSource", "MemorySource", "StepAbandoned", "StepResult", "Trainer", "WeightSyncer"]
 
 
 class StepAbandoned(Exception):
     """A stop was requested while a step was still collecting groups: nothing of it was trained."""
-
-
-class MemorySource:
-    """An in-process `GroupSource` over a list of groups; records every ack (tests, scripts)."""
-
-    def __init__(self, groups: Iterable[Group] = ()):
-        self._queue: collections.deque[Group] = collections.deque(groups)
-        self.acks: list[tuple[str, str | None]] = []
-
-    def put(self, group: Group) -> None:
-        self._queue.append(group)
-
-    async def recv(self, timeout: float | None = None) -> Group:
-        if not self._queue:
-            raise TimeoutError("MemorySource is empty")
-        return self._queue.popleft()
-
-    def ack(self, sample_ids: Iterable[str], reason: str | None = None) -> None:
-        self.acks.extend((sid, reason) for sid in sample_ids)
 
 
 @dataclass

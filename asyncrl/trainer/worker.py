@@ -77,6 +77,7 @@ class TrainerWorker:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         self.optim_steps = 0
+        self._sender = None  # built by init_weight_sync
 
     def _load(self, mixed_precision: bool) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -180,22 +181,19 @@ class TrainerWorker:
 
     # -- weight sync (the entry points asyncrl.sync drives) ----------------------------------
 
-    def init_weight_sync(self, **kwargs):
-        if self.cfg.engine_kind == "vllm":
-            # vLLM's workers join a group vLLM builds itself; its sender speaks that protocol.
-            from asyncrl.sync.vllm import VLLMWeightSender
+    def init_weight_sync(self, init):
+        """Build this rank's sender for ``init.method`` (a `asyncrl.sync.base.SenderInit`) and connect;
+        rank 0 returns one `ReceiverInit` per engine."""
+        from asyncrl.sync.base import make_sender
 
-            self._sender = VLLMWeightSender.from_group_kwargs(self.model, rank=self.rank, **kwargs)
-        else:
-            from asyncrl.sync.sender import WeightSender
-
-            self._sender = WeightSender(self.model, rank=self.rank, **kwargs)
+        if self._sender is not None:
+            self._sender.close()
+        self._sender = make_sender(self.model, rank=self.rank, init=init)
         return self._sender.connect()
 
     def weight_update_kwargs(self, *, version: int) -> dict:
-        """Rank 0: per-sync metadata the engines' ``receive_weights`` needs ({} for the built-in sync)."""
-        get = getattr(self._sender, "weight_update_kwargs", None)
-        return get(version=version) if get is not None else {}
+        """Rank 0: per-sync keywords of the engines' ``receive_weights`` ({} for the broadcast backend)."""
+        return self._sender.update_kwargs(version=version)
 
     def send_weights(self, **kwargs):
         # Every trainer rank calls it: gathering full tensors from FSDP shards is collective.

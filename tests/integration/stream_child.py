@@ -5,6 +5,8 @@
 
 The producer sends groups ``sample_{epoch}_{i}`` whose token arrays are a function of the id,
 prints ``sent <i>`` after each send, waits until all are acked and prints its stats as JSON.
+Both print ``event: <message>`` for every warning the stream logs (e.g. the producer's
+"consumer silent" once ``peer_timeout_s`` passed without credit), so tests wait on those.
 The consumer "trains" in batches: it appends the batch's sample_ids to ``--log`` (one write
 and an fsync: that is the commit) and only then acks. On start it reads the log back as its
 committed set, dropping a torn last line, so it can be killed with SIGKILL and restarted.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from dataclasses import asdict
@@ -93,7 +96,16 @@ def consume(args: argparse.Namespace) -> None:
     print(json.dumps({**stats, "bad_payload": bad}), flush=True)
 
 
+class _PrintEvents(logging.Handler):
+    """Stream warnings as ``event: ...`` lines on stdout, where the test reads them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"event: {record.getMessage()}", flush=True)
+
+
 def main() -> None:
+    handler = _PrintEvents(level=logging.WARNING)
+    logging.getLogger("asyncrl.queue").addHandler(handler)
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=["produce", "consume"])
     parser.add_argument("endpoint")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.metrics.names import is_known
+from asyncrl.metrics.sinks.jsonl import read_events
 from asyncrl.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +40,17 @@ def test_bad_flags_name_the_flag():
 
 @pytest.mark.timeout(400)
 def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
+    from asyncrl.tasks import arithmetic
+
     model = build_tiny_model(tmp_path / "model")
     run_dir = tmp_path / "run"
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in arithmetic.generate_dataset(5, seed=99)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "asyncrl.launch", "--model", str(model), "--steps", "4", "--n", "4",
            "--groups-per-step", "3", "--sync-every", "2", "--max-tokens", "4", "--lr", "1e-3",
-           "--run-dir", str(run_dir)]
+           "--run-dir", str(run_dir), "--val-dataset", str(val), "--reward", "asyncrl.tasks.arithmetic:reward",
+           "data.val_every=2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     try:
         out, _ = proc.communicate(timeout=360)
@@ -58,7 +65,20 @@ def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
     assert [r["version"] for r in rows] == [0, 1, 1, 2]
     assert all(r["groups"] == 3 for r in rows)
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    # The validation file is scored every 2 steps, under val/.
+    assert [r.get("val/samples") for r in rows] == [None, 5.0, None, 5.0]
+    assert all(0.0 <= r["val/reward_mean"] <= 1.0 for r in rows[1::2])
     assert "step   4/4" in out and "mean reward" in out
+    # The metric stream: every process reported into events.jsonl, under names the README lists.
+    events = read_events(run_dir / "events.jsonl")
+    assert [(e.step, e.version, e.value) for e in events if e.name == "train/groups"] == \
+        [(1, 0, 3), (2, 1, 3), (3, 1, 3), (4, 2, 3)]
+    assert [e.step for e in events if e.name == "timing_s/param_sync"] == [2, 4]
+    assert [e.step for e in events if e.name == "val/samples"] == [2, 4]
+    names = {e.name for e in events}
+    assert {"fully_async/rollouter/idle_ratio", "engine/0/running", "stream/credit",
+            "fully_async/trainer/idle_ratio", "staleness/hist/0", "response_length/p90"} <= names
+    assert all(is_known(n) for n in names), sorted(n for n in names if not is_known(n))
     # The resolved config and the per-step log are in the run directory.
     from asyncrl.config import load_config
 

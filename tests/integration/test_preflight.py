@@ -98,6 +98,8 @@ def test_bad_rows_by_file_and_row(tmp_path, model, launch):
     chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}]}) + "\n")
     assert_usage_error(launch("--model", model, "--dataset", str(chat), "--reward", "asyncrl.tasks.arithmetic:reward"),
                        f"{chat}:1: prompt is chat messages but the model's tokenizer has no chat template")
+    assert_usage_error(launch("--dataset", str(chat), "--reward", "asyncrl.tasks.arithmetic:reward"),
+                       f"{chat}: chat-message prompts need a model with a chat template")
 
 
 def test_rewards_checked_before_ray(tmp_path, launch):

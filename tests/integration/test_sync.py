@@ -21,7 +21,7 @@ import torch
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
-from asyncrl.sync.sender import WeightSyncError
+from asyncrl.sync.wire import WeightSyncError
 from asyncrl.trainer.config import TrainerConfig, WorkerConfig
 from asyncrl.trainer.ranks import RankGroup
 from asyncrl.types import GenerateRequest, SamplingParams

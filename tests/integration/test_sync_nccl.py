@@ -16,8 +16,8 @@ pytestmark = pytest.mark.gpu
 ROLE = r"""
 import asyncio, hashlib, sys, torch
 from transformers import AutoModelForCausalLM
-from asyncrl.sync.sender import WeightSender
-from asyncrl.sync.receiver import WeightReceiver
+from asyncrl.sync.broadcast import BroadcastSender as WeightSender
+from asyncrl.sync.broadcast import BroadcastReceiver as WeightReceiver
 from asyncrl.rollouter.torch_engine import TorchEngine
 
 role, path, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -36,7 +36,7 @@ if role == "trainer":
         for p in model.parameters():
             p.add_(1.0)
     sender = WeightSender(model, rank=0, bucket_mb=0.01, **{**group, "master_port": port})
-    print("PORT", sender.connect()["master_port"], flush=True)
+    print("PORT", sender.connect()[0].group.master_port, flush=True)
     assert sender._wait_joined().backend == "nccl"
     sender.send(version=1)
     print("DIGEST", digest(model), flush=True)

@@ -154,13 +154,13 @@ async def test_recomputed_logprobs_match_engine_behaviour_logprobs(ray_ranks):
     from asyncrl.trainer.batch import assemble
     from asyncrl.types import GenerateRequest, SamplingParams
 
-    from asyncrl.trainer.sync_loop import DirectEngineSyncer
+    from asyncrl.sync.inprocess import InProcessSyncer
 
     path, ranks = ray_ranks
     tok = build_tokenizer()
     engine = TorchEngine(str(path), max_running=8)
     # Earlier tests trained the ranks: load their weights into the engine (pause, load, resume).
-    assert await DirectEngineSyncer(ranks, [engine]).sync() == 1 and engine.version == 1
+    assert await InProcessSyncer(ranks, [engine]).sync() == 1 and engine.version == 1
     prompts = ["1+2=", "13+29=", "7*(3+4)=?", "a"]
     groups = []
     try:

@@ -1,6 +1,12 @@
 """Learning: on-policy synchronous GRPO with the built-in engine raises the reward on the
-built-in addition task (a reduced run of ``scripts/learn_sync.py``; fixed seeds)."""
+built-in addition task (a reduced run of ``scripts/learn_sync.py``; fixed seeds).
 
+It starts from the shipped default policy (the same weights on every machine), and asserts
+margins well inside what the run gains (measured figures beside the asserts), so a
+different float rounding of the RL run itself does not decide the outcome.
+"""
+
+import numpy as np
 import pytest
 import ray
 import torch
@@ -8,17 +14,26 @@ import torch
 from asyncrl.models import default_model_path
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.tasks import arithmetic
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
 from asyncrl.trainer.ranks import RankGroup
-from asyncrl.trainer.sync_loop import SyncGRPOConfig, learn_sync
+from asyncrl.trainer.sync_loop import SyncGRPOConfig, learn_sync, rollout
 
 STEPS, PROMPTS, N, WINDOW = 30, 32, 8, 5
+HELD_OUT = arithmetic.generate_dataset(64, seed=20_261_123)  # not the training prompts' seed
+
+
+async def held_out_reward(engine, tok) -> float:
+    """Mean sampled (T=1) reward over 64 held-out prompts x 8 responses, with fixed seeds."""
+    groups = await rollout(engine, tok, HELD_OUT, first_index=10**6, n=N, temperature=1.0,
+                           max_tokens=arithmetic.ArithmeticTaskConfig().max_response_tokens, seed=7)
+    return float(np.mean([t.reward for g in groups for t in g.trajectories]))
 
 
 @pytest.mark.slow
 async def test_sync_grpo_raises_mean_reward():
     torch.set_num_threads(1)
-    model = str(default_model_path())  # warm-started: mixed rewards within groups from the start
+    model = str(default_model_path())  # shipped warm start: mixed rewards within groups from the start
     tok = build_tokenizer()
     cfg = SyncGRPOConfig(
         trainer=TrainerConfig(
@@ -34,7 +49,9 @@ async def test_sync_grpo_raises_mean_reward():
     try:
         ranks = RankGroup.start_ray(cfg.trainer)
         engine = TorchEngine(model, max_running=PROMPTS * N, seed=0)
+        before = await held_out_reward(engine, tok)
         history = await learn_sync(cfg, ranks, engine, tok)
+        after = await held_out_reward(engine, tok)
     finally:
         if engine is not None:
             await engine.close()
@@ -47,5 +64,9 @@ async def test_sync_grpo_raises_mean_reward():
     assert engine.version == STEPS and history[-1]["engine_version"] == STEPS
     first = sum(m["reward_mean"] for m in history[:WINDOW]) / WINDOW
     last = sum(m["reward_mean"] for m in history[-WINDOW:]) / WINDOW
-    print(f"sync GRPO: mean reward first {WINDOW} steps {first:.3f} -> last {WINDOW} steps {last:.3f}")
+    print(f"sync GRPO: mean reward first {WINDOW} steps {first:.3f} -> last {WINDOW} steps {last:.3f}; "
+          f"held-out sampled reward {before:.3f} -> {after:.3f}")
+    # Measured 2026-11-23: 0.336 -> 0.510 (+0.17); held-out 0.326 -> 0.582 (+0.26).
     assert last >= first + 0.1, f"mean reward first {WINDOW} steps {first:.3f}, last {WINDOW} steps {last:.3f}"
+    # The same policy before and after, on prompts it never trained on, 512 samples each.
+    assert after >= before + 0.1, f"held-out sampled reward {before:.3f} before, {after:.3f} after"

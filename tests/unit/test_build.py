@@ -16,6 +16,34 @@ def test_the_codec_accelerator_is_built_where_ci_runs():
     if os.environ.get("ASYNCRL_PURE_PYTHON"):
         pytest.skip("ASYNCRL_PURE_PYTHON turns the accelerator off")
     import asyncrl.queue._fastgroups  # noqa: F401  (ImportError: it was not built)
-    from asyncrl.queue import codec
+    from asyncrl.queue import group_codec as codec
 
     assert codec._fast is not None
+
+
+def test_a_wheel_ships_the_default_model(tmp_path):
+    # The demo's starting policy is package data: a wheel (what a non-editable install
+    # unpacks) must carry every file of it, byte for byte.
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    from asyncrl.models import DEFAULT_MODEL_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(root / name, src / name)
+    shutil.copytree(root / "asyncrl", src / "asyncrl", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("asyncrl-*.whl")
+    shipped = sorted(p.name for p in DEFAULT_MODEL_DIR.iterdir() if p.is_file())
+    assert "model.safetensors" in shipped and "warm_start.json" in shipped
+    with zipfile.ZipFile(wheel) as zf:
+        for name in shipped:
+            assert zf.read(f"asyncrl/models/tiny_arith/{name}") == (DEFAULT_MODEL_DIR / name).read_bytes(), name

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.queue import CodecError, pack, unpack
-from asyncrl.queue.codec import CODEC_VERSION, frames_nbytes
+from asyncrl.queue.codec import CODEC_VERSION
 from asyncrl.types import Group, Trajectory
 
 pytestmark = pytest.mark.usefixtures("codec_path")  # each test runs on both codec paths
@@ -89,7 +89,7 @@ def test_big_arrays_travel_as_their_own_frames_and_small_ones_share_the_pool():
 def test_large_array_64mb():
     arr = np.random.default_rng(1).random(16 * 1024 * 1024, dtype=np.float32)  # 64 MiB
     frames = pack({"x": arr})
-    assert frames_nbytes(frames) >= 64 * 1024 * 1024
+    assert sum(memoryview(getattr(f, "buffer", f)).nbytes for f in frames) >= 64 * 1024 * 1024
     out = unpack(frames)["x"]
     assert out.dtype == np.float32 and np.array_equal(out, arr)
     bf = torch.from_numpy(arr).to(torch.bfloat16)  # 32 MiB of bfloat16
@@ -289,30 +289,3 @@ def test_pool_buffers_hand_out_a_buffer_again_only_once_it_is_let_go():
     del b
     e = buffers.take(1000)  # b's buffer is free but too small: replaced by a bigger one
     assert e.nbytes == 1000 and np.shares_memory(e, buffers._buffers[1]) and len(buffers._buffers) == 2
-
-
-def test_recycled_pools_in_flight_through_zeromq_are_never_overwritten():
-    # Many distinct groups packed into recycled buffers and sent zero-copy before the receiver
-    # reads any of them: every one must arrive as it was packed.
-    import zmq
-
-    from asyncrl.queue.codec import PoolBuffers
-
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    try:
-        port = pull.bind_to_random_port("tcp://127.0.0.1")
-        push.connect(f"tcp://127.0.0.1:{port}")
-        buffers = PoolBuffers(keep=4)
-        # ~100 KB pools: over pyzmq's copy threshold, so they really travel zero-copy.
-        groups = [Group(f"sample_0_{i}", [_traj(f"sample_0_{i}", k, 7 + i, 1600 + i) for k in range(3)], expected=3)
-                  for i in range(64)]
-        assert all(memoryview(pack(g)[1]).nbytes > zmq.COPY_THRESHOLD for g in groups)
-        for g in groups:
-            push.send_multipart(pack(g, buffers=buffers), copy=False)
-        for g in groups:
-            assert unpack(pull.recv_multipart(copy=False)) == g
-        assert len(buffers._buffers) == 4
-    finally:
-        push.close(linger=0), pull.close(linger=0)
-        ctx.term()

@@ -13,14 +13,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from asyncrl.queue.codec import (
-    CODEC_VERSION,
-    CodecError,
-    pack,
-    pack_groups,
-    prepare_group,
-    unpack_groups,
-)
+from asyncrl.queue.codec import CODEC_VERSION, CodecError, pack
+from asyncrl.queue.group_codec import pack_groups, prepare_group, unpack_groups
 from asyncrl.types import Group, Trajectory
 
 pytestmark = pytest.mark.usefixtures("codec_path")  # each test runs on both codec paths

@@ -31,7 +31,8 @@ def test_yaml_then_overrides_and_the_printed_config_round_trips(tmp_path):
     # Derived values follow what they derive from.
     assert cfg.rollout.groups_per_sync == 3 and cfg.trainer.algorithm.temperature == 0.7
     assert cfg.trainer.checkpoint_every == 7
-    assert cfg.stream.window == 3 * 7 + 3 + 1
+    assert cfg.rollout.staleness_threshold == 1.0  # the launcher's default: one sync ahead
+    assert cfg.stream.window == 3 * 7 + (1 + 1) * 3 + 1  # checkpoint interval + (1 + staleness 1) x per-sync
     printed = tmp_path / "config.yaml"
     printed.write_text(to_yaml(resolved))
     again, _ = load_config([str(printed)], [])
@@ -85,8 +86,16 @@ def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
     (["engine.kind=vllm"], ("engine.kind=vllm", "rollouter_gpus")),
     (["data.train=/d.jsonl"], ("data.train (--dataset)", "data.reward (--reward)")),
     (["partial_rollout.enable=true", "partial_rollout.threshold=1000"], ("threshold=1000", "rollout.n")),
+    (["partial_rollout.enable=true"], ("partial_rollout.enable=true", "not wired")),
+    (["skip.async_rollout.enable=true", "skip.async_rollout.dump_dir=/d"], ("skip.async_rollout.enable", "not wired")),
+    (["metrics.sinks=[jsonl,graphite]"], ("metrics.sinks", "graphite")),
     (["stream.endpoint=tcp://0.0.0.0:1"], ("stream.endpoint",)),
     (["skip.rollout.enable=true"], ("skip.rollout.enable", "skip.rollout.dump_dir")),
+    (["weight_sync.method=vllm"], ("weight_sync.method=vllm", "engine.kind=torch")),
+    (["placement.rollouter_gpus=2", "placement.trainer_gpus=2", "rollout.temperature=3.0"],
+     ("rollout.temperature", "=3.0 is outside [0.01, 2.0]")),
+    (["placement.rollouter_gpus=2", "placement.trainer_gpus=2", "weight_sync.connect_timeout_s=600"],
+     ("connect_timeout_s=600", "<= 300")),
 ])
 def test_cross_part_invariants_name_both_sides(overrides, both):
     with pytest.raises(ConfigError) as e:
@@ -119,3 +128,11 @@ def test_resolved_config_has_no_interpolations_left():
     text = to_yaml(resolved)
     assert "${" not in text
     assert OmegaConf.create(text).rollout.groups_per_sync == 8
+
+
+def test_weight_sync_backend_and_geometry_follow_the_engines():
+    cpu, _ = load_config([], [])
+    assert cpu.weight_sync_config().method == "broadcast" and cpu.weight_sync_config().workers_per_engine == 1
+    gpu, _ = load_config([], ["placement.rollouter_gpus=4", "placement.trainer_gpus=2", "engine.tensor_parallel_size=2"])
+    sync = gpu.weight_sync_config()
+    assert sync.method == "vllm" and sync.workers_per_engine == 2 and gpu.engine_replicas == 2

@@ -183,3 +183,37 @@ def test_model_dir_check_names_the_path(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(DataError, match="no weights"):
         data.check_model_dir(str(tmp_path))
+
+
+async def test_validation_scores_each_prompt_greedily_with_ids_apart_from_training(tmp_path, reward_module):
+    from asyncrl.rollouter.rollouter import RolloutConfig
+    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.worker import RolloutWorker
+    from asyncrl.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model")
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}])
+    val = write_jsonl(tmp_path / "v.jsonl", [{"prompt": f"{i}+1=", "data_source": "toy",
+                                              "reward_model": {"ground_truth": str(i + 1)}} for i in range(3)])
+    engine = TorchEngine(str(model))
+    seen = []
+    generate = engine.generate
+
+    async def spy(request):
+        seen.append((request.request_id, request.sampling.greedy))
+        return await generate(request)
+
+    engine.generate = spy
+    spec = DataSpec(train=str(train), val=str(val), reward=f"{reward_module}:compute_score")
+    worker = RolloutWorker(RolloutConfig(n=2, max_tokens=3), [engine], stream=None, model_path=str(model),
+                           data_spec=spec)
+    try:
+        metrics = await worker.validate(step=7)
+    finally:
+        await engine.close()
+    assert sorted(seen) == [("val_7_0", True), ("val_7_1", True), ("val_7_2", True)]
+    assert metrics["val/samples"] == 3.0 and 0.0 <= metrics["val/reward_mean"] <= 1.0
+    calls = sys.modules[reward_module].calls
+    assert sorted(c[2] for c in calls) == ["1", "2", "3"] and {c[0] for c in calls} == {"toy"}
+    assert metrics["val/reward_mean"] == pytest.approx(np.mean([c[1].strip() == c[2] for c in calls]))
+    assert worker.feed_state()["next_index"] == 0  # validation never moves the training feed

@@ -13,8 +13,9 @@ import random
 import numpy as np
 import pytest
 
-from asyncrl.queue import codec
-from asyncrl.queue.codec import CodecError, _slice_responses, pack_groups, prepare_group, unpack_groups
+from asyncrl.queue import group_codec as codec
+from asyncrl.queue.codec_base import CodecError
+from asyncrl.queue.group_codec import _slice_responses, pack_groups, prepare_group, unpack_groups
 from asyncrl.types import FINISH_REASONS, Group, Trajectory
 
 fast = codec._fast

@@ -8,20 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.models.tiny import build_tiny_model
+from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
 from asyncrl.rollouter.torch_engine import TorchEngine
 from asyncrl.types import parse_sample_id
 
 
-class ListProducer:
-    """Collects sent groups in order (the real StreamProducer is covered in tests/integration)."""
-
-    def __init__(self):
-        self.groups = []
-
-    async def send(self, group):
-        self.groups.append(group)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)  # the engine runs in this process; the machine's cores are shared
 
 
 class BrokenEngine:
@@ -29,21 +24,8 @@ class BrokenEngine:
         raise RuntimeError("engine out of memory")
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    torch.set_num_threads(1)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
 def make_prompts(k=3):
     return [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64)) for i in range(k)]
-
-
-async def until(predicate, timeout=60.0):
-    async def poll():
-        while not predicate():
-            await asyncio.sleep(0.02)
-    await asyncio.wait_for(poll(), timeout)
 
 
 def length_reward(prompt, response_ids):
@@ -53,7 +35,7 @@ def length_reward(prompt, response_ids):
 async def test_groups_in_feed_order_with_rewards_and_versions(model_path):
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
-        producer = ListProducer()
+        producer = MemorySink()
         cfg = RolloutConfig(n=3, max_tokens=4, groups_per_sync=100, max_concurrent=2)
         r = Rollouter(cfg, [engine], producer, make_prompts(3), length_reward, state=RolloutState(next_index=7))
         await asyncio.wait_for(r.run(num_groups=5), 120)
@@ -72,21 +54,22 @@ async def test_groups_in_feed_order_with_rewards_and_versions(model_path):
     assert r.state.next_index == 12
 
 
-async def test_staleness_gate_admits_per_version(model_path):
+async def test_staleness_gate_admits_per_version(model_path, until):
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
-        producer = ListProducer()
+        producer = MemorySink()
         cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=2, staleness_threshold=0.5, max_concurrent=8)
         r = Rollouter(cfg, [engine], producer, make_prompts(4), length_reward)
         task = asyncio.create_task(r.run(num_groups=10))
-        # version 0: (0 + 1 + 0.5) * 2 = 3 prompts may be admitted, then the gate holds.
-        await until(lambda: len(producer.groups) == 3)
-        await asyncio.sleep(0.3)
-        assert r.admitted == 3 and len(producer.groups) == 3
+        # version 0: (0 + 1 + 0.5) * 2 = 3 prompts may be admitted, then the gate holds: once
+        # the 3 are sent, its condition is false, so nothing more is admitted until a sync.
+        await producer.wait_for(3, 60)
+        await until(lambda: r.sent == 3, 60, "the third group to be counted as sent")
+        assert r.admitted == 3 and not r._admissible()
         await r.on_sync(1)  # one sync later the budget is (1 + 1 + 0.5) * 2 = 5
-        await until(lambda: len(producer.groups) == 5)
-        await asyncio.sleep(0.3)
-        assert r.admitted == 5
+        await producer.wait_for(5, 60)
+        await until(lambda: r.sent == 5, 60, "the fifth group to be counted as sent")
+        assert r.admitted == 5 and len(producer.groups) == 5 and not r._admissible()
         await r.on_sync(4)  # budget (4 + 1 + 0.5) * 2 = 11 >= 10
         await asyncio.wait_for(task, 60)
         assert len(producer.groups) == 10
@@ -95,7 +78,7 @@ async def test_staleness_gate_admits_per_version(model_path):
 
 
 async def test_engine_failure_fails_the_group_with_the_error():
-    producer = ListProducer()
+    producer = MemorySink()
     cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10)
     r = Rollouter(cfg, [BrokenEngine()], producer, make_prompts(1), length_reward)
     await asyncio.wait_for(r.run(num_groups=2), 30)
@@ -117,10 +100,10 @@ async def test_a_resume_regenerates_pending_ids_first_with_the_same_tokens_then_
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
         cfg = RolloutConfig(n=2, max_tokens=4, groups_per_sync=100, max_concurrent=1, seed=3)
-        first = ListProducer()
+        first = MemorySink()
         await asyncio.wait_for(Rollouter(cfg, [engine], first, make_prompts(3), length_reward).run(num_groups=8), 120)
         # A checkpoint taken at next_index=6 with 0, 1, 3 and 5 trained: 2 and 4 were admitted, not trained.
-        resumed = ListProducer()
+        resumed = MemorySink()
         state = RolloutState(epoch=2, position=0, next_index=6, pending=[2, 4], done=4)
         r = Rollouter(cfg, [engine], resumed, make_prompts(3), length_reward, state=state)
         assert r.admitted == 4
@@ -138,19 +121,20 @@ async def test_a_resume_regenerates_pending_ids_first_with_the_same_tokens_then_
             np.testing.assert_allclose(t.logprobs, u.logprobs, atol=1e-5)
 
 
-async def test_the_gate_counts_groups_done_before_a_resume(model_path):
+async def test_the_gate_counts_groups_done_before_a_resume(model_path, until):
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
-        producer = ListProducer()
+        producer = MemorySink()
         cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=2, staleness_threshold=0.0)
         # Resumed at version 2 with 5 groups done, one of them dropped: 4 count against (2 + 1) * 2 = 6.
         r = Rollouter(cfg, [engine], producer, make_prompts(3), length_reward,
                       state=RolloutState(next_index=5, done=5, dropped=1))
         await r.on_sync(2)
         task = asyncio.create_task(r.run())
-        await until(lambda: len(producer.groups) == 2)
-        await asyncio.sleep(0.3)
-        assert r.admitted == 7 and [g.sample_id for g in producer.groups] == ["sample_0_5", "sample_0_6"]
+        await producer.wait_for(2, 60)
+        await until(lambda: r.sent == 7, 60, "the second group to be counted as sent")
+        assert r.admitted == 7 and not r._admissible()
+        assert [g.sample_id for g in producer.groups] == ["sample_0_5", "sample_0_6"]
         await r.stop()
         await asyncio.wait_for(task, 30)
     finally:
@@ -173,13 +157,13 @@ class HangingEngine:
         self.aborted.extend(request_ids)
 
 
-async def test_stop_drains_in_flight_groups_and_aborts_their_requests():
+async def test_stop_drains_in_flight_groups_and_aborts_their_requests(until):
     engines = [HangingEngine(), HangingEngine()]
-    producer = ListProducer()
+    producer = MemorySink()
     cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10, max_concurrent=2)
     r = Rollouter(cfg, engines, producer, make_prompts(3), length_reward)
     task = asyncio.create_task(r.run())
-    await until(lambda: sum(len(e.started) for e in engines) == 4)
+    await until(lambda: sum(len(e.started) for e in engines) == 4, 30, "four requests on the engines")
     assert r.snapshot() == {"epoch": 0, "next_index": 2, "position": 2, "in_flight": ["sample_0_0", "sample_0_1"],
                             "unacked": []}
     await r.stop()
@@ -190,10 +174,10 @@ async def test_stop_drains_in_flight_groups_and_aborts_their_requests():
 
 def test_a_state_that_does_not_fit_the_dataset_is_refused():
     with pytest.raises(ValueError, match="pending holds 9, not below next_index=4"):
-        Rollouter(RolloutConfig(), [BrokenEngine()], ListProducer(), make_prompts(3), length_reward,
+        Rollouter(RolloutConfig(), [BrokenEngine()], MemorySink(), make_prompts(3), length_reward,
                   state=RolloutState(next_index=4, position=1, epoch=1, pending=[9]))
     with pytest.raises(ValueError, match="feed index 1 does not fit"):
-        Rollouter(RolloutConfig(), [BrokenEngine()], ListProducer(), make_prompts(3), length_reward,
+        Rollouter(RolloutConfig(), [BrokenEngine()], MemorySink(), make_prompts(3), length_reward,
                   state=RolloutState(next_index=4, pending=[1]))  # a feed that started at index 4
 
 
@@ -210,7 +194,7 @@ def test_resume_state_makes_every_uncommitted_id_below_the_feed_position_pending
     stale = {"epoch": 1, "next_index": 4, "position": 1}
     st = RolloutState.resume(stale, committed, dropped=0, rows=3)
     assert (st.epoch, st.next_index, st.position) == (2, 8, 2) and st.pending == [4, 6]
-    r = Rollouter(RolloutConfig(), [BrokenEngine()], ListProducer(), make_prompts(3), length_reward, state=st)
+    r = Rollouter(RolloutConfig(), [BrokenEngine()], MemorySink(), make_prompts(3), length_reward, state=st)
     assert [r._draw()[0] for _ in range(3)] == ["sample_1_4", "sample_2_6", "sample_2_8"]
 
 
@@ -226,7 +210,7 @@ async def test_a_dead_engine_is_left_out_and_its_requests_go_to_a_live_one(model
 
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
-        producer = ListProducer()
+        producer = MemorySink()
         cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10, max_concurrent=1)
         r = Rollouter(cfg, [Dead(), engine], producer, make_prompts(2), length_reward)
         await asyncio.wait_for(r.run(num_groups=3), 60)
@@ -234,6 +218,6 @@ async def test_a_dead_engine_is_left_out_and_its_requests_go_to_a_live_one(model
         await engine.close()
     assert all(g.complete for g in producer.groups) and len(producer.groups) == 3
     assert Dead.calls == 1  # tried once, then left out
-    only_dead = Rollouter(cfg, [Dead()], ListProducer(), make_prompts(1), length_reward)
+    only_dead = Rollouter(cfg, [Dead()], MemorySink(), make_prompts(1), length_reward)
     await asyncio.wait_for(only_dead.run(num_groups=1), 30)
     assert "every engine died" in only_dead.producer.groups[0].error

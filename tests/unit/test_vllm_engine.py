@@ -30,9 +30,11 @@ from asyncrl.rollouter.vllm_engine import (
     sampled_logprobs,
     sampling_kwargs,
 )
+from asyncrl.sync.base import GroupInit, SenderInit
 from asyncrl.sync.vllm import (
     TensorMeta,
     VLLMSyncConfig,
+    VLLMWeightSyncError,
     VLLMWeightSender,
     broadcast_packed,
     check_vllm_alignment,
@@ -224,9 +226,9 @@ def test_sender_announces_metadata_once_and_broadcasts_all_bytes(tmp_path):
     sender._comm = SimpleNamespace(broadcast=lambda buf, src, stream: received.append(buf.clone()))
     sender.device, sender._streams = CPU, [None, None]
 
-    first = sender.weight_update_kwargs(version=1)
+    first = sender.update_kwargs(version=1)
     names = [n for n, _ in model.named_parameters()]
-    assert first["names"] == names and first["version"] == 1
+    assert first["names"] == names and set(first["dtype_names"]) == {"float32"}
     stats = sender.send(version=1)
     assert stats["bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
     assert len(received) == len(plan_vllm_buckets([m.nbytes for m in sender.metas()], sender.config.bucket_bytes)) > 1
@@ -234,11 +236,11 @@ def test_sender_announces_metadata_once_and_broadcasts_all_bytes(tmp_path):
     expected = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
     assert torch.equal(flat, expected)
 
-    again = sender.weight_update_kwargs(version=2)
-    assert again == {"names": [], "dtype_names": [], "shapes": [], "version": 2}
+    again = sender.update_kwargs(version=2)
+    assert again == {"names": [], "dtype_names": [], "shapes": []}
     assert sender.stats["meta_sends"] == 1
     sender.forget_metadata()
-    assert sender.weight_update_kwargs(version=3)["names"] == names
+    assert sender.update_kwargs(version=3)["names"] == names
 
 
 def test_sender_on_other_ranks_only_iterates(tmp_path):
@@ -251,13 +253,14 @@ def test_sender_on_other_ranks_only_iterates(tmp_path):
     with pytest.raises(ValueError, match="workers_per_engine"):
         VLLMWeightSender(model, rank=0, workers_per_engine=[0])
     # what asyncrl.sync.coordinator passes a trainer rank's init_weight_sync
-    built = VLLMWeightSender.from_group_kwargs(
-        model, rank=0, bucket_mb=8.0, master_addr="127.0.0.1", master_port=0, backend="nccl", timeout_s=30.0,
-        world_size=5, workers_per_engine=2, group_name="g1",
-    )  # fmt: skip
+    init = SenderInit(method="vllm", bucket_mb=8.0, workers_per_engine=2,
+                      group=GroupInit(master_addr="127.0.0.1", world_size=5, timeout_s=30.0, join_timeout_s=20.0))
+    built = VLLMWeightSender.from_init(model, rank=0, init=init)
     assert built.workers_per_engine == [2, 2] and built.world_size == 5 and built.config.bucket_bytes == 8 * 2**20
+    assert built.config.join_timeout_s == 20.0
     with pytest.raises(ValueError, match="world_size=4"):
-        VLLMWeightSender.from_group_kwargs(model, rank=0, world_size=4, workers_per_engine=2)
+        VLLMWeightSender.from_init(model, rank=0, init=SenderInit(method="vllm", workers_per_engine=2,
+                                                                  group=GroupInit(world_size=4)))
 
 
 # ----------------------------------------------------------------------- GPU: a real AsyncLLM
@@ -382,19 +385,22 @@ async def test_vllm_nccl_weight_transfer_into_kept_request(tmp_path, gpu_model_d
     trainer = _hf(new_dir, device="cuda:1")
     sender = VLLMWeightSender(trainer, rank=0, workers_per_engine=[1], config=VLLMSyncConfig(bucket_mb=0.05))
     try:
-        (info,) = sender.connect()
-        await engine.init_weight_sync(**info)
+        from asyncrl.sync.base import make_receiver
+
+        (init,) = sender.connect()
+        receiver = make_receiver(engine, init)
+        await receiver.connect()
 
         task = asyncio.create_task(engine.generate(_greedy("k", PROMPTS[1], 100)))
 
         await asyncio.sleep(0)  # let generate() register the request
         before = await engine.wait_for_tokens("k", 10)
         await engine.pause("keep", clear_cache=False)
-        kw = sender.weight_update_kwargs(version=1)
+        kw = sender.update_kwargs(version=1)
         sent = {}
         thread = threading.Thread(target=lambda: sent.update(sender.send(version=1)))
         thread.start()
-        await engine.receive_weights(**kw)
+        await receiver.receive(version=1, **kw)
         thread.join(120)
         assert sent["bytes"] == sum(p.numel() * p.element_size() for p in trainer.parameters())
         await engine.resume()
@@ -448,9 +454,12 @@ class _FakeAsyncLLM:
         self.resumed.set()
         self.aborted: set[str] = set()
         self.calls: list = []
-        self.step = asyncio.Event()
+        self.prompts: list[dict] = []
+        self.model_config = SimpleNamespace(dtype=torch.bfloat16)
+        self.init_blocks = False  # True: init_weight_transfer_engine never returns (a peer never joined)
 
     async def generate(self, prompt, params, request_id):
+        self.prompts.append(dict(prompt))
         if self.paused in ("abort", "wait"):
             raise _FakeRetryable("Generation is paused. Please retry after it resumes.")
         ids, spans = list(prompt["prompt_token_ids"]), []
@@ -484,10 +493,13 @@ class _FakeAsyncLLM:
         self.resumed.set()
 
     async def abort(self, request_ids):
+        self.calls.append(("abort", sorted(request_ids)))
         self.aborted.update(request_ids)
 
     async def init_weight_transfer_engine(self, request):
         self.calls.append(("init", request.init_info))
+        if self.init_blocks:
+            await asyncio.Event().wait()
 
     async def start_weight_update(self):
         self.calls.append(("start",))
@@ -543,32 +555,38 @@ def fake_vllm(monkeypatch):
     )
 
 
-def _fake_engine(tmp_path):
+def _fake_engine(tmp_path, **kw):
     from asyncrl.rollouter.vllm_engine import VLLMEngine
 
     (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
-    return VLLMEngine(tmp_path, dtype="float32")
+    return VLLMEngine(tmp_path, dtype="float32", **kw)
+
+
+def _receiver(engine, *, join_timeout_s=30.0, timeout_s=30.0):
+    from asyncrl.sync.base import ReceiverInit, make_receiver
+
+    group = GroupInit(master_addr="127.0.0.1", master_port=1234, world_size=2, timeout_s=timeout_s,
+                      join_timeout_s=join_timeout_s)
+    return make_receiver(engine, ReceiverInit(method="vllm", group=group, rank_offset=1, options={"packed": True}))
 
 
 async def test_glue_generate_keep_update_versions(fake_vllm, tmp_path):
     engine = _fake_engine(tmp_path)
-    llm = engine._llm
+    llm = engine.llm
     assert llm.engine_args["logprobs_mode"] == "processed_logprobs"
     res = await engine.generate(_greedy("a", [1, 4], 6))
     assert res.finish_reason == "length" and len(res.response_ids) == 6
     np.testing.assert_allclose(res.logprobs, -res.response_ids / 100, rtol=1e-6)
     assert res.versions.tolist() == [0] * 6  # vLLM's "default" label = initial version
 
-    await engine.init_weight_sync(master_address="127.0.0.1", master_port=1234, rank_offset=1, world_size=2)
+    receiver = _receiver(engine)
+    await receiver.connect()
     task = asyncio.create_task(engine.generate(_greedy("k", [1, 4], 12)))
     await asyncio.sleep(0)  # let generate() register the request
     assert await engine.wait_for_tokens("k", 4) >= 4
     await engine.pause("keep")
     frozen = engine._live["k"][0]
-    with pytest.raises(EngineError, match="resume\\(\\) during a weight update"):
-        await engine.receive_weights(names=["w"], dtype_names=["float32"], shapes=[[2]])
-        await engine.resume()
-    await engine.finish_weight_update(1)
+    await receiver.receive(version=1, names=["w"], dtype_names=["float32"], shapes=[[2]])
     await engine.resume()
     kept = await task
     k = int((kept.versions == 0).sum())  # a step already running when pause() came may finish on v0
@@ -577,6 +595,61 @@ async def test_glue_generate_keep_update_versions(fake_vllm, tmp_path):
     ops = [c[0] for c in llm.calls]
     assert ops == ["init", "pause", "start", "update", "finish", "resume"]
     assert ("pause", "keep", False) in llm.calls and ("finish", "1") in llm.calls
+    init = llm.calls[0][1]
+    assert init == {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
+                    "packed": True}
+
+
+async def test_prompts_carry_a_cache_salt_per_weight_version(fake_vllm, tmp_path):
+    # vLLM keys its prefix cache on the salt: a prompt after an update must not match KV of older weights.
+    engine = _fake_engine(tmp_path)
+    receiver = _receiver(engine)
+    await receiver.connect()
+    await engine.generate(_greedy("a", [1, 4], 2))
+    await engine.pause("keep")
+    queued = asyncio.create_task(engine.generate(_greedy("q", [1, 4], 2)))  # queued while paused
+    await asyncio.sleep(0)
+    await receiver.receive(version=1, names=["w"], dtype_names=["float32"], shapes=[[2]])
+    await engine.resume()
+    await queued
+    await engine.generate(_greedy("b", [1, 4], 2))
+    salts = [p["cache_salt"] for p in engine.llm.prompts]
+    assert [p["prompt_token_ids"] for p in engine.llm.prompts] == [[1, 4]] * 3
+    assert salts[0] == "asyncrl-v0" and salts[2] == "asyncrl-v1"
+    assert salts[1] not in (salts[0], salts[2])  # prefilled after the update, but under a salt of its own
+    unsalted = _fake_engine(tmp_path, prefix_cache_salt=False, engine_kwargs={"enable_prefix_caching": False})
+    await unsalted.generate(_greedy("c", [1], 1))
+    assert "cache_salt" not in unsalted.llm.prompts[0]
+    assert unsalted.llm.engine_args["enable_prefix_caching"] is False
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        VLLMEngineConfig(model_path=tmp_path, prefix_cache_salt=False)
+
+
+async def test_close_aborts_requests_in_flight_before_shutdown(fake_vllm, tmp_path):
+    engine = _fake_engine(tmp_path)
+    tasks = [asyncio.create_task(engine.generate(_greedy(r, [1, 4], 10_000))) for r in ("x", "y")]
+    await asyncio.sleep(0)
+    await engine.wait_for_tokens("x", 2)
+    await engine.wait_for_tokens("y", 2)
+    await engine.close()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert [r.finish_reason for r in results] == ["abort", "abort"]
+    assert all(2 <= len(r.response_ids) < 10_000 for r in results)
+    assert [c[0] for c in engine.llm.calls] == ["abort", "shutdown"]
+    assert engine.llm.calls[0] == ("abort", ["x", "y"])
+
+
+def test_sampling_outside_vllms_temperature_range_is_refused():
+    from asyncrl.rollouter.vllm_engine import check_vllm_temperature
+
+    for t in (2.5, 0.005):
+        with pytest.raises(ValueError, match=f"sampling.temperature={t} is outside \\[0.01, 2.0\\]"):
+            sampling_kwargs(_request(temperature=t))
+    assert sampling_kwargs(_request(temperature=2.0))["temperature"] == 2.0
+    assert sampling_kwargs(_request(temperature=0.01))["temperature"] == 0.01
+    assert sampling_kwargs(_request(greedy=True, temperature=5.0))["temperature"] == 0.0  # greedy: no temperature
+    with pytest.raises(ValueError, match="--temperature=3"):
+        check_vllm_temperature(3, "--temperature")
 
 
 async def test_glue_abort_pause_modes_and_refusals(fake_vllm, tmp_path):
@@ -598,8 +671,10 @@ async def test_glue_abort_pause_modes_and_refusals(fake_vllm, tmp_path):
     await engine.resume()
     stop = await engine.generate(GenerateRequest("s", np.array([1, 4]), 20, SamplingParams(greedy=True, stop_token_ids=(1,))))
     assert stop.finish_reason in ("stop", "length")
-    with pytest.raises(EngineError, match="pause\\(mode='keep'\\) first"):
-        await engine.receive_weights(version=1)
+    with pytest.raises(VLLMWeightSyncError, match="pause\\(mode='keep'\\) first"):
+        await _receiver(engine).receive(version=1)
+    with pytest.raises(EngineError, match="without a started weight update"):
+        await engine.finish_weight_update(1)
     await engine.close()
     with pytest.raises(EngineClosedError):
         await engine.generate(_greedy("c", [1], 3))
@@ -607,12 +682,30 @@ async def test_glue_abort_pause_modes_and_refusals(fake_vllm, tmp_path):
 
 async def test_glue_failed_update_never_resumes(fake_vllm, tmp_path):
     engine = _fake_engine(tmp_path)
+    receiver = _receiver(engine)
     await engine.pause("keep")
-    with pytest.raises(RuntimeError, match="remote peer died"):
-        await engine.receive_weights(names=["boom"], dtype_names=["float32"], shapes=[[1]], version=1)
+    with pytest.raises(VLLMWeightSyncError, match="remote peer died"):
+        await receiver.receive(names=["boom"], dtype_names=["float32"], shapes=[[1]], version=1)
     assert engine.version == 0
-    with pytest.raises(EngineError):
+    with pytest.raises(EngineError, match="partly loaded weights"):
         await engine.resume()
-    with pytest.raises(EngineError, match="must be rebuilt"):
-        await engine.receive_weights(names=["w"], dtype_names=["float32"], shapes=[[1]], version=1)
-    assert ("resume",) not in engine._llm.calls
+    with pytest.raises(VLLMWeightSyncError, match="rebuild the engine"):
+        await receiver.receive(names=["w"], dtype_names=["float32"], shapes=[[1]], version=1)
+    assert ("resume",) not in engine.llm.calls
+
+
+async def test_timed_out_rendezvous_marks_the_engine_for_rebuild(fake_vllm, tmp_path):
+    # vLLM's worker stays inside a rendezvous nobody completes: the engine must not take more weight calls.
+    engine = _fake_engine(tmp_path)
+    engine.llm.init_blocks = True
+    receiver = _receiver(engine, join_timeout_s=0.2)
+    with pytest.raises(VLLMWeightSyncError, match="init_weight_transfer_engine did not finish within "
+                                                  "WeightSyncConfig.connect_timeout_s=0.2s"):
+        await receiver.connect()
+    await engine.pause("keep")
+    with pytest.raises(VLLMWeightSyncError, match="rebuild the engine"):
+        await receiver.receive(version=1)
+    with pytest.raises(EngineError, match="partly loaded"):
+        await engine.resume()
+    with pytest.raises(ValueError, match="must be in \\(0, 300\\]"):
+        _receiver(engine, join_timeout_s=600)

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from asyncrl.net import free_port
 from asyncrl.queue import StreamConfig, StreamConsumer, StreamProducer, StreamTimeout
-from asyncrl.queue.codec import pack_groups, prepare_group
+from asyncrl.queue.group_codec import pack_groups, prepare_group
 from asyncrl.queue.protocol import envelope, parse_envelope
 from asyncrl.types import Group, Trajectory
 
@@ -47,11 +47,6 @@ async def _recv_all(consumer: StreamConsumer, count: int) -> list[Group]:
     got = [await consumer.recv(timeout=10) for _ in range(count)]
     consumer.ack([g.sample_id for g in got])
     return got
-
-
-async def _until(predicate) -> None:
-    while not predicate():
-        await asyncio.sleep(0.01)
 
 
 def _rogue(config: StreamConfig) -> zmq.asyncio.Socket:
@@ -142,7 +137,7 @@ async def test_close_right_after_send_flushes_the_outbox(config):
 
 
 
-async def test_acks_reach_the_producer_without_waiting_for_a_heartbeat(config):
+async def test_acks_reach_the_producer_without_waiting_for_a_heartbeat(config, until):
     # Heartbeats 100 s apart: every credit message below is an ack flush, by batch or by timer.
     config = dataclasses.replace(config, heartbeat_s=100.0, peer_timeout_s=1000.0, window=64)  # a batch: 16 acks
     async with StreamConsumer(config) as consumer, StreamProducer(config, producer_id="p") as producer:
@@ -151,13 +146,13 @@ async def test_acks_reach_the_producer_without_waiting_for_a_heartbeat(config):
             await producer.send(g, timeout=10)
         got = [await consumer.recv(timeout=5) for _ in range(17)]
         consumer.ack([got[0].sample_id])  # a lone ack: goes out within the coalescing delay
-        await asyncio.wait_for(_until(lambda: len(producer.unacked) == 16), 5)
+        await until(lambda: len(producer.unacked) == 16, 5)
         consumer.ack([g.sample_id for g in got[1:]])  # a full batch: goes out at once
-        await asyncio.wait_for(_until(lambda: not producer.unacked), 5)
+        await until(lambda: not producer.unacked, 5)
         for g in sent[17:]:  # and acks keep flowing, one by one, batch after batch
             await producer.send(g, timeout=10)
             consumer.ack([(await consumer.recv(timeout=5)).sample_id])
-        await asyncio.wait_for(_until(lambda: not producer.unacked), 5)
+        await until(lambda: not producer.unacked, 5)
         assert producer.stats.acked == 40 and consumer.stats.acked == 40
 
 # ----------------------------------------------------------------------------- replay
@@ -218,13 +213,13 @@ async def test_a_batch_repeating_an_id_and_holding_a_committed_one_delivers_the_
     [(["sample_0_6"], [5]), (["sample_0_5", "sample_0_6"], [5]), (["sample_0_6", "sample_0_5"], [5, 6])],
     ids=["other-id", "extra-id", "swapped"],
 )
-async def test_sample_ids_that_do_not_match_the_payload_are_malformed_and_the_stream_goes_on(config, sample_ids, payload):
+async def test_sample_ids_that_do_not_match_the_payload_are_malformed_and_the_stream_goes_on(config, sample_ids, payload, until):
     async with StreamConsumer(config) as consumer:
         rogue = _rogue(config)
         try:
             session = await _hello(rogue)
             await _send_batch(rogue, session, sample_ids, [group(i) for i in payload])
-            await asyncio.wait_for(_until(lambda: consumer.stats.malformed >= 1), timeout=10)
+            await until(lambda: consumer.stats.malformed >= 1, 10)
             assert consumer.stats.malformed == 1 and consumer.stats.delivered == 0
             async with StreamProducer(config, producer_id="p") as producer:
                 await producer.send(group(7), timeout=10)

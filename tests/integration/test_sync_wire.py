@@ -13,15 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.rollouter.torch_engine import TorchEngine
-from asyncrl.sync.receiver import WeightReceiver
-from asyncrl.sync.sender import WeightSender, WeightSyncError
+from asyncrl.sync.broadcast import BroadcastReceiver as WeightReceiver
+from asyncrl.sync.broadcast import BroadcastSender as WeightSender
+from asyncrl.sync.wire import WeightSyncError
 
 N_ENGINES = 2
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
 def _perturb(model, seed):
@@ -68,7 +66,7 @@ def _run_syncs(model_path, bucket_mb, versions=(1, 2, 3)):
     model = AutoModelForCausalLM.from_pretrained(model_path)
     group = dict(master_addr="127.0.0.1", world_size=1 + N_ENGINES, timeout_s=20.0)
     sender = WeightSender(model, rank=0, bucket_mb=bucket_mb, **group)
-    port = sender.connect()["master_port"]
+    port = sender.connect()[0].group.master_port
     engines = [_EngineThread(model_path, 1 + i, {**group, "master_port": port}, versions) for i in range(N_ENGINES)]
     for e in engines:
         e.start()
@@ -122,7 +120,7 @@ def test_mismatched_engine_model_is_refused_by_name(model_path, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(other)
     group = dict(master_addr="127.0.0.1", world_size=2, timeout_s=30.0)
     sender = WeightSender(model, rank=0, bucket_mb=1.0, **group)
-    port = sender.connect()["master_port"]
+    port = sender.connect()[0].group.master_port
     engine = _EngineThread(model_path, 1, {**group, "master_port": port}, versions=(1,))
     engine.start()
     with pytest.raises(WeightSyncError, match="version 1"):
@@ -132,3 +130,13 @@ def test_mismatched_engine_model_is_refused_by_name(model_path, tmp_path):
     assert not engine.is_alive()
     assert isinstance(engine.error, WeightSyncError)
     assert "mlp.gate_proj.weight has shape [192, 64] in the engine, [96, 64] from the trainer" in str(engine.error)
+
+
+def test_rank0_close_does_not_wait_for_engines_that_never_join():
+    sender = WeightSender(torch.nn.Linear(2, 2), rank=0, world_size=2, master_addr="auto", timeout_s=30.0)
+    (init,) = sender.connect()  # one ReceiverInit per engine
+    assert init.method == "broadcast" and init.rank_offset == 1
+    assert init.group.master_addr == "127.0.0.1" and init.group.master_port > 0  # "auto" without Ray: loopback
+    sender.close()  # returns at once although no engine joined
+    with pytest.raises(WeightSyncError, match="not connected"):
+        sender.send(version=1)

@@ -14,18 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.models.tiny import build_tiny_model
 from asyncrl.rollouter.engine import EngineError
 from asyncrl.rollouter.torch_engine import TorchEngine
-from asyncrl.sync.receiver import WeightReceiver
-from asyncrl.sync.sender import WeightSender
+from asyncrl.sync.broadcast import BroadcastReceiver as WeightReceiver
+from asyncrl.sync.broadcast import BroadcastSender as WeightSender
 
 VERSIONS = (1, 2)
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
 class _CountingEngine(TorchEngine):
@@ -79,7 +75,7 @@ def _run(model_path, engines, bucket_mb):
     model = AutoModelForCausalLM.from_pretrained(model_path)
     group = dict(master_addr="127.0.0.1", world_size=1 + len(engines), timeout_s=20.0)
     sender = WeightSender(model, rank=0, bucket_mb=bucket_mb, **group)
-    port = sender.connect()["master_port"]
+    port = sender.connect()[0].group.master_port
     snaps = [{} for _ in engines]
     results = [[] for _ in engines]
     errors: list[BaseException] = []

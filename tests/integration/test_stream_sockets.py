@@ -173,7 +173,7 @@ async def test_ack_rules(config):
         assert consumer.committed == {"sample_0_1", "sample_0_2"}
 
 
-async def test_foreign_and_malformed_messages_are_counted_and_the_stream_goes_on(config):
+async def test_foreign_and_malformed_messages_are_counted_and_the_stream_goes_on(config, until):
     async with StreamConsumer(config) as consumer, StreamProducer(config, producer_id="p") as producer:
         rogue = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         rogue.setsockopt(zmq.LINGER, 0)
@@ -187,15 +187,10 @@ async def test_foreign_and_malformed_messages_are_counted_and_the_stream_goes_on
             await producer.send(group(0), timeout=10)
             assert await _recv_ids(consumer, 1) == ["sample_0_0"]
             # The consumer handles messages in arrival order per peer; the rogue's came first.
-            await asyncio.wait_for(_until(lambda: consumer.stats.malformed >= 5), timeout=10)
+            await until(lambda: consumer.stats.malformed >= 5, 10, "5 malformed messages counted")
             assert consumer.stats.malformed == 5
         finally:
             rogue.close(0)
-
-
-async def _until(predicate) -> None:
-    while not predicate():
-        await asyncio.sleep(0.01)
 
 
 async def test_a_foreign_frame_over_max_frame_bytes_is_cut_off_and_the_stream_goes_on(config):

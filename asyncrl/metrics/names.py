@@ -1,0 +1,101 @@
+"""Every metric name the run emits: who emits it and what it means (the README's table).
+
+``{i}`` stands for an engine replica's index, ``{k}`` for a histogram bucket. Names follow
+verl's fully-async trainer where verl has one, so dashboards carry over.
+"""
+
+from __future__ import annotations
+
+import re
+
+T, R = "trainer", "rollouter"
+
+NAMES: dict[str, tuple[str, str]] = {
+    # verl's names
+    "fully_async/trainer/idle_ratio": (T, "fraction of the step's wall time the Trainer waited for groups"),
+    "fully_async/rollouter/idle_ratio": (R, "fraction of the poll interval with no generate call in flight on any engine"),
+    "fully_async/count/stale_samples_processed": (T, "responses trained on so far whose oldest token is >= 1 version old"),
+    "fully_async/count/total_generated_samples": (R, "responses sent over the stream so far (groups x n)"),
+    "fully_async/count/dropped_stale_samples": (T, "groups dropped as too stale so far (max_version_gap)"),
+    "fully_async/count/current_param_version": (T, "policy version (weight syncs so far) after the step"),
+    "fully_async/partial/total_partial_num": (T, "responses in the step that were truncated and resumed (age >= 1)"),
+    "fully_async/partial/partial_ratio": (T, "total_partial_num / responses in the step"),
+    "fully_async/partial/max_partial_span": (T, "largest versions spanned by one response of the step (max - min token version)"),
+    "fully_async/partial/age_mean": (T, "mean truncation rounds survived by the step's responses"),
+    "fully_async/partial/age_hist/{k}": (T, "responses of the step with age k (k = 4: 4 or more)"),
+    "timing_s/param_sync": (T, "wall time of the weight sync after the step (pause + transfer + resume)"),
+    "timing_s/param_sync_pause": (T, "pausing every engine (keep) before the transfer"),
+    "timing_s/param_sync_transfer": (T, "broadcast and load of the weights"),
+    "timing_s/param_sync_resume": (T, "resuming the engines"),
+    "timing_s/step": (T, "wall time of the train step, waiting for groups included"),
+    "timing_s/wait_data": (T, "time the step waited for groups from the stream"),
+    # throughput
+    "throughput/trained_tokens_per_s": (T, "response tokens trained in the step / its wall time"),
+    "throughput/generated_tokens_per_s": (R, "tokens the engines generated over the poll interval, per second"),
+    # stream
+    "stream/depth": (T, "groups received by the Trainer's consumer and not yet taken"),
+    "stream/received": (T, "groups the consumer received so far (duplicates included)"),
+    "stream/acked": (T, "groups the consumer acked so far"),
+    "stream/credit": (R, "groups the Rollouter's producer may send now"),
+    "stream/unacked": (R, "groups sent and not yet acked (bounded by the window)"),
+    # rollouter
+    "rollouter/admitted": (R, "prompts admitted through the staleness gate so far"),
+    "rollouter/in_flight": (R, "prompts admitted and not yet sent"),
+    "rollouter/failed_groups": (R, "groups sent as failed so far"),
+    "rollouter/version": (R, "policy version the Rollouter was last told the engines serve"),
+    # engines
+    "engine/running": (R, "requests running on all engines"),
+    "engine/queued": (R, "requests queued on all engines"),
+    "engine/kv_tokens": (R, "tokens held in KV caches on all engines"),
+    "engine/{i}/running": (R, "requests running on replica i (per-replica load)"),
+    "engine/{i}/queued": (R, "requests queued on replica i"),
+    "engine/{i}/kv_tokens": (R, "tokens in replica i's KV cache"),
+    "engine/reprefill_tokens": (R, "tokens prefilled again after a pause, all engines, so far"),
+    # the step's samples
+    "staleness/mean": (T, "mean per-token version gap of the step (train version - token version)"),
+    "staleness/max": (T, "largest per-token version gap of the step"),
+    "staleness/hist/{k}": (T, "responses of the step whose oldest token is k versions old (k = 8: 8 or more)"),
+    "response_length/mean": (T, "mean response length of the step (tokens)"),
+    "response_length/p50": (T, "median response length of the step"),
+    "response_length/p90": (T, "90th percentile response length"),
+    "response_length/p99": (T, "99th percentile response length"),
+    "response_length/max": (T, "longest response of the step"),
+    "response_length/truncated": (T, "responses of the step that hit max_tokens (finish_reason length)"),
+    "response_length/truncated_ratio": (T, "truncated / responses in the step"),
+    "train/reward_mean": (T, "mean reward of the step's responses"),
+    "train/loss": (T, "policy loss"),
+    "train/grad_norm": (T, "gradient norm before clipping"),
+    "train/lr": (T, "learning rate"),
+    "train/clip_frac": (T, "fraction of tokens whose PPO ratio was clipped"),
+    "train/tis_truncated_frac": (T, "fraction of tokens whose importance weight was truncated"),
+    "train/is_ratio_mean": (T, "mean importance ratio (train / behaviour policy)"),
+    "train/is_ratio_max": (T, "largest importance ratio"),
+    "train/is_ratio_min": (T, "smallest importance ratio"),
+    "train/kl": (T, "KL to the reference policy"),
+    "train/entropy": (T, "mean token entropy"),
+    "train/groups": (T, "groups trained in the step"),
+    "train/dropped_incomplete": (T, "groups dropped as incomplete in the step"),
+    "train/dropped_stale": (T, "groups dropped as too stale in the step"),
+    "train/step": (T, "the step (also in every event's step field)"),
+    "val/reward_mean": (T, "greedy reward on the validation file (every data.val_every steps)"),
+    "val/response_length_mean": (T, "mean validation response length"),
+    "val/samples": (T, "validation prompts scored"),
+}
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile("^" + re.escape(name).replace(r"\{i\}", r"\d+").replace(r"\{k\}", r"\d+") + "$")
+
+
+_PATTERNS = [_pattern(n) for n in NAMES]
+
+
+def is_known(name: str) -> bool:
+    """True if ``name`` is in `NAMES` (placeholders matched)."""
+    return any(p.match(name) for p in _PATTERNS)
+
+
+def markdown_table() -> str:
+    rows = ["| name | emitted by | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{n}` | {src} | {meaning} |" for n, (src, meaning) in NAMES.items()]
+    return "\n".join(rows)

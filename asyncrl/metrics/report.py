@@ -1,0 +1,284 @@
+"""What the running system reports: small wrappers and functions that turn its state into metrics.
+
+The wiring stays a few calls long: the launcher wraps the Trainer's group source in
+`MeteredSource` and emits `trainer_step_metrics` after each step; the Rollouter process wraps
+its engines in `MeteredEngine` and runs `report_rollouter` beside the Rollouter. Names are
+in `asyncrl.metrics.names`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("asyncrl.metrics")
+
+STALENESS_BUCKETS = 9  # 0..7 and "8 or more"
+AGE_BUCKETS = 5  # 0..3 and "4 or more"
+
+
+# ----------------------------------------------------------------------------- Rollouter side
+
+class IdleClock:
+    """Time with nothing in flight: `enter`/`exit` around each call, `take_ratio` per interval."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        now = time.monotonic()
+        self._idle_since: float | None = now
+        self._idle_s = 0.0
+        self._window_start = now
+
+    def enter(self) -> None:
+        if self.in_flight == 0 and self._idle_since is not None:
+            self._idle_s += time.monotonic() - self._idle_since
+            self._idle_since = None
+        self.in_flight += 1
+
+    def exit(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle_since = time.monotonic()
+
+    def take_ratio(self) -> float:
+        """Idle fraction of the time since the last call."""
+        now = time.monotonic()
+        idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
+        span = now - self._window_start
+        self._idle_s, self._window_start = 0.0, now
+        if self._idle_since is not None:
+            self._idle_since = now
+        return min(1.0, idle / span) if span > 0 else 0.0
+
+
+class MeteredEngine:
+    """An engine (Ray handle or in-process) whose ``generate`` calls tick an `IdleClock`.
+
+    Everything but ``generate`` passes through to the engine unchanged.
+    """
+
+    def __init__(self, engine: Any, clock: IdleClock):
+        self._engine, self._clock = engine, clock
+
+    async def generate(self, request):
+        self._clock.enter()
+        try:
+            remote = getattr(self._engine.generate, "remote", None)
+            return await (remote(request) if remote is not None else self._engine.generate(request))
+        finally:
+            self._clock.exit()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+async def _engine_stats(engine: Any) -> dict:
+    remote = getattr(engine.stats, "remote", None)
+    if remote is not None:
+        return await remote()
+    out = engine.stats()
+    return await out if asyncio.iscoroutine(out) else out
+
+
+class RolloutReporter:
+    """Turns the Rollouter process's state into one dict of metrics per poll."""
+
+    def __init__(self, engines: list, clock: IdleClock, n: int):
+        self.engines, self.clock, self.n = engines, clock, n
+        self._last_tokens: int | None = None
+        self._last_t = time.monotonic()
+
+    async def poll(self, rollouter: Any, producer: Any) -> dict[str, float]:
+        stats = await asyncio.gather(*(_engine_stats(e) for e in self.engines))
+        now = time.monotonic()
+        out: dict[str, float] = {"fully_async/rollouter/idle_ratio": self.clock.take_ratio()}
+        for i, s in enumerate(stats):
+            for key in ("running", "queued", "kv_tokens"):
+                out[f"engine/{i}/{key}"] = s.get(key, 0)
+        for key in ("running", "queued", "kv_tokens", "reprefill_tokens"):
+            out[f"engine/{key}"] = sum(s.get(key, 0) for s in stats)
+        tokens = sum(s.get("tokens_generated", 0) for s in stats)
+        if self._last_tokens is not None and now > self._last_t:
+            out["throughput/generated_tokens_per_s"] = (tokens - self._last_tokens) / (now - self._last_t)
+        self._last_tokens, self._last_t = tokens, now
+        if rollouter is not None:
+            out.update({
+                "fully_async/count/total_generated_samples": rollouter.sent * self.n,
+                "rollouter/admitted": rollouter.admitted,
+                "rollouter/in_flight": rollouter.admitted - rollouter.sent,
+                "rollouter/failed_groups": rollouter.failed,
+                "rollouter/version": rollouter.version,
+            })
+        if producer is not None:
+            out["stream/credit"] = producer.credit
+            out["stream/unacked"] = len(producer.unacked())
+        return out
+
+
+async def report_rollouter(emitter: Any, reporter: RolloutReporter, get_parts, interval_s: float) -> None:
+    """Emit ``reporter.poll(*get_parts())`` now and every ``interval_s`` until cancelled.
+
+    A poll that fails (an engine died) is logged once and skipped: metrics never stop the run.
+    """
+    failures = 0
+    while True:
+        try:
+            rollouter, producer = get_parts()
+            values = await reporter.poll(rollouter, producer)
+            emitter.emit_many(values, version=int(values.get("rollouter/version", -1)))
+        except Exception as e:
+            if not failures:
+                log.warning("metrics: the Rollouter's report failed (%s: %s); later failures are not logged",
+                            type(e).__name__, e)
+            failures += 1
+        await asyncio.sleep(interval_s)  # a periodic report, not a wait on a condition
+
+
+# ----------------------------------------------------------------------------- Trainer side
+
+@dataclass
+class _Sample:
+    length: int
+    truncated: bool
+    age: int
+    oldest: int
+    span: int
+
+
+@dataclass
+class StepSamples:
+    """What the groups of one step looked like, and how long the step waited for them."""
+
+    wait_s: float = 0.0
+    samples: list[_Sample] = field(default_factory=list)
+
+
+class MeteredSource:
+    """A group source (the stream's consumer) that times ``recv`` and notes each group's shape."""
+
+    def __init__(self, source: Any):
+        self._source = source
+        self._wait_s = 0.0
+        self._seen: dict[str, list[_Sample]] = {}
+
+    async def recv(self, timeout: float | None = None):
+        t0 = time.perf_counter()
+        try:
+            group = await self._source.recv(timeout=timeout)
+        finally:
+            self._wait_s += time.perf_counter() - t0
+        self._seen[group.sample_id] = [
+            _Sample(length=len(t.response_ids), truncated=t.finish_reason == "length", age=int(t.age),
+                    oldest=int(t.versions.min()) if len(t.versions) else -1,
+                    span=int(t.versions.max() - t.versions.min()) if len(t.versions) else 0)
+            for t in group.trajectories
+        ]
+        return group
+
+    def ack(self, sample_ids, reason: str | None = None) -> None:
+        self._source.ack(sample_ids, reason=reason)
+
+    def take(self, sample_ids) -> StepSamples:
+        """The samples of ``sample_ids`` (the step's trained groups) and the wait so far; resets."""
+        out = StepSamples(wait_s=self._wait_s)
+        for sid in sample_ids:
+            out.samples.extend(self._seen.get(sid, ()))
+        self._seen.clear()
+        self._wait_s = 0.0
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._source, name)
+
+
+_RENAMED = {
+    "staleness_mean": "staleness/mean", "staleness_max": "staleness/max",
+    "response_length_mean": "response_length/mean", "response_length_max": "response_length/max",
+}
+
+
+@dataclass
+class TrainerTotals:
+    """Counts the Trainer side carries from step to step."""
+
+    stale_samples: int = 0
+    dropped_stale: int = 0
+
+
+def trainer_step_metrics(metrics: dict, samples: StepSamples, *, trained_version: int, step_s: float,
+                         totals: TrainerTotals, sync: Any = None, consumer: Any = None) -> dict[str, float]:
+    """One step's events: the Trainer's own ``metrics`` renamed, plus what async RL adds.
+
+    ``trained_version`` is the version the step trained on (before its sync); ``sync`` the
+    coordinator's report when the step ended with a weight sync.
+    """
+    # Names with a "/" (val/...) are already names; the launcher's time_s/tokens_per_s have better ones here.
+    out = {_RENAMED.get(k, k if "/" in k else f"train/{k}"): v for k, v in metrics.items()
+           if k not in ("version", "time_s", "tokens_per_s")}
+    s = samples.samples
+    lengths = np.array([x.length for x in s], dtype=np.float64)
+    version = metrics.get("version", trained_version)
+    out.update({
+        "fully_async/trainer/idle_ratio": min(1.0, samples.wait_s / step_s) if step_s > 0 else 0.0,
+        "timing_s/step": step_s,
+        "timing_s/wait_data": samples.wait_s,
+        "fully_async/count/current_param_version": version,
+    })
+    totals.dropped_stale += int(metrics.get("dropped_stale", 0))
+    out["fully_async/count/dropped_stale_samples"] = totals.dropped_stale
+    if sync is not None:
+        out.update({"timing_s/param_sync": sync.total_s, "timing_s/param_sync_pause": sync.pause_s,
+                    "timing_s/param_sync_transfer": sync.transfer_s, "timing_s/param_sync_resume": sync.resume_s})
+    if consumer is not None:
+        out.update({"stream/depth": consumer.depth, "stream/received": consumer.stats.received,
+                    "stream/acked": consumer.stats.acked})
+    if not s:
+        return out
+    out["throughput/trained_tokens_per_s"] = float(lengths.sum()) / step_s if step_s > 0 else 0.0
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    truncated = sum(x.truncated for x in s)
+    out.update({"response_length/p50": p50, "response_length/p90": p90, "response_length/p99": p99,
+                "response_length/truncated": truncated, "response_length/truncated_ratio": truncated / len(s)})
+    gaps = [trained_version - x.oldest for x in s if x.oldest >= 0]
+    totals.stale_samples += sum(g > 0 for g in gaps)
+    out["fully_async/count/stale_samples_processed"] = totals.stale_samples
+    hist = np.bincount(np.clip(gaps, 0, STALENESS_BUCKETS - 1), minlength=STALENESS_BUCKETS) if gaps else \
+        np.zeros(STALENESS_BUCKETS, dtype=np.int64)
+    out.update({f"staleness/hist/{k}": int(c) for k, c in enumerate(hist)})
+    ages = np.array([x.age for x in s])
+    partial = int((ages > 0).sum())
+    out.update({
+        "fully_async/partial/total_partial_num": partial,
+        "fully_async/partial/partial_ratio": partial / len(s),
+        "fully_async/partial/max_partial_span": max(x.span for x in s),
+        "fully_async/partial/age_mean": float(ages.mean()),
+    })
+    age_hist = np.bincount(np.clip(ages, 0, AGE_BUCKETS - 1), minlength=AGE_BUCKETS)
+    out.update({f"fully_async/partial/age_hist/{k}": int(c) for k, c in enumerate(age_hist)})
+    return out
+
+
+class TrainerReporter:
+    """The launcher's per-step report: call `after_step` with each step's result."""
+
+    def __init__(self, emitter: Any, source: MeteredSource, coordinator: Any = None, consumer: Any = None):
+        self.emitter, self.source, self.coordinator, self.consumer = emitter, source, coordinator, consumer
+        self.totals = TrainerTotals()
+        self._last_sync = getattr(coordinator, "last", None)
+        self._version = 0
+        self._t = time.perf_counter()
+
+    def after_step(self, result: Any) -> None:
+        now = time.perf_counter()
+        sync = getattr(self.coordinator, "last", None)
+        values = trainer_step_metrics(
+            result.metrics, self.source.take(result.sample_ids), trained_version=self._version,
+            step_s=now - self._t, totals=self.totals, sync=sync if sync is not self._last_sync else None,
+            consumer=self.consumer)
+        self.emitter.emit_many(values, step=result.step, version=result.version)
+        self._last_sync, self._version, self._t = sync, result.version, now
