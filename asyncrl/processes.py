@@ -96,7 +96,7 @@ class NotifyingSyncer:
         self.coordinator, self.rollouter = coordinator, rollouter
 
     async def sync(self) -> int:
-        from asyncrl.sync.sender import WeightSyncError
+        from asyncrl.sync import WeightSyncError
 
         try:
             version = await self.coordinator.sync()
