@@ -40,6 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 from asyncrl.metrics.config import MetricsConfig
 from asyncrl.queue.protocol import StreamConfig
 from asyncrl.rollouter.rollouter import RolloutConfig
+from asyncrl.skip.config import SkipConfig
 from asyncrl.sync.config import WeightSyncConfig
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
 
@@ -144,7 +145,7 @@ class PlacementConfig:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
 
 
-# Placeholders until the owning parts land theirs (#11 partial rollout, #12 skip):
+# Placeholders until the owning parts land theirs (#11 partial rollout):
 # the same names and fields, so a run config written today stays valid.
 
 
@@ -164,24 +165,6 @@ class PartialRolloutConfig:
             raise ValueError(f"threshold must be >= 1 (or None for the default), got {self.threshold}")
         if self.max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {self.max_age}")
-
-
-@dataclass(kw_only=True)
-class SkipRoleConfig:
-    """Cache/replay of one role's calls (not wired yet)."""
-
-    enable: bool = False
-    dump_dir: str | None = None
-    steps: list[int] = field(default_factory=list)
-    action: Literal["cache", "repeat"] = "cache"
-
-
-@dataclass(kw_only=True)
-class SkipConfig:
-    """SkipManager roles (not wired yet)."""
-
-    rollout: SkipRoleConfig = field(default_factory=SkipRoleConfig)
-    async_rollout: SkipRoleConfig = field(default_factory=SkipRoleConfig)
 
 
 # ------------------------------------------------------------------------------ trainer
@@ -542,14 +525,11 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
                           "to module:function (the built-in task's reward only scores the built-in task)")
     if cfg.data.val is not None and cfg.data.train is None and cfg.data.reward is None:
         raise ConfigError(f"{named('data.val')} needs {named('data.reward')} (or the training data's reward)")
-    for role in ("rollout", "async_rollout"):
-        skip = getattr(cfg.skip, role)
-        if skip.enable and not skip.dump_dir:
-            raise ConfigError(f"skip.{role}.enable=true needs skip.{role}.dump_dir")
+    if cfg.skip.rollout.enable:
+        raise ConfigError("skip.rollout.enable=true: the rollout role replays the synchronous path's train-step "
+                          "batches; this pipeline's Rollouter is skipped with skip.async_rollout (its steps are "
+                          "feed indices of sample_{epoch}_{index})")
     # Sections whose parts have not landed yet: asking for them must not pass silently.
     # (Remove each line when its part is wired into the launcher.)
     if cfg.partial_rollout.enable:
         raise ConfigError("partial_rollout.enable=true: partial rollout is not wired into the launcher yet")
-    enabled = [role for role in ("rollout", "async_rollout") if getattr(cfg.skip, role).enable]
-    if enabled:
-        raise ConfigError(f"skip.{enabled[0]}.enable=true: the SkipManager is not wired into the launcher yet")

@@ -237,6 +237,7 @@ async def run(cfg, plan, run_dir: Path) -> int:
             await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
                         validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
                         report=procs.metrics.reporter.after_step if procs.metrics else None)
+            print(await procs.rollout_summary(), flush=True)
             if stop.requested:
                 print(f"asyncrl: stopped cleanly at step {procs.trainer.step} ({stop.requested}); continue with: "
                       f"python -m asyncrl.launch --resume {run_dir}", flush=True)

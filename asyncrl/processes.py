@@ -53,6 +53,16 @@ class Processes:
         """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
         return await self.rollouter.validate.remote(step)
 
+    async def rollout_summary(self) -> str:
+        """One line: groups the Rollouter admitted, sent and replayed from skip dumps, engine requests served."""
+        import json
+
+        progress = await self.rollouter.progress.remote()
+        requests = sum([(await e.stats.remote()).get("requests", 0) for e in self.engines])
+        skip = "".join(f"; skip.{role} {json.dumps(c, sort_keys=True)}" for role, c in progress.get("skip", {}).items())
+        return (f"asyncrl: rollouter admitted {progress.get('admitted', 0)} groups, sent {progress.get('sent', 0)}, "
+                f"replayed {progress.get('replayed', 0)} from skip dumps; engines served {requests} requests{skip}")
+
     async def close(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
         """Stop everything: drain the Rollouter, close the stream, the ranks, the engines (in that
         order, each under ``timeout_s``); ``drain=False`` kills them at once."""
@@ -136,6 +146,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     from asyncrl.queue import StreamConsumer
     from asyncrl.rollouter.actor import remote_engine_actor
     from asyncrl.rollouter.worker import DataSpec, RolloutWorker
+    from asyncrl.skip.config import absolute_dump_dirs
     from asyncrl.sync import WeightSyncCoordinator
     from asyncrl.trainer.ranks import RankGroup
     from asyncrl.trainer.trainer import Trainer
@@ -160,7 +171,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=_pad_token_id(model_path),
                                   checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"))
         procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks],
-                                          master_addr=net.trainer_master_addr)
+                                          across_nodes=net.ranks_across_nodes)
         procs.trainer = trainer = Trainer(tcfg, procs.ranks, source=None)
         resume = None
         if await trainer.restore():
@@ -181,7 +192,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
             cfg.rollout, procs.engines, stream, model_path, data, resume,
             metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
-            metrics_interval_s=cfg.metrics.poll_interval_s)
+            metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip))
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
 
         coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
@@ -214,7 +225,8 @@ class Addresses:
     """The consumer's StreamConfig: the endpoint to bind (port ``*``: taken at bind) and CURVE keys."""
     curve: Any
     """The run's CurveKeys when the stream leaves loopback, else None."""
-    trainer_master_addr: str
+    ranks_across_nodes: bool
+    """Trainer ranks on several nodes: rank 0 binds the world's store on its node's address."""
     weight_sync: Any
 
 
@@ -228,17 +240,16 @@ def addresses(cfg, plan) -> Addresses:
     here = ray.get_runtime_context().get_node_id()
     slots = [plan.rollouter, *plan.engines, *plan.ranks]
     one_node = all(s.node.node_id == here for s in slots)
-    rank_nodes = {s.node.node_id for s in plan.ranks}
-    trainer_addr = "127.0.0.1" if len(rank_nodes) == 1 else plan.ranks[0].node.address
+    ranks_across_nodes = len({s.node.node_id for s in plan.ranks}) > 1
     if one_node:
-        return Addresses(dataclasses.replace(cfg.stream, endpoint="tcp://127.0.0.1:*"), None, trainer_addr,
+        return Addresses(dataclasses.replace(cfg.stream, endpoint="tcp://127.0.0.1:*"), None, ranks_across_nodes,
                          cfg.weight_sync_config())
     curve = make_curve_keys()
     stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://{ray.util.get_node_ip_address()}:*", curve=curve)
     sync = cfg.weight_sync_config()  # its backend follows the engines' kind
     if sync.master_addr in ("127.0.0.1", "localhost"):
         sync = dataclasses.replace(sync, master_addr="auto")  # trainer rank 0's node address, port bound there
-    return Addresses(stream, curve, trainer_addr, sync)
+    return Addresses(stream, curve, ranks_across_nodes, sync)
 
 
 async def _ready(refs: list, timeout_s: float, what: str) -> list:

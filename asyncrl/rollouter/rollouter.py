@@ -24,9 +24,11 @@ One asyncio loop, one task group::
   ``status="failed"`` and the error: the Trainer fails closed on it (or drops and counts it).
   An engine actor that died is left out from then on and its requests go again, same seed, to
   a live one; only when every engine died do responses fail.
+- `generate_group` only generates; the send is separate, so the ``async_rollout`` skip role
+  (`asyncrl.skip`) can answer a sample from a dump and the group is still sent as usual.
+  The process that runs the Rollouter calls `SkipManager.init` (the registry is per process).
 
-Left out here (later issues): the aggregator's long-tail truncation and the partial buffer,
-and the SkipManager hook.
+Left out here (later issues): the aggregator's long-tail truncation and the partial buffer.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.skip import SkipManager, is_replayed
 from asyncrl.types import (CommittedSet, GenerateRequest, GenerateResult, Group, SamplingParams, Trajectory,
                            make_sample_id, parse_sample_id)
 
@@ -151,6 +154,8 @@ class Rollouter:
         self._requests: dict[str, int] = {}  # request_id in flight -> engine index
         self._dead: dict[int, str] = {}  # engine index -> why it is no longer used
         self._stopping = False
+        self.replayed = 0
+        """Groups the ``async_rollout`` skip role answered from dumps (no engine request)."""
         self._load = [0] * len(self.engines)
         self._gate = asyncio.Condition()
         self._where(self.state.next_index)  # the state must fit the dataset
@@ -238,11 +243,23 @@ class Rollouter:
 
     async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
         try:
-            await self._generate_and_send(sample_id, prompt)
+            group = await self.generate_group(sample_id, prompt)
+            await self.producer.send(group)
+            async with self._gate:
+                self.sent += 1
+                self.failed += group.status == "failed"
+                self.replayed += is_replayed(group)
+                self._gate.notify_all()
         finally:
             self._in_flight.pop(sample_id, None)  # sent, or cancelled by stop()
 
-    async def _generate_and_send(self, sample_id: str, prompt: Prompt) -> None:
+    @SkipManager.annotate(role="async_rollout")
+    async def generate_group(self, sample_id: str, prompt: Prompt) -> Group:
+        """The ``n`` scored responses to ``prompt`` as one group (failed if any response failed).
+
+        Generation only, nothing is sent: the ``async_rollout`` skip role may answer it from a
+        dump of this ``sample_id``'s feed index instead of the engines.
+        """
         _, index = parse_sample_id(sample_id)
         outcomes = await asyncio.gather(
             *(self._one_response(sample_id, index, k, prompt) for k in range(self.cfg.n)),
@@ -250,17 +267,11 @@ class Rollouter:
         )
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
         trajectories = [o for o in outcomes if isinstance(o, Trajectory)]
+        meta = {"prompt": prompt.text, **prompt.meta}
         if errors:
-            group = Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, status="failed",
-                          error="; ".join(errors), meta={"prompt": prompt.text, **prompt.meta})
-        else:
-            group = Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n,
-                          meta={"prompt": prompt.text, **prompt.meta})
-        await self.producer.send(group)
-        async with self._gate:
-            self.sent += 1
-            self.failed += group.status == "failed"
-            self._gate.notify_all()
+            return Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, status="failed",
+                         error="; ".join(errors), meta=meta)
+        return Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, meta=meta)
 
     async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt) -> Trajectory:
         cfg = self.cfg

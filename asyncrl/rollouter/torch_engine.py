@@ -114,7 +114,7 @@ class TorchEngine:
         self._paused: PauseMode | None = None
         self._closed = False
         self._failure: BaseException | None = None
-        self._counters = dict(tokens_generated=0, reprefill_tokens=0, prefill_tokens=0, steps=0)
+        self._counters = dict(requests=0, tokens_generated=0, reprefill_tokens=0, prefill_tokens=0, steps=0)
         self._cond: asyncio.Condition | None = None
         self._task: asyncio.Task | None = None
 
@@ -180,6 +180,7 @@ class TorchEngine:
                 stop_ids=self._eos | frozenset(request.sampling.stop_token_ids),
             )
             self._queued.append(seq)
+            self._counters["requests"] += 1
             cond.notify_all()
         # Cancelling the caller cancels the future; the scheduler then drops the request.
         return await seq.future
@@ -316,7 +317,7 @@ class TorchEngine:
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> dict[str, int]:
-        """running, queued, tokens_generated, kv_tokens, reprefill_tokens (+ prefill_tokens, steps, version)."""
+        """running, queued, requests (accepted so far), tokens_generated, kv_tokens, reprefill_tokens (+ prefill_tokens, steps, version)."""
         kv = 0
         for seq in self._running.values():
             kv += 0 if seq.needs_prefill else len(seq.tokens) - 1

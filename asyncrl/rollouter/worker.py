@@ -5,7 +5,9 @@ calls `run`; the Trainer's side calls `on_sync` after every weight sync and `fee
 its checkpoints. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
 the built-in arithmetic task. Data and reward were checked by the launcher before Ray
 started; here they are loaded again in the process that uses them. `validate` scores the
-validation file greedily on the same engines.
+validation file greedily on the same engines. The skip registry is per process, so this actor
+calls `SkipManager.init` with the run's ``skip`` config and the shape of its rollouts (model,
+prompts, reward, n, token budget, sampling).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
 from asyncrl.rollouter.rollouter import _call as call_engine
 from asyncrl.types import GenerateRequest, SamplingParams
+from asyncrl.skip import SkipConfig, SkipManager, model_fingerprint, prompts_fingerprint, rollout_shape
 
 BUILTIN_TASK_ROWS = 4096
 """Prompts of the built-in task per epoch."""
@@ -75,7 +78,8 @@ class RolloutWorker:
     """The Rollouter process; build it as a Ray actor (``ray.remote(RolloutWorker)``)."""
 
     def __init__(self, cfg: RolloutConfig, engines: list, stream, model_path: str, data_spec: DataSpec,
-                 resume: dict | None = None, *, metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0):
+                 resume: dict | None = None, *, metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0,
+                 skip: SkipConfig | None = None):
         """``resume``: ``{"saved": <the checkpoint's rollouter_state>, "committed": <CommittedSet
         JSON>, "dropped": int}`` of a restored Trainer: the feed continues where it stood, and
         what was admitted but not trained is generated again first (`RolloutState.resume`)."""
@@ -86,6 +90,12 @@ class RolloutWorker:
         self.prompts = load_prompts(tokenizer, data_spec)
         self.val_prompts = load_prompts(tokenizer, data_spec, data_spec.val) if data_spec.val else []
         self.reward_fn = make_reward_fn(tokenizer, data_spec)
+        # The skip registry is per process: the Rollouter's generate_group calls consult this one.
+        SkipManager.init(skip, shape=rollout_shape(
+            cfg, model=model_fingerprint(model_path),
+            data=prompts_fingerprint((p.prompt_ids for p in self.prompts),
+                                     data_spec.train or f"builtin:arithmetic:seed={data_spec.seed}"),
+            reward=data_spec.reward or "builtin"))
         if resume is None:
             self.state = RolloutState()
         else:
@@ -178,4 +188,5 @@ class RolloutWorker:
     def progress(self) -> dict:
         r = self.rollouter
         return {} if r is None else {"admitted": r.admitted, "sent": r.sent, "failed": r.failed,
-                                     "next_index": r.state.next_index}
+                                     "replayed": r.replayed, "next_index": r.state.next_index,
+                                     "skip": SkipManager.stats()}

@@ -22,6 +22,22 @@ from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.worker import TrainerWorker
 
 
+class PortBox:
+    """Rank 0 puts the store address it bound; the other ranks get it (a small Ray actor)."""
+
+    def __init__(self) -> None:
+        self._address: tuple[str, int] | None = None
+        self._set = asyncio.Event()
+
+    async def put(self, addr: str, port: int) -> None:
+        self._address = (addr, port)
+        self._set.set()
+
+    async def get(self) -> tuple[str, int]:
+        await self._set.wait()
+        return self._address
+
+
 class RankGroup:
     """Owns the trainer ranks; `call` runs one method on every rank and gathers the results."""
 
@@ -32,24 +48,26 @@ class RankGroup:
 
     @classmethod
     def start_ray(cls, cfg: TrainerConfig, actor_options: Sequence[dict] | None = None,
-                  master_addr: str = "127.0.0.1") -> RankGroup:
+                  across_nodes: bool = False) -> RankGroup:
         """Start ``cfg.world_size`` rank actors on the connected Ray cluster and wait until all are up.
 
         ``actor_options[r]`` (Ray actor options, e.g. a placement-group bundle) places rank ``r``;
         without them each rank reserves ``cpus_per_rank`` / ``gpus_per_rank`` anywhere. The ranks
-        rendezvous at ``master_addr`` (rank 0's node; loopback when all share one node).
+        rendezvous on loopback, or with ``across_nodes`` at a store rank 0 binds on its node's
+        address (`asyncrl.trainer.worker.bound_store`).
         """
         import ray
 
-        port = free_port()
+        port = 0 if across_nodes else free_port()
+        box = ray.remote(PortBox).options(num_cpus=0).remote() if across_nodes else None
         default = {"num_cpus": cfg.cpus_per_rank, "num_gpus": cfg.gpus_per_rank}
         options = list(actor_options) if actor_options is not None else [default] * cfg.world_size
         if len(options) != cfg.world_size:
             raise ValueError(f"actor_options has {len(options)} entries for world_size={cfg.world_size}")
         workers = [
             ray.remote(TrainerWorker).options(**options[r]).remote(
-                cfg.worker, rank=r, world_size=cfg.world_size, master_addr=master_addr, master_port=port,
-                init_timeout_s=cfg.rank_start_timeout_s)
+                cfg.worker, rank=r, world_size=cfg.world_size, master_port=port,
+                init_timeout_s=cfg.rank_start_timeout_s, rendezvous=box)
             for r in range(cfg.world_size)
         ]
         group = cls(workers, remote=True)

@@ -14,11 +14,13 @@ Run the full curve with ``python scripts/learn_sync.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncrl import skip as skipping
 from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter, RolloutState, encode_prompts
 from asyncrl.sync.inprocess import InProcessSyncer
 from asyncrl.tasks import arithmetic
@@ -44,6 +46,8 @@ class SyncGRPOConfig:
     seed: int = 0
     """Seeds the prompts and every request's sampler."""
     task: arithmetic.ArithmeticTaskConfig = field(default_factory=arithmetic.ArithmeticTaskConfig)
+    skip: skipping.SkipConfig = field(default_factory=skipping.SkipConfig)
+    """``skip.rollout`` replays whole steps' batches (step = the train step, from 0)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.n < 2:
@@ -53,12 +57,15 @@ class SyncGRPOConfig:
                              f"equal temperature={self.temperature}, or the loss is off-policy by construction")
 
 
+@skipping.SkipManager.annotate(role="rollout")
 async def rollout(engine, tokenizer, rows: list[dict], *, first_index: int, n: int, temperature: float,
                   max_tokens: int, seed: int) -> list[Group]:
     """``n`` scored responses for each prompt row, as groups ``sample_0_{first_index + i}``.
 
     The same `Rollouter` the asynchronous pipeline runs, with its gate wide open: every row is
-    admitted at once and the groups are collected, in feed order, instead of streamed.
+    admitted at once and the groups are collected, in feed order, instead of streamed. The
+    ``rollout`` skip role may answer the whole call from the dump of the step `SkipManager.set_step`
+    was given.
     """
     collected = MemorySink()
     cfg = RolloutConfig(n=n, max_tokens=max_tokens, temperature=temperature, groups_per_sync=len(rows),
@@ -79,8 +86,16 @@ async def learn_sync(cfg: SyncGRPOConfig, ranks: RankGroup, engine, tokenizer, o
     data = arithmetic.generate_dataset(prompts_per_step * cfg.steps, seed=cfg.seed, config=cfg.task)
     source = MemorySource()
     trainer = Trainer(cfg.trainer, ranks, source, InProcessSyncer(ranks, [engine]))
+    rollout_cfg = RolloutConfig(n=cfg.n, max_tokens=cfg.task.max_response_tokens, temperature=cfg.temperature,
+                                seed=cfg.seed)
+    skipping.SkipManager.init(cfg.skip, shape=skipping.rollout_shape(
+        rollout_cfg, model=skipping.model_fingerprint(engine.config.model_path),
+        # The generator is seeded and sequential: row i is the same whatever the number of steps.
+        data=f"builtin:arithmetic:seed={cfg.seed}:{dataclasses.asdict(cfg.task)}",
+        reward="builtin:arithmetic", groups_per_step=prompts_per_step))
     history = []
     for step in range(cfg.steps):
+        skipping.SkipManager.set_step(step)
         t0 = time.perf_counter()
         rows = data[step * prompts_per_step:(step + 1) * prompts_per_step]
         for g in await rollout(engine, tokenizer, rows, first_index=step * prompts_per_step, n=cfg.n,

@@ -19,6 +19,11 @@ Audit: with ``samples_path`` set, every trained or dropped group gets one line i
 was trained, its groups stay unacked); a step already training finishes. `finish` then writes
 the checkpoint that makes everything durable.
 
+Groups replayed by the SkipManager (`asyncrl.skip.is_replayed`) get their token versions
+re-based to the current version before screening, so ``max_version_gap`` judges them as
+produced now rather than by the dumping run's timeline; their behaviour log-probs are kept
+(see `Trainer._replayed`). ``replayed_groups`` counts them per step.
+
 The source is a `asyncrl.queue.base.GroupSource` (``recv``/``ack``): the ZeroMQ `StreamConsumer`,
 or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.sync.base.WeightSyncer`. Leaves out: the metrics pipeline (each step returns a dict).
 """
@@ -34,8 +39,8 @@ import torch
 
 from asyncrl.queue.base import GroupSource
 from asyncrl.queue.memory import MemorySource
+from asyncrl.skip.rollout_skip import REPLAY_KEY, is_replayed, rebase_versions
 from asyncrl.sync.base import WeightSyncer
-
 from asyncrl.trainer import audit, checkpoint
 from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
 from asyncrl.trainer.config import TrainerConfig
@@ -153,6 +158,8 @@ class Trainer:
                     self.source.ack([group.sample_id])
                 continue
             seen.add(group.sample_id)
+            if is_replayed(group):
+                group = self._replayed(group)
             ok, out = screen_groups([group], on_incomplete=self.cfg.on_incomplete_group,
                                     max_version_gap=self.cfg.max_version_gap, current_version=self.version)
             kept.extend(ok)
@@ -180,6 +187,22 @@ class Trainer:
         await asyncio.gather(recv, return_exceptions=True)
         # A group received meanwhile stays unacked: its producer keeps it, a resume regenerates it.
         raise StepAbandoned(f"stop requested while step {self.step + 1} was collecting groups")
+
+    def _replayed(self, group: Group) -> Group:
+        """A group the SkipManager replayed from a dump, made fit for this run (see `rebase_versions`).
+
+        Its behaviour log-probs are kept: they are the probabilities under which its tokens were
+        really sampled, so the importance ratio against them is correct whatever run dumped them
+        (and exactly 1 before the first update when the replay starts from the same initial
+        weights). They are only comparable with this Trainer's log-probs at the same
+        temperature: a mismatch fails the run rather than train with wrong ratios.
+        """
+        temperature = group.meta[REPLAY_KEY].get("temperature")
+        if temperature is not None and temperature != self.cfg.worker.algorithm.temperature:
+            raise ValueError(f"replayed group {group.sample_id}: its behaviour log-probs were taken at temperature "
+                             f"{temperature}, but algorithm.temperature={self.cfg.worker.algorithm.temperature}; "
+                             "the importance ratios would be wrong (dump again with this temperature)")
+        return rebase_versions(group, self.version)
 
     async def train_step(self) -> StepResult:
         """Collect the groups of one step, run its mini-batches, commit, maybe sync and checkpoint."""
@@ -212,7 +235,7 @@ class Trainer:
         elif self.step % cfg.checkpoint_every == 0:
             await self.save_checkpoint()
         metrics = _step_metrics(per_batch, batches, dropped)
-        metrics.update(step=self.step, version=self.version)
+        metrics.update(step=self.step, version=self.version, replayed_groups=float(sum(map(is_replayed, groups))))
         return StepResult(step=self.step, version=self.version, sample_ids=ids, dropped=dropped, metrics=metrics)
 
     async def _train_minibatch(self, batch) -> dict[str, float]:

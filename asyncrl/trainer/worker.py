@@ -49,11 +49,39 @@ def merge_stats(into: dict[str, float], stats: dict[str, float]) -> None:
             into[k] = into.get(k, 0.0) + v
 
 
+def bound_store(rank: int, world_size: int, rendezvous, timeout: timedelta) -> dist.TCPStore:
+    """The world's store on rank 0's node: rank 0 binds its node's address (a free port, taken by
+    the bind itself: no probe-then-bind race) and publishes it on ``rendezvous`` (a Ray actor
+    with ``put``/``get``); the other ranks wait for it there."""
+    import socket
+
+    import ray
+
+    if rank == 0:
+        addr = ray.util.get_node_ip_address()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        try:
+            store = dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=False,
+                                  master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store's server owns the descriptor now
+        ray.get(rendezvous.put.remote(addr, port))
+        return store
+    addr, port = ray.get(rendezvous.get.remote(), timeout=timeout.total_seconds())
+    return dist.TCPStore(addr, port, world_size, False, timeout)
+
+
 class TrainerWorker:
     """One rank of the trainer's torch.distributed world."""
 
     def __init__(self, cfg: WorkerConfig, *, rank: int, world_size: int, master_addr: str = "127.0.0.1",
-                 master_port: int, init_timeout_s: float = 300.0):
+                 master_port: int, init_timeout_s: float = 300.0, rendezvous=None):
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -61,10 +89,13 @@ class TrainerWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         torch.manual_seed(cfg.seed)
         if not dist.is_initialized():
-            dist.init_process_group(
-                "nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout_s),
-            )
+            backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=init_timeout_s)
+            if rendezvous is None:
+                dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                        rank=rank, world_size=world_size, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=bound_store(rank, world_size, rendezvous, timeout),
+                                        rank=rank, world_size=world_size, timeout=timeout)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (world_size,))
