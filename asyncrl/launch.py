@@ -51,7 +51,7 @@ _FLAGS = {
                         "extra_info) or (prompt, response); required with --dataset"),
     ],
     "algorithm": [
-        ("steps", int, "train steps to run (default 100)"),
+        ("steps", int, "train steps to run (default 100; 150 for the demo model)"),
         ("n", int, "responses per prompt, the group size (default 8)"),
         ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8)"),
         ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step, default 1)"),
@@ -60,6 +60,12 @@ _FLAGS = {
         ("max_tokens", int, "response budget (default: 6 for the built-in task, else 512)"),
         ("lr", float, "learning rate (default: 2e-3 for the demo model, else 1e-5)"),
         ("temperature", float, "sampling temperature (default 1.0)"),
+        ("mode", str, "async (default): fully asynchronous; sync: generate a batch, train, sync, in lockstep "
+                      "(on-policy: rollout.staleness_threshold 0, one step per sync)"),
+        ("partial_rollout", str, "true: truncate each round's long tail across all engines; truncated responses "
+                                 "resume next round (partial_rollout.enable; see partial_rollout.threshold, max_age)"),
+        ("long_tail", int, "built-in task: response budgets up to this many times the median (a power of 2; a "
+                           "benchmark workload, the engines then ignore EOS)"),
     ],
     "output": [
         ("run_dir", str, "where config.yaml, metrics, the log and checkpoints go (default: runs/<time>)"),
@@ -236,7 +242,8 @@ async def run(cfg, plan, run_dir: Path) -> int:
                 procs.trainer.request_stop()
             await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
                         validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
-                        report=procs.metrics.reporter.after_step if procs.metrics else None)
+                        report=procs.metrics.reporter.after_step if procs.metrics else None,
+                        rollouter=procs.rollouter)
             print(await procs.rollout_summary(), flush=True)
             if stop.requested:
                 print(f"asyncrl: stopped cleanly at step {procs.trainer.step} ({stop.requested}); continue with: "

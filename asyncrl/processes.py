@@ -43,6 +43,7 @@ class Processes:
     ranks: Any = None
     consumer: Any = None
     rollouter: Any = None
+    aggregator: Any = None
     trainer: Any = None
     rollout_run: Any = None
     """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
@@ -75,6 +76,8 @@ class Processes:
                 except Exception as e:  # noqa: BLE001 - a dead or wedged Rollouter is killed below
                     log.warning("the Rollouter did not drain (%s: %s)", type(e).__name__, e)
             ray.kill(self.rollouter)
+        if self.aggregator is not None:
+            ray.kill(self.aggregator)
         if self.consumer is not None:
             await self.consumer.close()
         if self.ranks is not None:
@@ -97,7 +100,8 @@ async def _quietly(ref) -> None:
 
 
 class NotifyingSyncer:
-    """The coordinator's sync, then tell the Rollouter which version the engines now serve.
+    """Tell the Rollouter a sync pauses the engines, run the coordinator's sync, then tell it
+    which version the engines now serve.
 
     An engine that died is dropped by the coordinator; while live engines took the new weights
     the run goes on with them (the Rollouter stops using a dead engine on its own)."""
@@ -108,6 +112,7 @@ class NotifyingSyncer:
     async def sync(self) -> int:
         from asyncrl.sync import WeightSyncError
 
+        await self.rollouter.on_pause.remote()
         try:
             version = await self.coordinator.sync()
         except WeightSyncError as e:
@@ -145,6 +150,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
 
     from asyncrl.queue import StreamConsumer
     from asyncrl.rollouter.actor import remote_engine_actor
+    from asyncrl.rollouter.aggregator import remote_aggregator_actor
     from asyncrl.rollouter.worker import DataSpec, RolloutWorker
     from asyncrl.skip.config import absolute_dump_dirs
     from asyncrl.sync import WeightSyncCoordinator
@@ -188,11 +194,17 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         stream = dataclasses.replace(net.consumer_stream, endpoint=procs.consumer.endpoint,
                                      curve=net.curve.for_producer() if net.curve else None)
 
-        data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed)
+        partial = cfg.partial_rollout
+        if partial.enable:
+            threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
+            procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
+        data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
+                        long_tail=cfg.data.long_tail)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
             cfg.rollout, procs.engines, stream, model_path, data, resume,
             metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
-            metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip))
+            metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip),
+            partial=partial, aggregator=procs.aggregator)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
 
         coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
@@ -211,6 +223,8 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         trainer.source = source
         trainer.syncer = NotifyingSyncer(coordinator, procs.rollouter)
         trainer.rollouter_state = FeedState(procs.rollouter, last=trainer.restored_rollouter_state)
+        trainer.on_dropped = lambda ids: procs.rollouter.on_dropped.remote(ids)
+        print(f"asyncrl: mode {cfg.mode}" + (", partial rollout" if partial.enable else ""), flush=True)
         return procs
     except BaseException:
         await procs.close(drain=False)

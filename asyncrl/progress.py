@@ -55,20 +55,42 @@ class ProgressView:
             self._bar = None
 
 
+def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
+    """The Rollouter's share of a step's metrics, from two `RolloutWorker.stats` readings."""
+    if not now:
+        return {}
+    d = {k: now[k] - last.get(k, 0.0) for k in ("gate_blocked_s", "credit_blocked_s", "idle_s", "truncated",
+                                                "resumed", "timed_out")}
+    span = now["time_s"] - last["time_s"] if last else 0.0
+    return {
+        "timing_s/rollouter/gate_blocked": d["gate_blocked_s"],
+        "timing_s/rollouter/credit_blocked": d["credit_blocked_s"],
+        "fully_async/rollouter/idle_ratio": min(1.0, d["idle_s"] / span) if span > 0 else 0.0,
+        "fully_async/partial/truncated": float(d["truncated"]),
+        "fully_async/partial/resumed": float(d["resumed"]),
+        "fully_async/partial/waiting": float(now["waiting_partials"]),
+        "rollouter/timed_out": float(d["timed_out"]),
+    }
+
+
 async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
                 validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10,
-                report: Callable[[Any], None] | None = None) -> list[dict]:
+                report: Callable[[Any], None] | None = None, rollouter: Any = None) -> list[dict]:
     """Train until step ``steps`` (restored steps count), or until a stop is requested.
 
     Ends with a checkpoint whenever the Trainer can write one: at the last step, after a stop
     request, and after a failure outside the ranks' training (then re-raised). A Rollouter that
     stops first fails the run under its own name. With ``validate``, every ``val_every`` steps
-    and after the last one its ``val/`` metrics join the step's metrics.
+    and after the last one its ``val/`` metrics join the step's metrics. With the Rollouter's
+    handle, each step's metrics also hold its blocked/idle time and the truncations of the step
+    (`rollouter_step_metrics`).
     """
     from asyncrl.trainer.trainer import StepAbandoned
 
     rows: list[dict] = []
+    done_at: list[float] = []  # when each step (and its validation) finished
     t0 = last = time.monotonic()
+    last_stats: dict = {}
     rollout_task = asyncio.wrap_future(rollout_ref.future())
     rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen below, under its own name
     view = ProgressView(steps)
@@ -92,6 +114,10 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
                 m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
+                if rollouter is not None:
+                    stats = await rollouter.stats.remote()
+                    m.update(rollouter_step_metrics(last_stats, stats))
+                    last_stats = stats
                 if validate is not None and (m["step"] % val_every == 0 or m["step"] == steps):
                     m.update(await validate(m["step"]))
                 last = time.monotonic()
@@ -101,6 +127,7 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                 log.flush()
                 view.update(m)
                 rows.append(m)
+                done_at.append(last)
                 if report is not None:
                     report(result)  # to the metric stream (asyncrl.metrics)
     except Exception as e:
@@ -110,6 +137,9 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
     finally:
         view.close()
     await trainer.finish()
+    if len(done_at) > 1:  # start-up and the first step excluded
+        print(f"asyncrl: steps 2-{len(done_at)} took {(done_at[-1] - done_at[0]) / (len(done_at) - 1):.3f} s/step",
+              flush=True)
     if rows:
         rewards = [r["reward_mean"] for r in rows]
         k = max(1, len(rewards) // 5)  # the first and last 20% of the steps

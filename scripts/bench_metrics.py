@@ -1,8 +1,8 @@
 """Benchmark: what the metric stream and its sinks add to the CPU demo's time per step.
 
-Runs ``python -m asyncrl.launch`` back to back, alternating ``--no-metrics`` (no stream, a plain
-progress line) with the metrics on (``--metrics-sinks``, default every sink that runs here:
-jsonl, console, tensorboard, prometheus), ``--reps`` times each, and compares the median
+Runs ``python -m asyncrl.launch`` back to back, alternating ``metrics.enabled=false`` (no
+stream: the launcher's metrics.jsonl and progress line only) with the metrics on (``--sinks``,
+default every sink that runs here: jsonl, console, tensorboard, prometheus), ``--reps`` times each, and compares the median
 s/step the launcher reports (steps 2..N: start-up and the first step excluded). Target:
 metrics add at most 2%.
 
@@ -29,7 +29,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=60, help="train steps per run")
     p.add_argument("--reps", type=int, default=3, help="runs per side, alternating")
-    p.add_argument("--sinks", default="jsonl,console,tensorboard,prometheus", help="--metrics-sinks of the metrics side")
+    p.add_argument("--sinks", default="jsonl,console,tensorboard,prometheus", help="metrics.sinks of the metrics side")
     p.add_argument("--model", default=None, help="model dir (default: the demo's warm-started model)")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     return p.parse_args(argv)
@@ -39,7 +39,7 @@ def one_run(args, metrics: bool, run_dir: Path) -> float:
     cmd = [sys.executable, "-m", "asyncrl.launch", "--steps", str(args.steps), "--run-dir", str(run_dir)]
     if args.model:
         cmd += ["--model", args.model]
-    cmd += ["--metrics-sinks", args.sinks] if metrics else ["--no-metrics"]
+    cmd += [f"metrics.sinks=[{args.sinks}]", "metrics.prometheus_port=0"] if metrics else ["metrics.enabled=false"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     found = re.search(r"took ([0-9.]+) s/step", out.stdout)
     if out.returncode != 0 or not found:

@@ -65,11 +65,11 @@ class MeteredEngine:
     def __init__(self, engine: Any, clock: IdleClock):
         self._engine, self._clock = engine, clock
 
-    async def generate(self, request):
+    async def generate(self, request, *args):
         self._clock.enter()
         try:
             remote = getattr(self._engine.generate, "remote", None)
-            return await (remote(request) if remote is not None else self._engine.generate(request))
+            return await (remote(request, *args) if remote is not None else self._engine.generate(request, *args))
         finally:
             self._clock.exit()
 

@@ -1,4 +1,5 @@
-"""Rollouter: inference engines (built-in torch engine, vLLM), the EngineActor that wraps them.
+"""Rollouter: inference engines (built-in torch engine, vLLM), the EngineActor that wraps them,
+the AggregatorActor and partial rollout.
 
 Names are imported lazily so ``import asyncrl.rollouter`` stays cheap (no torch/transformers/ray
 until an engine is used).
@@ -12,6 +13,8 @@ _EXPORTS = {
     "TorchEngine": "asyncrl.rollouter.torch_engine",
     "TorchEngineConfig": "asyncrl.rollouter.torch_engine",
     "EngineActor": "asyncrl.rollouter.actor",
+    "AggregatorActor": "asyncrl.rollouter.aggregator",
+    "PartialRolloutConfig": "asyncrl.rollouter.partial",
     "Rollouter": "asyncrl.rollouter.rollouter",
     "RolloutConfig": "asyncrl.rollouter.rollouter",
     "RolloutEngine": "asyncrl.rollouter.engine",

@@ -10,6 +10,11 @@ The engine is built by kind: ``"torch"`` -> `TorchEngine` (built-in), ``"vllm"``
 ``init_weight_sync(ReceiverInit)`` builds the receiver of the record's method
 (`asyncrl.sync.base.make_receiver`: ``broadcast`` for the built-in engine, ``vllm`` for vLLM)
 and ``receive_weights`` goes to it; a method that does not fit the engine's kind is refused.
+
+Partial rollout: ``generate(request, truncatable=True)`` registers the request for the
+aggregator's ``truncate(version)`` signal, which stops every registered request still
+running in round ``version`` (the engine's abort hands back the partial output); such a
+result comes back with ``finish_reason="truncated"``.
 """
 
 from __future__ import annotations
@@ -50,13 +55,41 @@ class EngineActor:
         self.kind = kind
         self.engine = make_engine(kind, **engine_kwargs)
         self._receiver = None
+        self._truncatable: set[str] = set()
+        self._truncated: set[str] = set()
 
     async def ready(self) -> dict:
         """Returns once the engine is built: ``{"kind", "version"}``."""
         return {"kind": self.kind, "version": self.engine.version}
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        return await self.engine.generate(request)
+    async def generate(self, request: GenerateRequest, truncatable: bool = False) -> GenerateResult:
+        """One response; a ``truncatable`` one may be stopped by `truncate` (``finish_reason="truncated"``)."""
+        if not truncatable:
+            return await self.engine.generate(request)
+        rid = request.request_id
+        self._truncatable.add(rid)
+        try:
+            result = await self.engine.generate(request)
+        finally:
+            self._truncatable.discard(rid)
+        if rid in self._truncated:
+            self._truncated.discard(rid)
+            if result.finish_reason == "abort":
+                result.finish_reason = "truncated"
+        return result
+
+    async def truncate(self, version: int) -> int:
+        """End round ``version``: stop every truncatable request in flight, with its partial output.
+
+        Ignored (returns 0) once the engine serves a later version: that round is over. Returns
+        how many requests were stopped.
+        """
+        if self.engine.version != version or not self._truncatable:
+            return 0
+        ids = list(self._truncatable)
+        self._truncated.update(ids)
+        await self.engine.abort(ids)
+        return len(ids)
 
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = False) -> None:
         await self.engine.pause(mode, clear_cache=clear_cache)

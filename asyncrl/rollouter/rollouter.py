@@ -3,7 +3,9 @@
 One asyncio loop, one task group::
 
     feed loop ─► staleness gate ─► one task per prompt ─► n requests, each to the least-loaded
-    engine ─► reward each response ─► Group ─► StreamProducer.send (awaits credit)
+    engine ─► reward each response (off the loop) ─► Group ─► StreamProducer.send (awaits credit)
+         ▲                                  │ truncated (partial rollout)
+         └─ partial buffer, highest age ◄───┘ first, released at the next weight sync
 
 - ``sample_id`` is ``sample_{epoch}_{index}``; ``index`` is the feed order at admission, and
   it continues across epochs and across a resume (`RolloutState.next_index`).
@@ -11,37 +13,48 @@ One asyncio loop, one task group::
   trained (in flight, or sent and not acked) are the feed indices below ``next_index`` that
   the Trainer's committed set lacks. A resumed Rollouter regenerates them by id
   (`RolloutState.pending`, served first, same ``sample_id`` and sampling seeds) before new
-  ids continue from ``next_index``; ``admitted`` continues from the groups already done.
+  ids continue from ``next_index``; ``admitted`` continues from the groups already done. The
+  partial buffer is not saved: a truncated response waiting there is regenerated from its
+  prompt (its sample is pending), so only its tokens' work is lost.
 - `stop` drains: no new admissions, in-flight groups are cancelled and their requests aborted
   on the engines (a resume regenerates them), and `run` returns.
 - Staleness gate (verl's fully-async knobs): after ``version`` weight syncs the Trainer will
   have consumed ``version * groups_per_sync`` groups; the Rollouter admits a new prompt only
-  while ``admitted < (version + 1 + staleness_threshold) * groups_per_sync`` and fewer than
-  ``max_concurrent`` prompts are in flight. ``staleness_threshold=0`` with one step per sync
-  is on-policy. The Rollouter learns the version through `on_sync`, called by whoever runs
-  the weight sync (the launcher wraps the coordinator).
-- A response that fails (engine error) fails its whole group, which is still sent, with
-  ``status="failed"`` and the error: the Trainer fails closed on it (or drops and counts it).
-  An engine actor that died is left out from then on and its requests go again, same seed, to
-  a live one; only when every engine died do responses fail.
+  while ``admitted - given_back < (version + 1 + staleness_threshold) * groups_per_sync`` and
+  fewer than ``max_concurrent`` prompts are in flight. ``given_back`` counts groups that will
+  never be trained: failed ones, and those the Trainer dropped by policy (it says so through
+  `on_dropped`). ``staleness_threshold=0`` with one step per sync is on-policy: generate a
+  batch, train, sync, in lockstep. The Rollouter learns of a sync through `on_pause` (before)
+  and `on_sync` (after), called by whoever runs the weight sync.
+- Partial rollout (`asyncrl.rollouter.partial`): with an `AggregatorActor`, a round's
+  unfinished requests are stopped once the round has enough finished trajectories; each waits
+  in the partial buffer for the next round and resumes from prompt + partial response.
+  Without it, in-flight requests are paused and kept through each sync by the engines.
+- ``request_timeout_s`` counts only time outside weight-sync pauses; a request past it is
+  aborted on its engine, and fails its group.
+- A response that fails (engine error, dead engine, timeout) fails its whole group, which is
+  still sent, with ``status="failed"`` and the error: the Trainer fails closed on it (or drops
+  and counts it). An engine whose actor died gets no further requests: its requests go again,
+  same seed, to a live engine; only when none is left do they fail.
 - `generate_group` only generates; the send is separate, so the ``async_rollout`` skip role
   (`asyncrl.skip`) can answer a sample from a dump and the group is still sent as usual.
   The process that runs the Rollouter calls `SkipManager.init` (the registry is per process).
-
-Left out here (later issues): the aggregator's long-tail truncation and the partial buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.skip import SkipManager, is_replayed
 from asyncrl.types import (CommittedSet, GenerateRequest, GenerateResult, Group, SamplingParams, Trajectory,
                            make_sample_id, parse_sample_id)
@@ -56,7 +69,7 @@ class RolloutConfig:
     n: int = 8
     """Responses per prompt (the group size)."""
     max_tokens: int = 8
-    """Response budget per request."""
+    """Response budget per request (a prompt may carry its own, `Prompt.max_tokens`)."""
     temperature: float = 1.0
     """Sampling temperature (behaviour logprobs are taken after it)."""
     top_p: float = 1.0
@@ -64,22 +77,27 @@ class RolloutConfig:
     top_k: int = 0
     """Top-k sampling; 0 disables it."""
     groups_per_sync: int = 8
-    """Groups the Trainer consumes between two weight syncs (groups per step x steps per sync)."""
+    """Groups the Trainer consumes between two weight syncs (`TrainerConfig.groups_per_sync`)."""
     staleness_threshold: float = 0.0
     """Extra fraction of ``groups_per_sync`` that may be generated ahead of the next sync."""
     max_concurrent: int = 16
     """Prompts in flight at once across all engines."""
     request_timeout_s: float = 600.0
-    """Deadline of one generate call; a response past it fails its group."""
+    """Deadline of one generate call, not counting weight-sync pauses; past it the request is
+    aborted on its engine and fails its group."""
+    reward_workers: int = 4
+    """Threads that run a synchronous reward function (an async one is awaited instead)."""
     seed: int = 0
-    """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k``."""
+    """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
 
     def __post_init__(self) -> None:
-        for name in ("n", "max_tokens", "groups_per_sync", "max_concurrent"):
+        for name in ("n", "max_tokens", "groups_per_sync", "max_concurrent", "reward_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.staleness_threshold < 0:
             raise ValueError(f"RolloutConfig.staleness_threshold must be >= 0, got {self.staleness_threshold}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"RolloutConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 @dataclass
@@ -97,7 +115,7 @@ class RolloutState:
     done: int = 0
     """Groups already trained or dropped (before a resume): they count as admitted and sent."""
     dropped: int = 0
-    """Of ``done``, how many were dropped: like failed groups they use none of the budget."""
+    """Of ``done``, how many were dropped: like failed groups they give their budget back."""
 
     @classmethod
     def resume(cls, saved: dict, committed: CommittedSet, dropped: int, rows: int) -> RolloutState:
@@ -125,51 +143,110 @@ class Prompt:
     text: str
     prompt_ids: np.ndarray
     meta: dict = field(default_factory=dict)
+    max_tokens: int | None = None
+    """This prompt's response budget; None takes `RolloutConfig.max_tokens`."""
 
+
+@dataclass
+class RolloutStats:
+    """Counters and timers of the Rollouter (for the step metrics)."""
+
+    gate_blocked_s: float = 0.0
+    """Time the feed loop waited at the staleness gate (or for a concurrency slot)."""
+    credit_blocked_s: float = 0.0
+    """Time finished groups waited for stream credit (summed over groups)."""
+    idle_s: float = 0.0
+    """Time with no request in flight on any engine."""
+    truncated: int = 0
+    """Responses stopped by a round's truncation (a response stopped twice counts twice)."""
+    resumed: int = 0
+    """Truncated responses dispatched again."""
+    timed_out: int = 0
+    """Requests aborted past ``request_timeout_s``."""
+    dead_engines: int = 0
+
+
+class _EngineDied(RuntimeError):
+    """The engine replica's actor is gone."""
 
 class Rollouter:
     """Generates groups from ``prompts`` on ``engines`` and sends them on ``producer``.
 
     ``engines`` are EngineActor handles (``.generate.remote``) or in-process engines
     (awaitable ``generate``); ``reward_fn(prompt, response_ids) -> float`` (or an awaitable of
-    one) gets the `Prompt` (its text and row meta) and the response's token ids.
+    one) gets the `Prompt` (its text and row meta) and the response's token ids; a synchronous
+    one runs on the Rollouter's reward threads, off its event loop.
+    ``partial`` turns partial rollout on; it needs ``aggregator`` (an `AggregatorActor` handle or instance).
     """
 
     def __init__(self, cfg: RolloutConfig, engines: Sequence[Any], producer: Any, prompts: Sequence[Prompt],
-                 reward_fn: Callable[[Prompt, np.ndarray], float | Awaitable[float]], *, state: RolloutState | None = None):
+                 reward_fn: Callable[[Prompt, np.ndarray], float | Awaitable[float]], *, state: RolloutState | None = None,
+                 partial: PartialRolloutConfig | None = None, aggregator: Any = None):
         if not engines:
             raise ValueError("Rollouter needs at least one engine")
         if not prompts:
             raise ValueError("Rollouter needs a non-empty dataset")
+        self.partial = partial or PartialRolloutConfig()
+        if self.partial.enable and aggregator is None:
+            raise ValueError("partial_rollout.enable needs an aggregator (AggregatorActor over the engines)")
         self.cfg = cfg
         self.engines = list(engines)
         self.producer = producer
         self.prompts = list(prompts)
         self.reward_fn = reward_fn
+        self.aggregator = aggregator if self.partial.enable else None
         self.state = state or RolloutState()
         self.version = 0
         self.admitted = self.sent = self.state.done
-        self.failed = self.state.dropped
-        self._in_flight: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
-        self._requests: dict[str, int] = {}  # request_id in flight -> engine index
-        self._dead: dict[int, str] = {}  # engine index -> why it is no longer used
-        self._stopping = False
+        self.failed = 0
+        self.given_back: set[str] = set()
+        """sample_ids that will never be trained (failed, or dropped by the Trainer)."""
+        self.partials = PartialBuffer()
+        self.stats = RolloutStats()
         self.replayed = 0
         """Groups the ``async_rollout`` skip role answered from dumps (no engine request)."""
         self._load = [0] * len(self.engines)
+        self._dead: set[int] = set()
         self._gate = asyncio.Condition()
+        self._groups: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
+        self._requests: dict[str, int] = {}  # request_id in flight -> engine index
+        self._stopping = False
         self._where(self.state.next_index)  # the state must fit the dataset
         for index in self.state.pending:
             if not 0 <= index < self.state.next_index:
                 raise ValueError(f"RolloutState.pending holds {index}, not below next_index={self.state.next_index}")
             self._where(index)
+        self._paused_at: float | None = None
+        self._paused_total = 0.0
+        self._in_flight = 0
+        self._idle_since: float | None = time.monotonic()
+        self._reward_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ control
 
+    async def on_pause(self) -> None:
+        """A weight sync is about to pause the engines: stop the request clocks."""
+        if self._paused_at is None:
+            self._paused_at = time.monotonic()
+
     async def on_sync(self, version: int) -> None:
-        """The engines now serve ``version``: open the staleness gate accordingly."""
+        """The engines now serve ``version``: restart the clocks, release truncated responses
+        (highest age first), then open the staleness gate accordingly."""
+        if self._paused_at is not None:
+            self._paused_total += time.monotonic() - self._paused_at
+            self._paused_at = None
         async with self._gate:
-            self.version = version
+            if version > self.version:
+                self.version = version
+                if self.aggregator is not None:
+                    await _invoke(self.aggregator, "start_round", version)
+                self.partials.release(version)
+            self._gate.notify_all()
+
+    async def on_dropped(self, sample_ids: Iterable[str]) -> None:
+        """The Trainer dropped these groups by policy: their budget goes back to the gate."""
+        async with self._gate:
+            self.given_back.update(sample_ids)
             self._gate.notify_all()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
@@ -179,12 +256,12 @@ class Rollouter:
         async with self._gate:
             self._stopping = True
             self._gate.notify_all()
-        for task in list(self._in_flight.values()):
+        for task in list(self._groups.values()):
             task.cancel()
         by_engine: dict[int, list[str]] = {}
         for request_id, e in self._requests.items():
             by_engine.setdefault(e, []).append(request_id)
-        aborts = [_abort(self.engines[e], ids) for e, ids in by_engine.items()]
+        aborts = [_invoke(self.engines[e], "abort", ids) for e, ids in by_engine.items()]
         results = await asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), timeout_s)
         for e, result in zip(by_engine, results):
             if isinstance(result, BaseException):
@@ -196,14 +273,21 @@ class Rollouter:
         unacked = getattr(self.producer, "unacked", None)
         return {
             "epoch": self.state.epoch, "next_index": self.state.next_index, "position": self.state.position,
-            "in_flight": sorted(self._in_flight, key=_index_of),
+            "in_flight": sorted(self._groups, key=_index_of),
             "unacked": [g.sample_id for g in unacked] if unacked is not None else [],
         }
 
     def _admissible(self) -> bool:
         budget = (self.version + 1 + self.cfg.staleness_threshold) * self.cfg.groups_per_sync
-        # Failed groups are never trained on, so they do not use up the Trainer's budget.
-        return self.admitted - self.failed < budget and self.admitted - self.sent < self.cfg.max_concurrent
+        # Groups dropped before a resume gave their budget back too.
+        return (self.admitted - len(self.given_back) - self.state.dropped < budget
+                and self.admitted - self.sent < self.cfg.max_concurrent
+                and self.partials.undispatched == 0)  # released partials go before new prompts
+
+    def _active_time(self) -> float:
+        """Monotonic time that stands still while the engines are paused for a weight sync."""
+        now = time.monotonic()
+        return now - self._paused_total - (now - self._paused_at if self._paused_at is not None else 0.0)
 
     # ------------------------------------------------------------------ feed
 
@@ -227,38 +311,54 @@ class Rollouter:
         return make_sample_id(epoch, index), self.prompts[row]
 
     async def run(self, num_groups: int | None = None) -> None:
-        """Feed prompts until ``num_groups`` groups were sent in all (forever when None), or `stop`."""
-        async with asyncio.TaskGroup() as tg:
-            while num_groups is None or self.admitted < num_groups:
-                async with self._gate:
-                    await self._gate.wait_for(lambda: self._stopping or self._admissible())
-                    if self._stopping:
-                        break
-                    # Draw only once admitted: every index below next_index was admitted.
-                    sample_id, prompt = self._draw()
-                    self.admitted += 1
-                    self._in_flight[sample_id] = tg.create_task(self._one_group(sample_id, prompt))
+        """Feed prompts until ``num_groups`` more groups were admitted (forever when None), or `stop`."""
+        if self._reward_pool is None:
+            self._reward_pool = concurrent.futures.ThreadPoolExecutor(self.cfg.reward_workers,
+                                                                      thread_name_prefix="asyncrl-reward")
+        stop_at = None if num_groups is None else self.admitted + num_groups
+        try:
+            async with asyncio.TaskGroup() as tg:
+                while stop_at is None or self.admitted < stop_at:
+                    t0 = time.monotonic()
+                    async with self._gate:
+                        await self._gate.wait_for(lambda: self._stopping or self._admissible())
+                        if self._stopping:
+                            break
+                        # Draw only once admitted: every index below next_index was admitted.
+                        sample_id, prompt = self._draw()
+                        self.admitted += 1
+                        self._groups[sample_id] = tg.create_task(self._one_group(sample_id, prompt))
+                    self.stats.gate_blocked_s += time.monotonic() - t0
+        finally:
+            self._reward_pool.shutdown(wait=False, cancel_futures=True)
+            self._reward_pool = None
 
     # ------------------------------------------------------------------ one prompt
 
     async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
         try:
             group = await self.generate_group(sample_id, prompt)
+            t0 = time.monotonic()
             await self.producer.send(group)
+            self.stats.credit_blocked_s += time.monotonic() - t0
             async with self._gate:
                 self.sent += 1
-                self.failed += group.status == "failed"
                 self.replayed += is_replayed(group)
+                if group.status == "failed":
+                    self.failed += 1
+                    self.given_back.add(sample_id)  # never trained: its budget goes back
                 self._gate.notify_all()
         finally:
-            self._in_flight.pop(sample_id, None)  # sent, or cancelled by stop()
+            self._groups.pop(sample_id, None)  # sent, or cancelled by stop()
 
     @SkipManager.annotate(role="async_rollout")
     async def generate_group(self, sample_id: str, prompt: Prompt) -> Group:
         """The ``n`` scored responses to ``prompt`` as one group (failed if any response failed).
 
         Generation only, nothing is sent: the ``async_rollout`` skip role may answer it from a
-        dump of this ``sample_id``'s feed index instead of the engines.
+        dump of this ``sample_id``'s feed index instead of the engines. A complete group is
+        reported to the aggregator (partial rollout), split by the replica that finished each
+        response.
         """
         _, index = parse_sample_id(sample_id)
         outcomes = await asyncio.gather(
@@ -266,74 +366,156 @@ class Rollouter:
             return_exceptions=True,
         )
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
-        trajectories = [o for o in outcomes if isinstance(o, Trajectory)]
+        trajectories = [o[0] for o in outcomes if isinstance(o, tuple)]
         meta = {"prompt": prompt.text, **prompt.meta}
         if errors:
             return Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, status="failed",
                          error="; ".join(errors), meta=meta)
-        return Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, meta=meta)
+        group = Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, meta=meta)
+        if self.aggregator is not None and group.complete:
+            per_replica: dict[int, int] = {}
+            for _, replica in outcomes:
+                per_replica[replica] = per_replica.get(replica, 0) + 1
+            await _invoke(self.aggregator, "report", self.version, per_replica)
+        return group
 
-    async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt) -> Trajectory:
+    async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt) -> tuple[Trajectory, int]:
+        """One response, resumed across truncations; returns it with the replica that finished it."""
         cfg = self.cfg
-        request = GenerateRequest(
-            request_id=f"{sample_id}/{k}",
-            prompt_ids=prompt.prompt_ids,
-            max_tokens=cfg.max_tokens,
-            sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    seed=cfg.seed + 1000 * index + k),
-        )
+        budget = prompt.max_tokens or cfg.max_tokens
+        parts = PartialResponse()
         while True:
-            live = [i for i in range(len(self.engines)) if i not in self._dead]
+            truncatable = self.aggregator is not None and parts.age < self.partial.max_age
+            ids, _, _ = parts.joined()
+            request = GenerateRequest(
+                request_id=f"{sample_id}/{k}" + (f"/{parts.age}" if parts.age else ""),
+                prompt_ids=np.concatenate([prompt.prompt_ids, ids]) if len(ids) else prompt.prompt_ids,
+                max_tokens=budget - len(ids),
+                sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                        seed=cfg.seed + 1000 * index + k + 7919 * parts.age),
+            )
+            if parts.age:
+                self.partials.dispatched()
+                self.stats.resumed += 1
+            dispatched_in = self.version
+            result, replica = await self._generate(request, truncatable)
+            parts.add(result)
+            if result.finish_reason != "truncated" or parts.n_tokens >= budget:
+                break
+            parts.age += 1
+            self.stats.truncated += 1
+            # The round it was stopped in: never later than its last token's version or the
+            # round it was sent in (a later guess could wait for a sync that needs this group).
+            stopped_in = int(result.versions[-1]) if len(result.versions) else dispatched_in
+            if stopped_in >= self.version:
+                await self.partials.wait(parts.age, stopped_in)
+            else:
+                self.partials.undispatched += 1  # its next round has begun already: go now
+        response_ids, logprobs, versions = parts.joined()
+        finish = result.finish_reason if result.finish_reason != "truncated" else "length"
+        trajectory = Trajectory(
+            sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=response_ids,
+            logprobs=logprobs, versions=versions, finish_reason=finish, age=parts.age,
+            reward=await self._reward(prompt, response_ids),
+        )
+        return trajectory, replica
+
+    async def _reward(self, prompt: Prompt, response_ids: np.ndarray) -> float:
+        """Run the reward off the event loop: awaited when async, else on the reward threads."""
+        if inspect.iscoroutinefunction(self.reward_fn):
+            return float(await self.reward_fn(prompt, response_ids))
+        loop = asyncio.get_running_loop()
+        reward = await loop.run_in_executor(self._reward_pool, self.reward_fn, prompt, response_ids)
+        return float(await reward if inspect.isawaitable(reward) else reward)
+
+    async def _generate(self, request: GenerateRequest, truncatable: bool) -> tuple[GenerateResult, int]:
+        """Run ``request`` on the least-loaded live engine under the (pause-aware) deadline; if that
+        engine's actor dies, again (same seed) on another live one."""
+        while True:
+            live = [e for e in range(len(self.engines)) if e not in self._dead]
             if not live:
-                raise RuntimeError(f"{request.request_id}: every engine died ({'; '.join(self._dead.values())})")
+                raise _EngineDied(f"{request.request_id}: every engine replica is dead")
             e = min(live, key=self._load.__getitem__)
             self._load[e] += 1
+            self._busy(+1)
             self._requests[request.request_id] = e
+            call = asyncio.ensure_future(_call(self.engines[e], request, truncatable))
             try:
-                result: GenerateResult = await asyncio.wait_for(_call(self.engines[e], request), cfg.request_timeout_s)
-                break
-            except TimeoutError:
-                raise TimeoutError(f"{request.request_id}: no result within request_timeout_s={cfg.request_timeout_s}")
+                timeout, start = self.cfg.request_timeout_s, self._active_time()
+                while not call.done():
+                    left = timeout - (self._active_time() - start)
+                    if left <= 0:
+                        await self._abort_timed_out(e, request, call)
+                    await asyncio.wait({call}, timeout=left)
+                return call.result(), e
             except Exception as exc:
                 if not _actor_died(exc):
                     raise
-                # Same request, same seed, on a live engine: the dead one's partial tokens are simply redone.
                 if e not in self._dead:
-                    self._dead[e] = f"engine {e}: {type(exc).__name__}"
-                    log.warning("engine %d died (%s); its requests go to the %d live engines", e,
-                                type(exc).__name__, len(self.engines) - len(self._dead))
+                    self._dead.add(e)
+                    self.stats.dead_engines += 1
+                    log.error("engine replica %d died (%r); no further requests go to it", e, exc)
             finally:
+                call.cancel()
                 self._load[e] -= 1
-                del self._requests[request.request_id]
-        reward = self.reward_fn(prompt, result.response_ids)
-        if inspect.isawaitable(reward):
-            reward = await reward
-        return Trajectory(
-            sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=result.response_ids,
-            logprobs=result.logprobs, versions=result.versions, finish_reason=result.finish_reason,
-            reward=float(reward),
-        )
+                self._busy(-1)
+                self._requests.pop(request.request_id, None)
+
+    async def _abort_timed_out(self, e: int, request: GenerateRequest, call: asyncio.Future) -> None:
+        self.stats.timed_out += 1
+        try:
+            await asyncio.wait_for(_invoke(self.engines[e], "abort", [request.request_id]), 30.0)
+            await asyncio.wait_for(asyncio.shield(call), 30.0)
+        except Exception:  # the engine may be gone; the timeout is the error that matters
+            pass
+        raise TimeoutError(f"{request.request_id}: no result within request_timeout_s={self.cfg.request_timeout_s} "
+                           "(time paused for weight syncs not counted); aborted on its engine")
+
+    def stats_now(self) -> dict:
+        """`RolloutStats` as a dict, the idle span in progress included, with ``time_s`` (monotonic)."""
+        now = time.monotonic()
+        out = {k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__}
+        if self._in_flight == 0 and self._idle_since is not None:
+            out["idle_s"] += now - self._idle_since
+        out.update(time_s=now, waiting_partials=len(self.partials))
+        return out
+
+    def _busy(self, delta: int) -> None:
+        now = time.monotonic()
+        if self._in_flight == 0 and self._idle_since is not None:
+            self.stats.idle_s += now - self._idle_since
+            self._idle_since = None
+        self._in_flight += delta
+        if self._in_flight == 0:
+            self._idle_since = now
 
 
-async def _call(engine: Any, request: GenerateRequest) -> GenerateResult:
+async def _call(engine: Any, request: GenerateRequest, truncatable: bool = False) -> GenerateResult:
+    args = (request, truncatable) if truncatable else (request,)
     remote = getattr(engine.generate, "remote", None)
     if remote is not None:
-        return await remote(request)
-    return await engine.generate(request)
+        return await remote(*args)
+    return await engine.generate(*args)
 
 
-async def _abort(engine: Any, request_ids: list[str]) -> None:
-    remote = getattr(engine.abort, "remote", None)
-    await (remote(request_ids) if remote is not None else engine.abort(request_ids))
-
-
-def _actor_died(exc: BaseException) -> bool:
-    # Ray's RayActorError family (ActorDiedError, ActorUnavailableError), without importing ray.
-    return any(c.__name__ == "RayActorError" for c in type(exc).__mro__)
+async def _invoke(target: Any, method: str, *args: Any) -> Any:
+    """``target.method(*args)`` on a Ray actor handle or an in-process object, awaited."""
+    fn = getattr(target, method)
+    remote = getattr(fn, "remote", None)
+    out = remote(*args) if remote is not None else fn(*args)
+    return await out if inspect.isawaitable(out) else out
 
 
 def _index_of(sample_id: str) -> int:
     return parse_sample_id(sample_id)[1]
+
+
+def _actor_died(exc: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, RayActorError)
 
 
 def encode_prompts(tokenizer, rows: Iterable[dict], encode: Callable[[Any, str], np.ndarray] | None = None) -> list[Prompt]:

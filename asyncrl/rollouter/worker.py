@@ -1,8 +1,9 @@
 """`RolloutWorker`: the Rollouter process (a Ray actor): tokenizer, prompts, reward, stream producer, `Rollouter`.
 
-The launcher builds it with plain values (configs, engine handles, the stream's settings) and
-calls `run`; the Trainer's side calls `on_sync` after every weight sync and `feed_state` for
-its checkpoints. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
+The launcher builds it with plain values (configs, engine handles, the stream's settings, the
+`AggregatorActor` when partial rollout is on) and calls `run`; the Trainer's side calls
+`on_pause` / `on_sync` around every weight sync, `on_dropped` when it drops groups by policy,
+`feed_state` for its checkpoints and `stats` for each step's metrics. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
 the built-in arithmetic task. Data and reward were checked by the launcher before Ray
 started; here they are loaded again in the process that uses them. `validate` scores the
 validation file greedily on the same engines. The skip registry is per process, so this actor
@@ -17,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from asyncrl.rollouter.partial import PartialRolloutConfig
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
 from asyncrl.rollouter.rollouter import _call as call_engine
 from asyncrl.types import GenerateRequest, SamplingParams
@@ -38,6 +40,8 @@ class DataSpec:
     """``module:function``; None: the built-in task's reward."""
     seed: int = 0
     """Seed of the built-in task's prompts."""
+    long_tail: int = 1
+    """Built-in task: per-prompt response budgets up to this many times the median (1: off)."""
 
 
 def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Prompt]:
@@ -49,10 +53,11 @@ def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Pro
     if path is None:
         from asyncrl.tasks import arithmetic
 
-        rows = arithmetic.generate_dataset(BUILTIN_TASK_ROWS, seed=spec.seed)
+        task = arithmetic.ArithmeticTaskConfig(long_tail_factor=spec.long_tail)
+        rows = arithmetic.generate_dataset(BUILTIN_TASK_ROWS, seed=spec.seed, config=task)
         return [Prompt(text=r["prompt"], prompt_ids=arithmetic.encode_prompt(tokenizer, r["prompt"]),
                        meta={"data_source": r["data_source"], "ground_truth": r["reward_model"]["ground_truth"],
-                             "extra_info": {}}) for r in rows]
+                             "extra_info": {}}, max_tokens=r.get("max_tokens")) for r in rows]
     rows = data.read_rows(path)
     data.check_renderable(tokenizer, rows, path)
     prompts = []
@@ -79,7 +84,8 @@ class RolloutWorker:
 
     def __init__(self, cfg: RolloutConfig, engines: list, stream, model_path: str, data_spec: DataSpec,
                  resume: dict | None = None, *, metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0,
-                 skip: SkipConfig | None = None):
+                 skip: SkipConfig | None = None,
+                 partial: PartialRolloutConfig | None = None, aggregator=None):
         """``resume``: ``{"saved": <the checkpoint's rollouter_state>, "committed": <CommittedSet
         JSON>, "dropped": int}`` of a restored Trainer: the feed continues where it stood, and
         what was admitted but not trained is generated again first (`RolloutState.resume`)."""
@@ -103,7 +109,9 @@ class RolloutWorker:
 
             self.state = RolloutState.resume(resume["saved"], CommittedSet.from_json(resume["committed"]),
                                              resume["dropped"], rows=len(self.prompts))
+        self.partial, self.aggregator = partial, aggregator
         self.version = 0
+        self.dropped: list[str] = []
         self.rollouter: Rollouter | None = None
         self.metrics_endpoint, self.metrics_interval_s = metrics_endpoint, metrics_interval_s
         self._stopped = False
@@ -128,8 +136,10 @@ class RolloutWorker:
             report = asyncio.create_task(report_rollouter(
                 emitter, RolloutReporter(self.engines, clock, self.cfg.n), lambda: (self.rollouter, producer),
                 self.metrics_interval_s))
-        self.rollouter = Rollouter(self.cfg, engines, producer, self.prompts, self.reward_fn, state=self.state)
+        self.rollouter = Rollouter(self.cfg, engines, producer, self.prompts, self.reward_fn, state=self.state,
+                                   partial=self.partial, aggregator=self.aggregator)
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
+        await self.rollouter.on_dropped(self.dropped)
         if self._stopped:
             await self.rollouter.stop()
         try:
@@ -142,8 +152,13 @@ class RolloutWorker:
             await producer.close()
         return self.progress()
 
+    async def on_pause(self) -> None:
+        """A weight sync is about to pause the engines (request deadlines stand still)."""
+        if self.rollouter is not None:
+            await self.rollouter.on_pause()
+
     async def on_sync(self, version: int) -> None:
-        """The engines now serve ``version``: open the staleness gate for it."""
+        """The engines now serve ``version``: release truncated responses, open the gate for it."""
         self.version = version
         if self.rollouter is not None:
             await self.rollouter.on_sync(version)
@@ -155,6 +170,15 @@ class RolloutWorker:
             await self.rollouter.stop()
         return self.progress()
 
+    async def on_dropped(self, sample_ids: list[str]) -> None:
+        """The Trainer dropped these groups by policy: their budget goes back to the gate."""
+        self.dropped.extend(sample_ids)
+        if self.rollouter is not None:
+            await self.rollouter.on_dropped(sample_ids)
+
+    def stats(self) -> dict:
+        """Cumulative counters and timers (`RolloutStats`, ``time_s``), for the step metrics."""
+        return {} if self.rollouter is None else self.rollouter.stats_now()
     async def validate(self, step: int) -> dict[str, float]:
         """One greedy response per validation prompt, scored: metrics under ``val/``.
 

@@ -6,6 +6,13 @@ stripped) is exactly the sum, else 0.0. The dataset generator is seeded, so a ru
 are reproducible. Rows follow verl's column names where they fit (``prompt``, ``data_source``,
 ``reward_model.ground_truth``).
 
+Long-tail variant (``long_tail_factor > 1``, for benchmarks): each row also carries its own
+response budget, ``max_tokens``, drawn once per prompt from a seeded long-tail distribution
+(`long_tail_budget`): most prompts get the task's ``max_response_tokens`` (the median), a few
+up to ``long_tail_factor`` times it. Run it on engines that do not stop at EOS, so every
+response really is generated to its budget; the reward still reads the text before the first
+EOS.
+
 Left out: other operators, multi-step problems, partial credit (a binary reward keeps the
 GRPO group statistics easy to read).
 """
@@ -29,6 +36,9 @@ class ArithmeticTaskConfig:
     """Largest operand; answers are at most ``2 * max_operand``."""
     max_response_tokens: int = 6
     """Response budget that fits any answer plus EOS with room for a wrong longer one."""
+    long_tail_factor: int = 1
+    """1: every row has the same budget; a power of 2 above 1: rows carry a long-tail ``max_tokens``
+    of up to this many times ``max_response_tokens`` (`long_tail_budget`)."""
 
     def __post_init__(self) -> None:
         if self.max_operand < 1:
@@ -39,6 +49,21 @@ class ArithmeticTaskConfig:
                 f"max_response_tokens={self.max_response_tokens} cannot hold an answer of "
                 f"max_operand={self.max_operand} plus EOS: set it to at least {need}"
             )
+        f = self.long_tail_factor
+        if f < 1 or f & (f - 1):
+            raise ValueError(f"long_tail_factor must be 1 or a power of 2, got {f}")
+
+
+def long_tail_budget(rng: np.random.Generator, median: int, factor: int) -> int:
+    """A response budget ``median * 2**k``: ``k = 0`` with probability 0.7, the other 0.3 over
+    ``k = 1..log2(factor)`` in falling weights ``top, top-1, .., 1`` (factor 16: 0.70, 0.12, 0.09,
+    0.06, 0.03 for 1x, 2x, 4x, 8x, 16x the median; mean 2.25x the median)."""
+    top = factor.bit_length() - 1
+    if top == 0:
+        return median
+    tail = np.arange(top, 0, -1, dtype=float)  # k=1 most likely, k=top least
+    probs = np.concatenate([[0.7], 0.3 * tail / tail.sum()])
+    return median * 2 ** int(rng.choice(top + 1, p=probs))
 
 
 def make_problem(rng: np.random.Generator, config: ArithmeticTaskConfig) -> tuple[str, str]:
@@ -51,17 +76,19 @@ def generate_dataset(n: int, seed: int = 0, config: ArithmeticTaskConfig | None 
     """``n`` seeded rows: ``{"prompt", "answer", "data_source", "reward_model": {"ground_truth"}}``."""
     config = config or ArithmeticTaskConfig()
     rng = np.random.default_rng(seed)
+    lengths = np.random.default_rng([seed, 1])  # its own stream: the problems do not change with it
     rows = []
     for _ in range(n):
         prompt, answer = make_problem(rng, config)
-        rows.append(
-            {
-                "prompt": prompt,
-                "answer": answer,
-                "data_source": DATA_SOURCE,
-                "reward_model": {"style": "rule", "ground_truth": answer},
-            }
-        )
+        row = {
+            "prompt": prompt,
+            "answer": answer,
+            "data_source": DATA_SOURCE,
+            "reward_model": {"style": "rule", "ground_truth": answer},
+        }
+        if config.long_tail_factor > 1:
+            row["max_tokens"] = long_tail_budget(lengths, config.max_response_tokens, config.long_tail_factor)
+        rows.append(row)
     return rows
 
 

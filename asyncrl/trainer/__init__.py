@@ -5,7 +5,8 @@
 - `fsdp`: ``parallelize(model, mesh)``; `worker`: `TrainerWorker` (one rank); `ranks`: `RankGroup`;
 - `trainer`: `Trainer` (the driver loop); it takes a `GroupSource` (`asyncrl.queue`) and a
   `WeightSyncer` (`asyncrl.sync`), re-exported here with `MemorySource`;
-- `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: on-policy synchronous GRPO.
+- `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: the in-process on-policy loop (the launcher's
+  ``--mode sync`` runs the same lockstep with every process of an async run).
 
 Names are imported lazily so ``import asyncrl.trainer`` stays cheap (no torch until used).
 """

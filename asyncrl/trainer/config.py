@@ -159,3 +159,8 @@ class TrainerConfig:
             raise ValueError(f"max_version_gap must be >= 0 or None, got {self.max_version_gap}")
         if self.recv_timeout_s <= 0:
             raise ValueError(f"recv_timeout_s must be > 0, got {self.recv_timeout_s}")
+
+    @property
+    def groups_per_sync(self) -> int:
+        """Groups consumed between two weight syncs: the Rollouter's staleness budget unit."""
+        return self.groups_per_batch * self.require_batches * self.trigger_parameter_sync_step

@@ -9,7 +9,16 @@ Acks follow durability: with checkpoints on, a step's groups are acked once the 
 holding that step is published (so a crash never loses a group the producer already forgot);
 without checkpoints they are acked right after the optimizer step. Groups dropped by policy
 (incomplete with ``on_incomplete_group="drop"``, or older than ``max_version_gap``) are
-counted and acked at once with their reason. Incomplete groups otherwise fail the run closed.
+counted and acked at once with their reason, and reported through ``on_dropped`` so the
+Rollouter's staleness gate gets their budget back (else enough drops starve the Trainer).
+Incomplete groups otherwise fail the run closed.
+
+Each step's metrics say where the time went, with verl's names where verl has one:
+``timing_s/wait_groups`` (waiting for the stream), ``timing_s/update_actor``,
+``timing_s/param_sync``, ``timing_s/save_checkpoint``, ``timing_s/step``,
+``fully_async/trainer/idle_ratio`` (waiting / step), and the partial-rollout figures of the
+trained groups (``fully_async/partial/total_partial_num``, ``partial_ratio``,
+``max_partial_span``: versions one trajectory spans, ``age_mean``, ``age_max``).
 The groups of a step train in feed order, whatever order they arrived in, so the step's
 floating-point sums do not depend on arrival timing.
 
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -73,9 +83,11 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig, ranks: RankGroup, source: GroupSource,
                  syncer: WeightSyncer | None = None, *,
-                 rollouter_state: Callable[[], dict | Awaitable[dict]] | None = None):
+                 rollouter_state: Callable[[], dict | Awaitable[dict]] | None = None,
+                 on_dropped: Callable[[list[str]], Awaitable[None] | None] | None = None):
         """``rollouter_state`` is called at each checkpoint; what it returns (a JSON-able dict)
-        is stored in the sidecar's ``rollouter_state`` slot."""
+        is stored in the sidecar's ``rollouter_state`` slot. ``on_dropped(sample_ids)`` is
+        called as soon as groups are dropped by policy (tell the Rollouter's gate)."""
         if ranks.world_size != cfg.world_size:
             raise ValueError(f"world_size={cfg.world_size} but {ranks.world_size} ranks were given")
         self.cfg = cfg
@@ -83,6 +95,7 @@ class Trainer:
         self.source = source
         self.syncer = syncer
         self.rollouter_state = rollouter_state
+        self.on_dropped = on_dropped
         self.step = 0
         self.version = 0
         self.committed = CommittedSet()
@@ -169,6 +182,8 @@ class Trainer:
                 self.dropped += 1
                 self._records.append(audit.dropped(sid, self.step + 1, reason))
                 dropped.append((sid, reason))
+            if out and self.on_dropped is not None:
+                await _maybe_await(self.on_dropped([sid for sid, _ in out]))
         return kept, dropped
 
     async def _next_group(self) -> Group:
@@ -207,7 +222,9 @@ class Trainer:
     async def train_step(self) -> StepResult:
         """Collect the groups of one step, run its mini-batches, commit, maybe sync and checkpoint."""
         cfg = self.cfg
+        t0 = time.perf_counter()
         groups, dropped = await self._collect()
+        t_collected = time.perf_counter()
         groups.sort(key=_feed_order)
         per_batch = []
         batches = []
@@ -227,14 +244,26 @@ class Trainer:
         self.committed.update(ids)
         self._unacked.extend(ids)
         self._records.extend(audit.trained(ids, self.step))
+        t_trained = time.perf_counter()
         if self.syncer is not None and self.step % cfg.trigger_parameter_sync_step == 0:
             self.version = await self.syncer.sync()
+        t_synced = time.perf_counter()
         if cfg.checkpoint_dir is None:
             self._durable.update(ids)  # without checkpoints a committed step is as durable as it gets
             self._made_durable()
         elif self.step % cfg.checkpoint_every == 0:
             await self.save_checkpoint()
+        t_end = time.perf_counter()
         metrics = _step_metrics(per_batch, batches, dropped)
+        metrics.update(_partial_metrics(groups))
+        metrics.update({
+            "timing_s/wait_groups": t_collected - t0,
+            "timing_s/update_actor": t_trained - t_collected,
+            "timing_s/param_sync": t_synced - t_trained,
+            "timing_s/save_checkpoint": t_end - t_synced,
+            "timing_s/step": t_end - t0,
+            "fully_async/trainer/idle_ratio": (t_collected - t0) / max(t_end - t0, 1e-9),
+        })
         metrics.update(step=self.step, version=self.version, replayed_groups=float(sum(map(is_replayed, groups))))
         return StepResult(step=self.step, version=self.version, sample_ids=ids, dropped=dropped, metrics=metrics)
 
@@ -285,6 +314,22 @@ def _feed_order(group: Group) -> tuple[int, str]:
 
 async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
+
+
+def _partial_metrics(groups: list[Group]) -> dict[str, float]:
+    """verl's partial-rollout figures of the trained trajectories: how many were resumed after a
+    truncation, their share, the most versions one trajectory spans, and their ages."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    ages = [t.age for t in trajectories]
+    spans = [int(t.versions.max() - t.versions.min()) for t in trajectories if len(t.versions)]
+    partial = sum(a > 0 for a in ages)
+    return {
+        "fully_async/partial/total_partial_num": float(partial),
+        "fully_async/partial/partial_ratio": partial / max(len(trajectories), 1),
+        "fully_async/partial/max_partial_span": float(max(spans, default=0)),
+        "fully_async/partial/age_mean": sum(ages) / max(len(ages), 1),
+        "fully_async/partial/age_max": float(max(ages, default=0)),
+    }
 
 
 def _step_metrics(per_batch: list[dict], batches: list, dropped: list[tuple[str, str]]) -> dict:

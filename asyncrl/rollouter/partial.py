@@ -1,0 +1,136 @@
+"""Partial rollout: the settings, and the buffer where truncated responses wait for the next round.
+
+A *round* is the span between two weight syncs (the weight version). When the
+`asyncrl.rollouter.aggregator.AggregatorActor` ends a round early, every unfinished request
+of that round stops with what it generated so far. Such a response keeps its tokens
+(``raw_response_ids``), their behaviour log-probs and per-token versions in `PartialResponse`,
+its ``age`` grows by one, and it waits in the `PartialBuffer` until the next round begins:
+resuming on the same weights would only churn. When the round advances, the buffer releases
+its waiting responses highest age first, and the Rollouter dispatches them before it admits
+any new prompt. A resumed request continues from prompt + partial response with the
+remaining token budget; its new tokens carry the new version, so the finished trajectory
+concatenates parts of several versions, each token with its own version and log-prob.
+
+A response of age ``max_age`` is no longer truncated: it runs to its end in its round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncrl.types import GenerateResult
+
+
+@dataclass(kw_only=True)
+class PartialRolloutConfig:
+    """Long-tail truncation across every engine replica (partial rollout)."""
+
+    enable: bool = False
+    """Truncate the round's unfinished requests at ``threshold``; off: requests are paused and
+    kept through each weight sync instead."""
+    threshold: int | None = None
+    """Finished trajectories (of complete groups) in a round that end it; None: what the Trainer
+    consumes per weight sync, ``groups_per_sync * n``."""
+    max_age: int = 4
+    """Truncations a response may survive; one of this age runs to its end."""
+
+    def __post_init__(self) -> None:
+        if self.threshold is not None and self.threshold < 1:
+            raise ValueError(f"PartialRolloutConfig.threshold must be >= 1 (or None for the default), "
+                             f"got {self.threshold}")
+        if self.max_age < 0:
+            raise ValueError(f"PartialRolloutConfig.max_age must be >= 0, got {self.max_age}")
+
+    def resolved_threshold(self, groups_per_sync: int, n: int) -> int:
+        """The threshold in trajectories, its default filled in."""
+        return self.threshold if self.threshold is not None else groups_per_sync * n
+
+
+@dataclass
+class PartialResponse:
+    """The parts one response has generated so far, across truncations."""
+
+    raw_response_ids: list[np.ndarray] = field(default_factory=list)
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    versions: list[np.ndarray] = field(default_factory=list)
+    age: int = 0
+    """Truncations survived."""
+
+    def add(self, result: GenerateResult) -> None:
+        self.raw_response_ids.append(result.response_ids)
+        self.logprobs.append(result.logprobs)
+        self.versions.append(result.versions)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(p) for p in self.raw_response_ids)
+
+    def joined(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(response_ids, logprobs, versions)`` of every part, concatenated."""
+        if not self.raw_response_ids:
+            return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64)
+        return (np.concatenate(self.raw_response_ids).astype(np.int64, copy=False),
+                np.concatenate(self.logprobs).astype(np.float32, copy=False),
+                np.concatenate(self.versions).astype(np.int64, copy=False))
+
+
+class PartialBuffer:
+    """Truncated responses waiting for a later round; released highest age first.
+
+    ``wait(key, age, round)`` parks a response truncated in ``round``; it returns once
+    `release` opens a later round and every older waiter was released before it. The
+    Rollouter counts responses released but not yet dispatched (``undispatched``) and admits
+    no new prompt while there are any: the buffer is served first.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int, asyncio.Future]] = []  # (-age, order, round, future)
+        self._order = itertools.count()
+        self.undispatched = 0
+        """Responses released by `release` and not yet marked `dispatched`."""
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def ages(self) -> list[int]:
+        return sorted((-a for a, _, _, _ in self._heap), reverse=True)
+
+    async def wait(self, age: int, round: int) -> None:
+        """Park a response of ``age`` truncated in ``round`` until a later round releases it."""
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (-age, next(self._order), round, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            if not future.done() or future.cancelled():
+                self._heap = [e for e in self._heap if e[3] is not future]
+                heapq.heapify(self._heap)
+            else:
+                self.undispatched -= 1
+            raise
+
+    def release(self, version: int) -> int:
+        """Round ``version`` began: release every response truncated in an earlier round,
+        highest age first (then first truncated first). Returns how many were released."""
+        keep, released = [], 0
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if entry[2] >= version:
+                keep.append(entry)
+                continue
+            if not entry[3].done():
+                entry[3].set_result(None)
+                self.undispatched += 1
+                released += 1
+        for entry in keep:
+            heapq.heappush(self._heap, entry)
+        return released
+
+    def dispatched(self) -> None:
+        """A released response was handed to an engine."""
+        self.undispatched -= 1

@@ -1,0 +1,135 @@
+"""End to end: time to N train steps, on-policy lockstep vs fully async vs fully async + partial rollout.
+
+Each configuration is one ``python -m asyncrl.launch`` run with the same model (the
+warm-started tiny model), seed, ``--n`` and ``--groups-per-step``, on a long-tail response
+length workload: the built-in addition task with ``--long-tail 16``. Every prompt carries a
+response budget ``6 * 2**k`` tokens with ``P(k) = 0.70, 0.12, 0.09, 0.06, 0.03`` for
+``k = 0..4`` (median 6, mean 13.5, at most 96 = 16x the median; drawn once per prompt from
+the dataset seed), and the engines do not stop at EOS, so every response really is generated
+to its budget (the reward reads the answer before the first EOS). The modes:
+
+- ``sync``: ``--mode sync`` (generate a batch, train, sync; the reference);
+- ``async``: ``--mode async --staleness-threshold S`` (in-flight requests paused and kept
+  through each weight sync);
+- ``async_partial``: the same plus ``--partial-rollout`` (each round's long tail is truncated
+  when the Trainer has its groups, and resumes next round).
+
+Time is from the end of step 1 to the end of step N + 1 (the launcher's ``time_s``): Ray,
+model start-up and the first step (the Rollouter's own start, tens of seconds on a loaded
+machine, the same in every mode) are not counted. The modes run interleaved, ``--repeats`` times each, and the
+median counts; rewards are the mean sampled reward of the last ``--window`` steps, averaged
+over the repeats. With ``--json`` the last line is one JSON object::
+
+    {"sync_s", "async_s", "async_partial_s", "speedup_async", "speedup_partial",
+     "reward_sync", "reward_async", "reward_async_partial"}
+
+    python scripts/bench_e2e.py --steps 30 --json
+    python scripts/bench_e2e.py --steps 30 --seeds 0 1 2    # rewards over several seeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {
+    "sync": ["--mode", "sync"],
+    "async": ["--mode", "async"],
+    "async_partial": ["--mode", "async", "--partial-rollout", "true"],
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30, help="train steps per run (N)")
+    p.add_argument("--n", type=int, default=8, help="responses per prompt")
+    p.add_argument("--groups-per-step", type=int, default=8, help="prompts per train step")
+    p.add_argument("--staleness-threshold", type=float, default=1.0, help="async modes' run-ahead")
+    p.add_argument("--long-tail", type=int, default=16, help="longest budget as a multiple of the median")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one set of runs per seed")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each mode per seed (median time)")
+    p.add_argument("--window", type=int, default=5, help="last steps averaged for the end reward")
+    p.add_argument("--model", default=None, help="HF model dir (default: the warm-started tiny model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    return p.parse_args()
+
+
+def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "asyncrl.launch", *MODES[mode], "--steps", str(args.steps + 1), "--n", str(args.n),
+           "--groups-per-step", str(args.groups_per_step), "--long-tail", str(args.long_tail),
+           "--lr", str(args.lr), "--seed", str(seed), "--run-dir", str(run_dir)]
+    if mode != "sync":
+        # Room for the run-ahead: as many prompts in flight as the gate may admit.
+        ahead = int((1 + args.staleness_threshold) * args.groups_per_step)
+        cmd += ["--staleness-threshold", str(args.staleness_threshold), f"rollout.max_concurrent={ahead}"]
+    if args.model:
+        cmd += ["--model", args.model]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} run failed ({out.returncode}):\n{(out.stdout + out.stderr)[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    elapsed = rows[-1]["time_s"] - rows[0]["time_s"]  # steps 2..N+1
+    rows = rows[1:]
+    w = min(args.window, len(rows))
+    return {
+        "time_s": elapsed,
+        "reward_end": sum(r["reward_mean"] for r in rows[-w:]) / w,
+        "reward_start": sum(r["reward_mean"] for r in rows[:w]) / w,
+        "len_mean": statistics.mean(r["response_length_mean"] for r in rows),
+        "trainer_idle": statistics.mean(r["fully_async/trainer/idle_ratio"] for r in rows),
+        "partial_ratio": statistics.mean(r["fully_async/partial/partial_ratio"] for r in rows),
+        "staleness": statistics.mean(r["staleness_mean"] for r in rows),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    from asyncrl.models import default_model_path
+
+    if args.model is None:
+        args.model = str(default_model_path())  # build the cached warm start once, outside the timings
+    load = os.getloadavg()
+    print(f"bench_e2e: {args.steps} steps x {args.groups_per_step} prompts x n={args.n}, long tail x{args.long_tail}, "
+          f"seeds {args.seeds}, repeats {args.repeats}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
+          f"on {os.cpu_count()} cores", flush=True)
+    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for rep in range(args.repeats):
+                order = list(MODES) if rep % 2 == 0 else list(reversed(MODES))  # alternate against drift
+                for mode in order:
+                    t0 = time.perf_counter()
+                    r = run_mode(args, mode, seed, Path(tmp) / f"{mode}-{seed}-{rep}")
+                    results[mode].append(r)
+                    print(f"  seed {seed} {mode:>13}: {r['time_s']:7.1f} s to step {args.steps}  reward "
+                          f"{r['reward_start']:.3f} -> {r['reward_end']:.3f}  len {r['len_mean']:.1f}  "
+                          f"trainer idle {r['trainer_idle']:.2f}  partial {r['partial_ratio']:.2f}  "
+                          f"staleness {r['staleness']:.2f}  (wall {time.perf_counter() - t0:.0f} s)", flush=True)
+    med = {m: statistics.median(r["time_s"] for r in rs) for m, rs in results.items()}
+    reward = {m: statistics.mean(r["reward_end"] for r in rs) for m, rs in results.items()}
+    out = {
+        "sync_s": med["sync"], "async_s": med["async"], "async_partial_s": med["async_partial"],
+        "speedup_async": med["sync"] / med["async"], "speedup_partial": med["async"] / med["async_partial"],
+        "reward_sync": reward["sync"], "reward_async": reward["async"], "reward_async_partial": reward["async_partial"],
+    }
+    load = os.getloadavg()
+    print(f"time to {args.steps} steps (median): sync {med['sync']:.1f} s, async {med['async']:.1f} s, "
+          f"async+partial {med['async_partial']:.1f} s; speedup async {out['speedup_async']:.2f}x (target 1.5), "
+          f"partial {out['speedup_partial']:.2f}x (target 1.25); end reward sync {reward['sync']:.3f}, "
+          f"async {reward['async']:.3f}, async+partial {reward['async_partial']:.3f}; "
+          f"load average now {load[0]:.1f}", flush=True)
+    if args.json:
+        print(json.dumps({k: round(v, 4) for k, v in out.items()}))
+
+
+if __name__ == "__main__":
+    main()

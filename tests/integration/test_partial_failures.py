@@ -1,0 +1,100 @@
+"""An engine actor killed mid-round (partial rollout on, Ray actors): its groups fail closed, or
+are dropped and counted under the drop policy, the aggregator's signal does not wait on the
+dead replica, and the run does not hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.rollouter.actor import remote_engine_actor
+from asyncrl.rollouter.aggregator import remote_aggregator_actor
+from asyncrl.rollouter.partial import PartialRolloutConfig
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+from asyncrl.trainer.batch import IncompleteGroupError, screen_groups
+
+N, G = 2, 2
+
+
+class ListProducer:
+    def __init__(self):
+        self.groups = []
+
+    async def send(self, group):
+        self.groups.append(group)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+async def sync_live(engines, version):
+    """A weight sync without new weights: pause, bump the version, resume, on every live engine."""
+    for e in engines:
+        try:
+            await e.pause.remote("keep")
+            await e.finish_weight_update.remote(version)
+            await e.resume.remote()
+        except ray.exceptions.RayActorError:
+            pass
+
+
+@pytest.mark.timeout(300)
+async def test_engine_killed_mid_round_fails_its_groups_and_the_run_finishes(ray_cluster, tmp_path):
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "tiny")
+    cls = remote_engine_actor(num_cpus=0)
+    engines = [cls.remote(kind="torch", model_path=str(model), eos_token_ids=(), seed=0) for _ in range(2)]
+    await asyncio.gather(*(e.ready.remote() for e in engines))
+    aggregator = remote_aggregator_actor().remote(engines, G * N, signal_timeout_s=10.0)
+    cfg = RolloutConfig(n=N, max_tokens=4, groups_per_sync=G, staleness_threshold=1.0, max_concurrent=8,
+                        request_timeout_s=60)
+    prompts = [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64),
+                      max_tokens=64 if i % 2 == 0 else 4) for i in range(8)]
+    producer = ListProducer()
+    r = Rollouter(cfg, engines, producer, prompts, lambda prompt, ids: 1.0,
+                  partial=PartialRolloutConfig(enable=True, max_age=2), aggregator=aggregator)
+    run = asyncio.create_task(r.run(num_groups=10))
+    victim_pid = await engines[1].__ray_call__.remote(lambda self: os.getpid())
+    # Kill replica 1 once it is generating (a long request is in flight on it).
+    async with asyncio.timeout(120):
+        while (await engines[1].stats.remote())["running"] == 0:
+            await asyncio.sleep(0.05)
+    os.kill(victim_pid, signal.SIGKILL)
+    version = 0
+    async with asyncio.timeout(200):
+        while not run.done():
+            done, _ = await asyncio.wait({run}, timeout=0.5)
+            if not done and sum(g.status == "ok" for g in producer.groups) >= (version + 1) * G:
+                version += 1
+                await r.on_pause()
+                await sync_live(engines, version)
+                await r.on_sync(version)
+        await run
+    for e in engines:
+        ray.kill(e)
+    ray.kill(aggregator)
+
+    assert len(producer.groups) == 10
+    failed = [g for g in producer.groups if g.status == "failed"]
+    assert failed and r.stats.dead_engines == 1 and r.failed == len(failed)
+    assert all("Actor" in g.error or "actor" in g.error for g in failed), [g.error for g in failed]
+    ok = [g for g in producer.groups if g.status == "ok"]
+    assert ok and all(g.complete for g in ok)  # nothing half-finished is sent as ok
+    # The Trainer fails closed on them by default, naming them; under drop it counts them.
+    with pytest.raises(IncompleteGroupError) as err:
+        screen_groups(producer.groups)
+    assert set(err.value.sample_ids) == {g.sample_id for g in failed}
+    kept, dropped = screen_groups(producer.groups, on_incomplete="drop")
+    assert len(kept) == len(ok) and {sid for sid, _ in dropped} == {g.sample_id for g in failed}

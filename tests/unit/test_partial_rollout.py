@@ -1,0 +1,166 @@
+"""Partial rollout in-process: the aggregator truncates a long-tail round at its threshold,
+truncated responses resume next round highest age first, ``max_age`` is honoured, and a
+resumed response's tokens keep the version and behaviour log-prob they were sampled with."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.rollouter.actor import EngineActor
+from asyncrl.rollouter.aggregator import AggregatorActor
+from asyncrl.rollouter.partial import PartialBuffer, PartialRolloutConfig
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+
+N, GROUPS_PER_SYNC, SHORT, LONG = 2, 2, 3, 48
+
+
+class ListProducer:
+    def __init__(self):
+        self.groups = []
+
+    async def send(self, group):
+        self.groups.append(group)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def long_tail_prompts(k: int) -> list[Prompt]:
+    # Every fourth prompt asks for a response 16x as long as the others (EOS is off, so the
+    # engine generates exactly the budget unless it is truncated).
+    return [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i % 20, 5], dtype=np.int64),
+                   max_tokens=LONG if i % 4 == 0 else SHORT) for i in range(k)]
+
+
+async def sync_engines(engines, version: int, snapshots: dict) -> None:
+    """A weight sync in-process: perturb the weights, pause (dropping the KV so the recompute
+    below is exact), load, make live, resume. Records each version's weights."""
+    sd = {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}
+    gen = torch.Generator().manual_seed(version)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sd.items()}
+    for e in engines:
+        names = {n for n, _, _ in await e.param_meta()}
+        await e.pause("keep", clear_cache=True)
+        await e.load_weights([(k, v) for k, v in new.items() if k in names])
+        await e.finish_weight_update(version)
+        await e.resume()
+    # What the engines really serve (tied weights load once, through their first name).
+    snapshots[version] = {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}
+
+
+async def run_with_syncs(r: Rollouter, engines, producer, num_groups: int, snapshots: dict):
+    """Run the Rollouter; sync like a Trainer does: once ``groups_per_sync`` more complete groups arrived."""
+    task = asyncio.create_task(r.run(num_groups=num_groups))
+    version = 0
+    async with asyncio.timeout(240):
+        while not task.done():
+            need = (version + 1) * GROUPS_PER_SYNC
+            while not task.done() and sum(g.complete for g in producer.groups) < need:
+                await asyncio.sleep(0.01)
+            if task.done():
+                break
+            version += 1
+            await r.on_pause()
+            await sync_engines(engines, version, snapshots)
+            await r.on_sync(version)
+        await task
+    return version
+
+
+@torch.no_grad()
+def recompute(model_path, state: dict, prompt_ids, response_ids, positions) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model.load_state_dict(state, strict=False)
+    ids = torch.as_tensor(np.concatenate([prompt_ids, response_ids]))[None]
+    logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    p = len(prompt_ids)
+    return np.array([logp[p + i - 1, int(response_ids[i])].item() for i in positions])
+
+
+@pytest.mark.parametrize("max_age", [1, 3])
+async def test_long_tail_truncated_at_threshold_and_resumed_across_versions(model_path, max_age):
+    engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(2)]
+    snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
+    cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=1.0,
+                        max_concurrent=8)
+    partial = PartialRolloutConfig(enable=True, max_age=max_age)
+    aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(GROUPS_PER_SYNC, N))
+    producer = ListProducer()
+    r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda prompt, ids: float(len(ids)),
+                  partial=partial, aggregator=aggregator)
+    try:
+        await run_with_syncs(r, engines, producer, 12, snapshots)
+    finally:
+        for e in engines:
+            await e.close()
+
+    # Rounds ended at the threshold: G * n = 4 trajectories of complete groups, and the signal
+    # stopped requests that were still running.
+    assert aggregator.threshold == GROUPS_PER_SYNC * N
+    assert aggregator.truncated_rounds and sum(aggregator.truncated_rounds.values()) >= 1
+    assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
+
+    # Only complete groups were sent; every response ran to its own budget in the end.
+    assert len(producer.groups) == 12 and all(g.complete for g in producer.groups)
+    trajectories = [t for g in producer.groups for t in g.trajectories]
+    for t in trajectories:
+        assert t.finish_reason == "length"
+        assert len(t.response_ids) == (LONG if int(t.sample_id.split("_")[-1]) % 4 == 0 else SHORT)
+        assert t.reward == float(len(t.response_ids))
+        assert np.all(np.diff(t.versions) >= 0)  # later parts carry later versions
+    ages = [t.age for t in trajectories]
+    # Ages grow across rounds (a long response is stopped in several), never beyond max_age.
+    assert min(2, max_age) <= max(ages) <= max_age
+    resumed = [t for t in trajectories if t.age >= 1]
+    assert resumed and all(len(set(t.versions.tolist())) >= 2 for t in resumed if len(t.response_ids) == LONG)
+
+    # Behaviour log-probs: each token's equals a recompute under its own version's weights.
+    worst = 0.0
+    for t in resumed[:4]:
+        for v in sorted(set(t.versions.tolist())):
+            positions = np.nonzero(t.versions == v)[0]
+            ref = recompute(model_path, snapshots[v], t.prompt_ids, t.response_ids, positions)
+            worst = max(worst, float(np.abs(ref - t.logprobs[positions]).max()))
+    assert worst <= 1e-4, worst
+
+
+async def test_partial_buffer_releases_highest_age_first_and_only_later_rounds():
+    buf = PartialBuffer()
+    order = []
+
+    async def park(name, age, round_):
+        await buf.wait(age, round_)
+        order.append(name)
+        buf.dispatched()
+
+    tasks = [asyncio.create_task(park(name, age, rnd))
+             for name, age, rnd in [("a1", 1, 0), ("c3", 3, 0), ("b2", 2, 0), ("late", 5, 1)]]
+    await asyncio.sleep(0)
+    assert len(buf) == 4
+    assert buf.release(1) == 3  # round 1 began: what round 0 truncated goes, the oldest first
+    await asyncio.gather(*tasks[:3])
+    assert order == ["c3", "b2", "a1"] and buf.undispatched == 0 and len(buf) == 1
+    buf.release(2)
+    await tasks[3]
+    assert order[-1] == "late"
+
+
+def test_partial_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="threshold"):
+        PartialRolloutConfig(threshold=0)
+    with pytest.raises(ValueError, match="max_age"):
+        PartialRolloutConfig(max_age=-1)
+    assert PartialRolloutConfig().resolved_threshold(3, 8) == 24
+    with pytest.raises(ValueError, match="aggregator"):
+        Rollouter(RolloutConfig(), [object()], ListProducer(), long_tail_prompts(1), lambda p, i: 0.0,
+                  partial=PartialRolloutConfig(enable=True))
