@@ -1,21 +1,36 @@
-"""Benchmark: the built-in continuous-batching engine vs static-batch ``model.generate``.
+"""Benchmark: the built-in continuous-batching engine vs static-batch ``model.generate`` and vs
+transformers' own continuous batching (``ContinuousBatchingManager``, paged KV cache).
 
-Both sides get the same prompts, the same response lengths and the same number of sequence
-slots (``--slots``): the engine decodes at most ``slots`` requests at once and admits a new
-one whenever one finishes; the baseline runs transformers' ``generate`` on consecutive
-batches of ``slots`` prompts (left-padded), each batch running until its longest response is
-done. Greedy decoding, EOS disabled, so every response has exactly its assigned length.
+All three get the same prompts, the same response lengths, greedy decoding with EOS disabled
+(so every response has exactly its assigned length), the same torch thread count and the same
+number of sequence slots (``--slots``): the engine decodes at most ``slots`` requests at once
+and admits a new one whenever one finishes; the static baseline runs ``generate`` on
+consecutive batches of ``slots`` prompts (left-padded), each batch running until its longest
+response is done; transformers' manager gets every request at once with
+``max_requests_per_batch=slots``, its default ``page_size`` (256 tokens) and scheduler, block
+sharing (prefix caching) off (the prompts repeat from one repetition to the next and the
+engine has no prefix cache), ``num_blocks`` sized to hold every slot at its longest sequence
+and ``max_batch_tokens`` to hold every slot's prompt (its defaults size both from free memory,
+which takes ~30 s to allocate on CPU), and no log-probs (its default; the engine always
+computes them).
+
+The machine may be shared: the three systems run ``--reps`` times in rotating order within
+one run, each warmed up first; the figures are medians over repetitions (all of them printed).
 
 Response lengths (long tail): with median ``m`` (``--median``, default 12), 7 of 8 requests
 draw a length uniformly from [m/2, 3m/2], 1 of 8 uniformly from [4m, 16m], and one request is
 exactly 16m. Throughput = assigned response tokens / wall seconds.
 
-A second engine run pauses with ``keep`` mid-generation, reloads the weights in place and
+A last engine run pauses with ``keep`` mid-generation, reloads the weights in place and
 resumes; it reports the tokens re-prefilled (target 0) and checks its tokens equal the run
-without a pause.
+without a pause. KV memory: the engine's peak bytes (its slot buffers) and the manager's
+peak bytes of pages in use, each also divided by the peak number of cached tokens (as the
+engine counts them: both run the same requests at the same concurrency).
 
-    python scripts/bench_engine.py            # human-readable
-    python scripts/bench_engine.py --json     # last line: {"engine_tok_s", "static_tok_s", "speedup", ...}
+    python scripts/bench_engine.py               # human-readable
+    python scripts/bench_engine.py --median 128  # longer responses (max 2048 tokens)
+    python scripts/bench_engine.py --json        # last line: {"engine_tok_s", "static_tok_s", "speedup",
+                                                 #   "hf_cb_tok_s", "vs_hf_cb", ...}
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=16, help="engine max_running = baseline batch size")
     p.add_argument("--median", type=int, default=12, help="median response length")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each system (rotating order)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     return p.parse_args(argv)
@@ -51,42 +67,61 @@ def workload(n, median, seed):
     return prompts, lengths
 
 
-async def run_engine(model_path, prompts, lengths, slots, pause_keep=False):
-    import asyncio
+class EngineRunner:
+    """The built-in engine, kept across repetitions (its KV buffers stay allocated, like the manager's pool)."""
 
-    from asyncrl.rollouter.torch_engine import TorchEngine
-    from asyncrl.types import GenerateRequest, SamplingParams
+    def __init__(self, model_path, slots):
+        from asyncrl.rollouter.torch_engine import TorchEngine
+        from asyncrl.types import SamplingParams
 
-    engine = TorchEngine(model_path, max_running=slots, eos_token_ids=())
-    greedy = SamplingParams(greedy=True)
-    try:
-        await engine.generate(GenerateRequest("warmup", prompts[0], max_tokens=4, sampling=greedy))
-        reqs = [GenerateRequest(f"r{i}", p, max_tokens=n, sampling=greedy) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        self.engine = TorchEngine(model_path, max_running=slots, eos_token_ids=())
+        self.greedy = SamplingParams(greedy=True)
+        self.runs = 0
+
+    async def run(self, prompts, lengths, pause_keep=False):
+        import asyncio
+
+        from asyncrl.types import GenerateRequest
+
+        engine, self.runs = self.engine, self.runs + 1
+        if self.runs == 1:
+            await engine.generate(GenerateRequest("warmup", prompts[0], max_tokens=4, sampling=self.greedy))
+        reqs = [
+            GenerateRequest(f"{self.runs}-r{i}", p, max_tokens=n, sampling=self.greedy)
+            for i, (p, n) in enumerate(zip(prompts, lengths))
+        ]
+        steps = engine.stats()["steps"]
         start = time.perf_counter()
         tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
         if pause_keep:
             await asyncio.sleep(0)
             longest = max(range(len(reqs)), key=lambda i: lengths[i])
-            await engine.wait_for_tokens(f"r{longest}", lengths[longest] // 2, timeout_s=600)
+            await engine.wait_for_tokens(reqs[longest].request_id, lengths[longest] // 2, timeout_s=600)
             await engine.pause("keep")
             await engine.load_weights([(n, p.detach().clone()) for n, p in engine.model.named_parameters()])
-            await engine.finish_weight_update(1)
+            await engine.finish_weight_update(engine.version + 1)
             await engine.resume()
         results = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
-        return results, seconds, engine.stats()
-    finally:
-        await engine.close()
+        self.steps = engine.stats()["steps"] - steps
+        return [r.response_ids for r in results], seconds
 
 
-def run_static(model_path, prompts, lengths, slots):
-    import torch
-    from transformers import AutoModelForCausalLM
+class StaticRunner:
+    """transformers' ``generate`` on consecutive left-padded batches of ``slots`` prompts."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    pad = model.config.pad_token_id
+    def __init__(self, model_path, slots):
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    def batch_generate(batch_prompts, max_new):
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.slots = slots
+        self.warm = False
+
+    def _generate(self, batch_prompts, max_new):
+        import torch
+
+        pad = self.model.config.pad_token_id
         width = max(len(p) for p in batch_prompts)
         ids = torch.full((len(batch_prompts), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -94,22 +129,131 @@ def run_static(model_path, prompts, lengths, slots):
             ids[i, width - len(p) :] = torch.as_tensor(p)
             mask[i, width - len(p) :] = 1
         with torch.no_grad():
-            return model.generate(
+            out = self.model.generate(
                 ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad
             )
+        return out[:, width:]
 
-    batch_generate(prompts[:1], 4)  # warm-up
-    start = time.perf_counter()
-    outs = []
-    for b in range(0, len(prompts), slots):
-        out = batch_generate(prompts[b : b + slots], max(lengths[b : b + slots]))
-        outs.extend(out[:, out.shape[1] - max(lengths[b : b + slots]) :])
-    return outs, time.perf_counter() - start
+    def run(self, prompts, lengths):
+        if not self.warm:
+            self._generate(prompts[:1], 4)
+            self.warm = True
+        start = time.perf_counter()
+        outs = []
+        for b in range(0, len(prompts), self.slots):
+            out = self._generate(prompts[b : b + self.slots], max(lengths[b : b + self.slots]))
+            outs.extend(o[:n].numpy() for o, n in zip(out, lengths[b : b + self.slots]))
+        return outs, time.perf_counter() - start
+
+
+class HfContinuousRunner:
+    """transformers' ``ContinuousBatchingManager`` (settings: see the module docstring)."""
+
+    def __init__(self, model_path, slots, prompts, lengths):
+        import math
+
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        page = ContinuousBatchingConfig.page_size
+        longest = max(len(p) for p in prompts) + max(lengths)
+        self.settings = dict(
+            max_requests_per_batch=slots,
+            allow_block_sharing=False,
+            num_blocks=slots * math.ceil(longest / page),
+            max_batch_tokens=max(256, slots * max(len(p) for p in prompts)),
+        )
+        gen = GenerationConfig(do_sample=False, max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=0)
+        self.manager = model.init_continuous_batching(
+            generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**self.settings)
+        )
+        self.peak_used_bytes = 0
+        self._wrap_step()
+        self.manager.start()
+        self.runs = 0
+
+    def _wrap_step(self):
+        # Measurement only: after each step, the bytes of the KV pages the manager holds.
+        manager, step = self.manager, self.manager._generation_step
+
+        def step_and_measure():
+            step()
+            cache = manager.batch_processor.cache
+            used = cache.num_sectors * cache.bytes_per_sector - cache.compute_free_capacity(relative=False)
+            self.peak_used_bytes = max(self.peak_used_bytes, int(used))
+
+        manager._generation_step = step_and_measure
+
+    def pool_bytes(self):
+        return self.manager.batch_processor.cache.cache_tensor.numel()
+
+    def _generate(self, prompts, lengths):
+        self.runs += 1
+        ids = [
+            self.manager.add_request([int(x) for x in p], request_id=f"{self.runs}-r{i}", max_new_tokens=n, eos_token_id=-1)
+            for i, (p, n) in enumerate(zip(prompts, lengths))
+        ]
+        done = {}
+        while len(done) < len(ids):
+            out = self.manager.get_result(timeout=600)
+            if out is None:
+                raise RuntimeError("transformers' continuous batching returned no result within 600 s")
+            if out.is_finished():
+                done[out.request_id] = out
+        return [done[i].generated_tokens for i in ids]
+
+    def run(self, prompts, lengths):
+        import numpy as np
+
+        if self.runs == 0:
+            self._generate(prompts[:1], [4])
+        start = time.perf_counter()
+        outs = self._generate(prompts, lengths)
+        return [np.asarray(o) for o in outs], time.perf_counter() - start
+
+    def close(self):
+        self.manager.stop(block=True, timeout=60)
+
+
+async def measure(args, model_path, prompts, lengths):
+    """Run the three systems ``args.reps`` times in rotating order; then the pause(keep) run."""
+    systems = {
+        "engine": EngineRunner(model_path, args.slots),
+        "static": StaticRunner(model_path, args.slots),
+        "hf_cb": HfContinuousRunner(model_path, args.slots, prompts, lengths),
+    }
+    names = list(systems)
+    seconds = {n: [] for n in names}
+    outputs = {}
+    try:
+        for rep in range(args.reps):
+            for name in names[rep % 3 :] + names[: rep % 3]:
+                run = systems[name].run(prompts, lengths)
+                outs, s = (await run) if name == "engine" else run
+                seconds[name].append(s)
+                outputs.setdefault(name, outs)
+        kept, _ = await systems["engine"].run(prompts, lengths, pause_keep=True)
+        engine = systems["engine"].engine
+        memory = dict(
+            engine_kv_peak_bytes=engine.kv_memory()["peak_bytes"],
+            kv_peak_tokens=engine.kv_memory()["peak_tokens"],
+            hf_cb_kv_peak_bytes=systems["hf_cb"].peak_used_bytes,
+            hf_cb_kv_pool_bytes=systems["hf_cb"].pool_bytes(),
+        )
+        stats = dict(engine.stats(), steps=systems["engine"].steps)
+    finally:
+        await systems["engine"].engine.close()
+        systems["hf_cb"].close()
+    return seconds, outputs, kept, memory, stats, systems["hf_cb"].settings
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import asyncio
+    import os
+    import statistics
 
     import numpy as np
     import torch
@@ -117,43 +261,61 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from asyncrl.models.tiny import build_tiny_model
 
+    prompts, lengths = workload(args.prompts, args.median, args.seed)
+    # The tiny model's 256 positions hold the default workload; longer responses need more.
+    positions = max(256, max(len(p) for p in prompts) + max(lengths))
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = build_tiny_model(tmp, initializer_range=0.2)
-        prompts, lengths = workload(args.prompts, args.median, args.seed)
-        total = sum(lengths)
-        results, engine_s, stats = asyncio.run(run_engine(model_path, prompts, lengths, args.slots))
-        static_outs, static_s = run_static(model_path, prompts, lengths, args.slots)
-        kept, _, kept_stats = asyncio.run(run_engine(model_path, prompts, lengths, args.slots, pause_keep=True))
+        model_path = build_tiny_model(tmp, initializer_range=0.2, max_position_embeddings=positions)
+        seconds, outputs, kept, memory, stats, hf_settings = asyncio.run(measure(args, model_path, prompts, lengths))
 
-    assert [len(r.response_ids) for r in results] == lengths
-    same_as_static = all(
-        np.array_equal(r.response_ids, o[:n].numpy()) for r, o, n in zip(results, static_outs, lengths)
-    )
-    same_after_keep = all(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(results, kept))
+    total = sum(lengths)
+    med = {name: statistics.median(s) for name, s in seconds.items()}
+    engine_out = outputs["engine"]
+    assert [len(r) for r in engine_out] == lengths
+
+    def same(other):
+        return all(np.array_equal(a, np.asarray(b)[:n]) for a, b, n in zip(engine_out, other, lengths))
+
+    peak_tokens = memory["kv_peak_tokens"]
     report = {
-        "engine_tok_s": round(total / engine_s, 1),
-        "static_tok_s": round(total / static_s, 1),
-        "speedup": round(static_s / engine_s, 2),
-        "reprefill_tokens_keep": kept_stats["reprefill_tokens"],
+        "engine_tok_s": round(total / med["engine"], 1),
+        "static_tok_s": round(total / med["static"], 1),
+        "speedup": round(med["static"] / med["engine"], 2),
+        "hf_cb_tok_s": round(total / med["hf_cb"], 1),
+        "vs_hf_cb": round(med["hf_cb"] / med["engine"], 2),
+        "reprefill_tokens_keep": stats["reprefill_tokens"],
         "tokens": total,
         "prompts": args.prompts,
         "slots": args.slots,
+        "threads": args.threads,
+        "reps": args.reps,
         "median_len": int(np.median(lengths)),
         "max_len": max(lengths),
         "engine_steps": stats["steps"],
         "static_steps": sum(max(lengths[b : b + args.slots]) for b in range(0, len(lengths), args.slots)),
-        "tokens_equal_static": same_as_static,
-        "tokens_equal_after_keep": same_after_keep,
+        "tokens_equal_static": same(outputs["static"]),
+        "tokens_equal_hf_cb": same(outputs["hf_cb"]),
+        "tokens_equal_after_keep": same(kept),
+        **memory,
+        "engine_kv_bytes_per_token": round(memory["engine_kv_peak_bytes"] / peak_tokens, 1),
+        "hf_cb_kv_bytes_per_token": round(memory["hf_cb_kv_peak_bytes"] / peak_tokens, 1),
+        "hf_cb_settings": hf_settings,
+        "load_1m": round(os.getloadavg()[0], 2),
     }
+    reps = {name: " ".join(f"{s:.2f}" for s in ss) for name, ss in seconds.items()}
     print(
         f"{args.prompts} prompts, {total} response tokens (median {report['median_len']}, max {report['max_len']}), "
-        f"{args.slots} slots, {args.threads} thread(s)\n"
-        f"  engine (continuous batching): {engine_s:6.2f} s  {report['engine_tok_s']:8.1f} tok/s  "
-        f"{report['engine_steps']} steps\n"
-        f"  static-batch HF generate:     {static_s:6.2f} s  {report['static_tok_s']:8.1f} tok/s  "
-        f"{report['static_steps']} decode steps\n"
-        f"  speedup {report['speedup']}x; greedy tokens equal: {same_as_static}; "
-        f"pause(keep)+reload: reprefill_tokens={report['reprefill_tokens_keep']}, tokens equal: {same_after_keep}",
+        f"{args.slots} slots, {args.threads} thread(s), {args.reps} reps (median), load {report['load_1m']}\n"
+        f"  engine (continuous batching):   {med['engine']:6.2f} s  {report['engine_tok_s']:8.1f} tok/s  [{reps['engine']}]\n"
+        f"  static-batch HF generate:       {med['static']:6.2f} s  {report['static_tok_s']:8.1f} tok/s  [{reps['static']}]\n"
+        f"  HF continuous batching manager: {med['hf_cb']:6.2f} s  {report['hf_cb_tok_s']:8.1f} tok/s  [{reps['hf_cb']}]\n"
+        f"  speedup {report['speedup']}x, vs_hf_cb {report['vs_hf_cb']}x; greedy tokens equal: static "
+        f"{report['tokens_equal_static']}, hf_cb {report['tokens_equal_hf_cb']}; pause(keep)+reload: "
+        f"reprefill_tokens={report['reprefill_tokens_keep']}, tokens equal: {report['tokens_equal_after_keep']}\n"
+        f"  KV at peak ({peak_tokens} tokens cached): engine {memory['engine_kv_peak_bytes'] / 2**20:.2f} MiB "
+        f"({report['engine_kv_bytes_per_token']} B/token), HF pages in use "
+        f"{memory['hf_cb_kv_peak_bytes'] / 2**20:.2f} MiB ({report['hf_cb_kv_bytes_per_token']} B/token; "
+        f"pool {memory['hf_cb_kv_pool_bytes'] / 2**20:.2f} MiB)",
         file=sys.stderr if args.json else sys.stdout,
     )
     if args.json:

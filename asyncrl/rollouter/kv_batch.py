@@ -1,100 +1,120 @@
-"""The running decode batch of the built-in engine: per-request KV caches, left-padded.
+"""The KV cache of the built-in engine: one preallocated row ("slot") per running request.
 
-Each running request owns a KV cache of its own length. To decode every running request
-in one forward, their caches are stacked into one Hugging Face ``DynamicCache`` of shape
-``[B, heads, T, head_dim]``, each row left-padded to ``T``, with a 2-d attention mask that
-hides the padding (position ids are passed per row, so padding never shifts RoPE).
+Per layer, keys and values live in one tensor ``[slots, kv_heads, capacity, head_dim]``. A
+request owns one row; its token ``j`` is cached at column ``j`` (rows are right-padded, so
+a row's tokens never move while it runs). The running requests hold the rows ``0..n-1``: a
+forward runs on a slice of rows, reads a view ``[lo:hi, :, :width]`` (no stacking, no
+copy) and writes each new key/value at its own column with one ``index_put_`` per layer.
+When a request leaves, the last row moves into its place (one row copied per layer), so the
+rows in use stay contiguous.
 
-The stacked cache is kept between decode steps while the batch's members stay the same;
-when requests join or leave, rows are dropped/added with a few tensor ops per layer and
-the padding every row shares is trimmed. Left out: paged memory, prefix sharing.
+`SlotKVCache` is what the model sees as ``past_key_values``: transformers' attention layers
+call ``update(keys, values, layer_idx)`` and attend over what it returns, under the 4-d
+mask `step_masks` builds. Capacity grows in steps of ``GROW_TOKENS`` columns (a copy of the
+buffers each time, once per 256 tokens of the longest request), so the memory held is about
+``slots x longest sequence so far``, not ``slots x max_model_len``: dense rows waste what a
+paged cache saves when one request is much longer than the others (figures in docs/engine.md). Left out: paged memory, prefix sharing, sliding-window KV
+eviction (a sliding-window layer gets its window through the mask, over the full cache).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
-#: One request's cache: per layer, keys and values of shape [1, heads, length, head_dim].
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+#: Capacity grows to the next multiple of this many tokens (as a 256-token page would).
+GROW_TOKENS = 256
 
 
-def cache_layers(cache: DynamicCache) -> LayerKV:
-    """The per-layer (keys, values) tensors held by a ``DynamicCache``."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+class SlotKVCache:
+    """Per-layer ``[slots, kv_heads, capacity, head_dim]`` key/value buffers, one row per request."""
+
+    def __init__(self, n_slots: int, device) -> None:
+        self.n_slots = n_slots
+        self.device = torch.device(device)
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        """Per layer; allocated at the first write (head count and size come from the model)."""
+        self.peak_bytes = 0
+        """Most bytes the buffers ever held."""
+        # Set by `begin` for the forward in progress.
+        self._rows = slice(0, 0)
+        self._row_index: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._width = 0
+
+    # ------------------------------------------------------------ bookkeeping (between steps)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def reserve(self, length: int) -> None:
+        """Make room for columns ``0..length-1`` in every row."""
+        if length <= self.capacity:
+            return
+        new = -(-length // GROW_TOKENS) * GROW_TOKENS
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                grown = old.new_zeros(*old.shape[:2], new, old.shape[3])
+                grown[:, :, : self.capacity] = old
+                buffers[i] = grown
+        self.capacity = new
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cached tokens of row ``src`` into row ``dst``."""
+        for buf in (*self.keys, *self.values):
+            buf[dst, :, :length] = buf[src, :, :length]
+
+    def clear(self) -> None:
+        """Free the buffers (``pause(clear_cache=True)``, ``close``)."""
+        self.keys, self.values, self.capacity = [], [], 0
+
+    # ------------------------------------------------------------ one forward
+
+    def begin(self, lo: int, hi: int, positions: torch.Tensor, width: int) -> None:
+        """Set up a forward over rows ``lo..hi-1``: row ``r`` writes its query token ``i`` at
+        column ``positions[r - lo, i]``; attention reads columns ``0..width-1``."""
+        self.reserve(int(positions.max()) + 1)
+        self._rows = slice(lo, hi)
+        self._row_index = torch.arange(lo, hi, device=self.device)[:, None].expand_as(positions)
+        self._positions = positions
+        self._width = width
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Called by each attention layer: store ``[rows, heads, q, dim]`` and return the rows' cache."""
+        if layer_idx == len(self.keys):  # first write of this layer: allocate it
+            shape = (self.n_slots, keys.shape[1], self.capacity, keys.shape[3])
+            self.keys.append(keys.new_zeros(shape))
+            self.values.append(values.new_zeros(shape))
+            self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        # Advanced indices around a slice put the indexed dims first: [rows, q, heads, dim].
+        k_buf[self._row_index, :, self._positions] = keys.transpose(1, 2)
+        v_buf[self._row_index, :, self._positions] = values.transpose(1, 2)
+        return k_buf[self._rows, :, : self._width], v_buf[self._rows, :, : self._width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._width
 
 
-class PaddedKVBatch:
-    """A left-padded stack of per-request KV caches, usable as ``past_key_values``."""
+def step_masks(model_config, positions: torch.Tensor, width: int):
+    """The attention masks of one forward: query ``i`` of row ``r`` (at ``positions[r, i]``)
+    sees the row's columns ``<= positions[r, i]`` (within the sliding window on sliding layers).
 
-    def __init__(self, config, layers: LayerKV, mask: torch.Tensor, ids: list[str]) -> None:
-        self._config = config
-        self.cache = DynamicCache(ddp_cache_data=layers, config=config)
-        self.mask = mask
-        """[B, T] int64; 1 marks a real cached token, 0 left padding."""
-        self.ids = ids
-        """Request id of each row, in row order."""
-
-    @classmethod
-    def build(cls, config, rows: dict[str, LayerKV]) -> PaddedKVBatch:
-        """Stack single-request caches (``rows``: request id -> its cache) into one batch."""
-        return cls._stack(config, None, [], rows)
-
-    def rebuilt(self, keep_ids: list[str], new_rows: dict[str, LayerKV]) -> PaddedKVBatch:
-        """A batch of this batch's ``keep_ids`` rows (in that order) followed by ``new_rows``."""
-        return self._stack(self._config, self, keep_ids, new_rows)
-
-    def row_lengths(self) -> list[int]:
-        return self.mask.sum(1).tolist()
-
-    def step_inputs(self) -> torch.Tensor:
-        """The attention mask for one more token per row: the cached mask plus a column of ones."""
-        ones = torch.ones(self.mask.shape[0], 1, dtype=self.mask.dtype, device=self.mask.device)
-        return torch.cat([self.mask, ones], dim=1)
-
-    def advanced(self, step_mask: torch.Tensor) -> None:
-        """Record that the forward with ``step_mask`` appended one token to every row's cache."""
-        self.mask = step_mask
-
-    @staticmethod
-    def _stack(config, old: PaddedKVBatch | None, keep_ids: list[str], new_rows: dict[str, LayerKV]):
-        # Rows to keep: a few index_selects per layer; no per-row copies.
-        kept_layers: LayerKV = []
-        kept_mask = None
-        if old is not None and keep_ids:
-            pos = {rid: i for i, rid in enumerate(old.ids)}
-            idx = torch.tensor([pos[r] for r in keep_ids], device=old.mask.device)
-            kept_mask = old.mask.index_select(0, idx)
-            kept_layers = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in cache_layers(old.cache)]
-        new_lens = [kv[0][0].shape[2] for kv in new_rows.values()]
-        kept_len = int(kept_mask.sum(1).max()) if kept_mask is not None else 0
-        # The new width: the longest row. Columns that are padding in every row are dropped.
-        width = max([kept_len, *new_lens])
-        n_layers = len(kept_layers) or len(next(iter(new_rows.values())))
-        keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        values: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        masks: list[torch.Tensor] = []
-        if kept_mask is not None:
-            masks.append(_fit_left(kept_mask, width, dim=1))
-            for layer, (k, v) in enumerate(kept_layers):
-                keys[layer].append(_fit_left(k, width, dim=2))
-                values[layer].append(_fit_left(v, width, dim=2))
-        for kv, n in zip(new_rows.values(), new_lens):
-            masks.append(_fit_left(torch.ones(1, n, dtype=torch.long, device=kv[0][0].device), width, dim=1))
-            for layer, (k, v) in enumerate(kv):
-                keys[layer].append(_fit_left(k, width, dim=2))
-                values[layer].append(_fit_left(v, width, dim=2))
-        layers = [(torch.cat(ks, 0), torch.cat(vs, 0)) for ks, vs in zip(keys, values)]
-        return PaddedKVBatch(config, layers, torch.cat(masks, 0), [*keep_ids, *new_rows])
-
-
-def _fit_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """Left-pad ``t`` with zeros, or drop leading entries, so ``t.shape[dim] == length``."""
-    have = t.shape[dim]
-    if have == length:
-        return t
-    if have > length:
-        return t.narrow(dim, have - length, length)
-    pad = [0, 0] * (t.dim() - 1 - dim) + [length - have, 0]
-    return F.pad(t, pad)
+    Returns a ``[rows, 1, q, width]`` bool mask (True = attend), or, for a model with
+    several layer types, the per-type dict transformers' decoders accept as ``attention_mask``.
+    """
+    cols = torch.arange(width, device=positions.device)
+    full = (cols <= positions[:, :, None])[:, None]
+    layer_types = set(getattr(model_config, "layer_types", None) or ["full_attention"])
+    if layer_types == {"full_attention"}:
+        return full
+    window = getattr(model_config, "sliding_window", None)
+    masks = {}
+    for kind in layer_types:
+        if kind == "sliding_attention" and window:
+            masks[kind] = full & (cols > positions[:, :, None] - window)[:, None]
+        else:
+            masks[kind] = full
+    return masks

@@ -1,11 +1,15 @@
-"""The model side of the built-in engine: one step = prefill new requests + one batched decode.
+"""The model side of the built-in engine: one step = one forward over every running request.
 
-`ModelRunner` owns the model's stacked decode cache (`asyncrl.rollouter.kv_batch`) and the
-sampler. A newly admitted request is prefilled on its own (no padding: its prompt forward is
-exactly ``model.generate``'s) and gets its first token; every other running request is
-decoded in ONE forward over the left-padded stack of their KV caches, with per-row position
-ids. `forward` runs in a worker thread; `sync_batch` and the bookkeeping run on the engine's
-event loop between steps. Scheduling (who runs, pauses, finishing) is in `torch_engine`.
+`ModelRunner` owns the slot KV cache (`asyncrl.rollouter.kv_batch`) and the sampler. Each
+running request holds one cache row. In a step, every request in decode state feeds its
+last token and every newly admitted one (or one re-prefilled after ``clear_cache``) feeds its
+whole prompt; the queries are right-padded to the longest and run in ONE forward with a
+4-d mask and per-row positions, so admitting a request costs no extra forward. When that
+padding would be large (a long prompt beside short decodes: more than ``PAD_BUDGET`` padded
+query tokens), the decode rows run in one forward and each prompt in its own, unpadded.
+
+`forward` runs in a worker thread; `plan` (row bookkeeping) runs on the engine's event loop
+between steps. Scheduling (who runs, pauses, finishing) is in `torch_engine`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.rollouter.kv_batch import LayerKV, PaddedKVBatch, cache_layers
+from asyncrl.rollouter.kv_batch import SlotKVCache, step_masks
 from asyncrl.rollouter.sampling import sample_tokens
 from asyncrl.types import GenerateRequest, GenerateResult
 
@@ -33,13 +37,17 @@ class Sequence:
     stop_ids: frozenset[int]
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    kv: LayerKV | None = None
-    """Own cache after a prefill, until the request joins the batched decode cache."""
     needs_prefill: bool = True
+    """True until its prompt (+ tokens generated before a ``clear_cache``) is in the KV cache."""
 
     @property
     def rid(self) -> str:
         return self.request.request_id
+
+    @property
+    def cached(self) -> int:
+        """Tokens in its KV cache row (all but the last token, in decode state)."""
+        return 0 if self.needs_prefill else len(self.tokens) - 1
 
     @property
     def n_generated(self) -> int:
@@ -56,72 +64,91 @@ class Sequence:
         )
 
 
-class ModelRunner:
-    """Runs the model for the scheduler: the decode batch's cache, the forward, the sampler."""
+#: Most padded (wasted) query tokens a step may spend to run prompts and decodes in one forward.
+PAD_BUDGET = 256
 
-    def __init__(self, model, device: str, seed: int) -> None:
+
+class ModelRunner:
+    """Runs the model for the scheduler: the slot KV cache, the forward, the sampler."""
+
+    def __init__(self, model, device: str, seed: int, n_slots: int) -> None:
         self.model = model
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         """Sampler of the requests that carry no seed of their own."""
-        self.batch: PaddedKVBatch | None = None
+        self.cache = SlotKVCache(n_slots, device)
+        self.rows: list[Sequence] = []
+        """The requests holding cache rows 0..len-1, in row order."""
+        self.peak_tokens = 0
+        """Most tokens the cache held after one step."""
 
     def drop_kv(self) -> None:
-        self.batch = None
+        self.cache.clear()
+        self.rows = []
 
-    def sync_batch(self, decode: list[Sequence]) -> None:
-        """Make the stacked decode cache hold exactly ``decode`` (in that order)."""
-        ids = [s.rid for s in decode]
-        if self.batch is not None and self.batch.ids == ids:
-            return
-        if not decode:
-            self.batch = None
-            return
-        old_ids = set(self.batch.ids) if self.batch is not None else set()
-        keep = [s.rid for s in decode if s.rid in old_ids]
-        new = {s.rid: s.kv for s in decode if s.rid not in old_ids}
-        for s in decode:
-            s.kv = None  # the batch owns it now
-        if self.batch is None or not keep:
-            self.batch = PaddedKVBatch.build(self.model.config, new)
-        else:
-            self.batch = self.batch.rebuilt(keep, new)
-        # Reorder the decode list to the batch's row order.
-        order = {rid: i for i, rid in enumerate(self.batch.ids)}
-        decode.sort(key=lambda s: order[s.rid])
+    @torch.inference_mode()
+    def plan(self, decode: list[Sequence], prefill: list[Sequence]) -> list[Sequence]:
+        """Give every request of this step its row; returns them in row order, decode rows first.
 
-    @torch.no_grad()
-    def forward(self, prefill: list[Sequence], decode: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill each new request, decode the batch; sample one token per request."""
-        from transformers import DynamicCache
+        Requests that left since the last step (finished, aborted, cancelled) free their
+        rows: the last row moves into each hole, so the rows in use stay ``0..n-1``.
+        """
+        live = {id(s) for s in decode}
+        rows = self.rows
+        while rows and id(rows[-1]) not in live:
+            rows.pop()
+        for i, seq in enumerate(rows):
+            if id(seq) not in live:
+                last = rows.pop()
+                self.cache.move_row(len(rows), i, last.cached)
+                rows[i] = last
+                while rows and id(rows[-1]) not in live:
+                    rows.pop()
+        if len(rows) != len(decode):
+            raise RuntimeError(f"KV rows out of sync: {len(rows)} rows for {len(decode)} decoding requests")
+        rows.extend(prefill)
+        return list(rows)
 
-        device = self.device
-        rows = []
-        for seq in prefill:
-            cache = DynamicCache(config=self.model.config)
-            ids = torch.tensor([seq.tokens], dtype=torch.long, device=device)
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            seq.kv = cache_layers(cache)
-            rows.append(out.logits[0, -1])
-        if decode:
-            batch = self.batch
-            pending = torch.tensor([[s.tokens[-1]] for s in decode], dtype=torch.long, device=device)
-            positions = torch.tensor([[len(s.tokens) - 1] for s in decode], dtype=torch.long, device=device)
-            mask = batch.step_inputs()
-            out = self.model(
-                input_ids=pending,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=batch.cache,
-                use_cache=True,
-            )
-            batch.advanced(mask)
-            rows.extend(out.logits[:, -1])
-        seqs = [*prefill, *decode]
+    @torch.inference_mode()
+    def forward(self, rows: list[Sequence], n_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step for ``rows`` (as ordered by `plan`); sample one token per row."""
+        pending = [s.tokens[s.cached :] for s in rows]
+        real = sum(len(p) for p in pending)
+        longest = max(len(p) for p in pending)
+        if len(rows) * longest - real <= PAD_BUDGET:
+            groups = [(0, len(rows))]
+        else:  # decode rows together, each prompt on its own
+            groups = ([(0, n_decode)] if n_decode else []) + [(r, r + 1) for r in range(n_decode, len(rows))]
+        logits = [self._forward_rows(rows, pending, lo, hi) for lo, hi in groups]
+        self.peak_tokens = max(self.peak_tokens, sum(s.cached + len(p) for s, p in zip(rows, pending)))
         return sample_tokens(
-            torch.stack(rows),
-            [s.request.sampling for s in seqs],
-            [s.generator for s in seqs],
+            logits[0] if len(logits) == 1 else torch.cat(logits),
+            [s.request.sampling for s in rows],
+            [s.generator for s in rows],
             self.generator,
         )
 
+    def _forward_rows(self, rows: list[Sequence], pending: list[list[int]], lo: int, hi: int) -> torch.Tensor:
+        """One forward over cache rows ``lo..hi-1``; the logits after each row's last real token."""
+        device = self.device
+        starts = [rows[r].cached for r in range(lo, hi)]
+        lens = [len(pending[r]) for r in range(lo, hi)]
+        width_q = max(lens)
+        ids = torch.tensor([p + [0] * (width_q - len(p)) for p in pending[lo:hi]], dtype=torch.long, device=device)
+        # Row r's query i goes to cache column start + i; padded queries write past the row's
+        # end (overwritten by its next tokens, never read: the mask stops at each query's column).
+        cols = torch.tensor(starts, device=device)[:, None] + torch.arange(width_q, device=device)
+        width = max(s + n for s, n in zip(starts, lens))
+        self.cache.begin(lo, hi, cols, width)
+        last = torch.tensor(lens, device=device)[:, None] - 1
+        # Padded queries reuse their row's last real position (a learned position table stays in range).
+        positions = torch.minimum(cols, cols.gather(1, last)) if width_q > 1 else cols
+        out = self.model(
+            input_ids=ids,
+            attention_mask=step_masks(self.model.config, cols, width),
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=last if width_q > 1 else 1,
+        )
+        return out.logits[:, -1]

@@ -4,12 +4,11 @@
 One scheduler task, owned by the engine, repeats a *step* under the engine's lock:
 
 1. admit queued requests while fewer than ``max_running`` run;
-2. prefill each newly admitted request on its own (no padding, so its prompt forward is
-   exactly the forward of ``model.generate``) and sample its first token;
-3. decode every other running request in ONE batched forward: their KV caches are stacked
-   left-padded (`asyncrl.rollouter.kv_batch`), position ids are per row (steps 2-3 are
-   `asyncrl.rollouter.model_runner`);
-4. append tokens, finish requests on a stop token / ``max_tokens`` / the context limit, and
+2. run ONE forward over every running request: the newly admitted ones feed their prompt,
+   the others their last token, each into its own row of a preallocated KV cache
+   (`asyncrl.rollouter.kv_batch`), with per-row positions and a 4-d mask; sample one token
+   per request (`asyncrl.rollouter.model_runner`);
+3. append tokens, finish requests on a stop token / ``max_tokens`` / the context limit, and
    hand results back. Requests join and leave between steps: continuous batching.
 
 The forward runs in a worker thread so the event loop stays responsive; everything else
@@ -18,7 +17,8 @@ lives on the event loop of its first call (its scheduler task is created there).
 
 Why not transformers' own continuous-batching manager: it has no pause that keeps requests
 with their KV cache, no in-place weight update between steps with per-token versions, and
-returns no sampled-token log-probs; the scheduler here is small enough to read in one go.
+returns no sampled-token log-probs; the scheduler here is small enough to read in one go, and
+faster than the manager on ``scripts/bench_engine.py`` (``docs/engine.md``).
 
 Log-probs: ``log_softmax(logits / T)[token]`` of the sampled token under the weights that
 produced it, after temperature and before top-k/top-p (greedy: ``T = 1``). This equals vLLM
@@ -29,7 +29,8 @@ Pause modes are vLLM's (see `asyncrl.rollouter.engine`): ``abort`` ends everythi
 ``wait`` drains (``pause`` returns when drained, new requests are refused), ``keep`` freezes
 running requests with their KV cache and queues new ones. ``clear_cache=True`` with
 ``keep`` drops the KV; on resume the engine re-prefills prompt + generated tokens (counted
-in ``stats()["reprefill_tokens"]``). Left out: paged KV memory, prefix caching, chunked
+in ``stats()["reprefill_tokens"]``). Figures and where a step's time goes: ``docs/engine.md``.
+Left out: paged KV memory, prefix caching, chunked
 prefill, speculative decoding, tensor parallelism.
 """
 
@@ -107,7 +108,7 @@ class TorchEngine:
             eos = mcfg.eos_token_id
             self._eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._runner = ModelRunner(self.model, config.device, config.seed)
+        self._runner = ModelRunner(self.model, config.device, config.seed, config.max_running)
         self._version = 0
         self._queued: deque[Sequence] = deque()
         self._running: dict[str, Sequence] = {}
@@ -266,7 +267,6 @@ class TorchEngine:
         for seq in self._running.values():
             if not seq.needs_prefill:
                 seq.needs_prefill = True
-                seq.kv = None
                 self._counters["reprefill_tokens"] += len(seq.tokens)
 
     # ---------------------------------------------------------------- weights
@@ -329,6 +329,11 @@ class TorchEngine:
             **self._counters,
         )
 
+    def kv_memory(self) -> dict[str, int]:
+        """KV cache memory: ``bytes`` held now, ``peak_bytes`` ever held, ``peak_tokens`` ever cached at once."""
+        cache = self._runner.cache
+        return dict(bytes=cache.nbytes(), peak_bytes=cache.peak_bytes, peak_tokens=self._runner.peak_tokens)
+
     # ---------------------------------------------------------------- scheduler
 
     def _has_work(self) -> bool:
@@ -366,11 +371,11 @@ class TorchEngine:
         decode = [s for s in self._running.values() if not s.needs_prefill]
         if not prefill and not decode:
             return
-        self._runner.sync_batch(decode)
-        tokens, logprobs = await asyncio.to_thread(self._runner.forward, prefill, decode)
+        rows = self._runner.plan(decode, prefill)
+        tokens, logprobs = await asyncio.to_thread(self._runner.forward, rows, len(decode))
         version = self._version
         self._counters["steps"] += 1
-        for seq, tok, lp in zip([*prefill, *decode], tokens.tolist(), logprobs.tolist()):
+        for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             if seq.needs_prefill:
                 seq.needs_prefill = False
                 self._counters["prefill_tokens"] += len(seq.tokens)
@@ -385,7 +390,6 @@ class TorchEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._running.pop(seq.rid, None)
-        seq.kv = None
         _resolve(seq, seq.result(reason))
 
     def _fail_all(self, error: BaseException) -> None:

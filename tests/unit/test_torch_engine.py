@@ -10,6 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.rollouter import model_runner
+from asyncrl.rollouter.kv_batch import GROW_TOKENS
 from asyncrl.rollouter.engine import EngineClosedError, EngineError, EnginePausedError
 from asyncrl.rollouter.torch_engine import TorchEngine, TorchEngineConfig
 from asyncrl.types import GenerateRequest, SamplingParams
@@ -335,6 +337,76 @@ async def test_cancelled_caller_frees_its_slot(model_path, ref):
         await engine.close()
     np.testing.assert_array_equal(done.response_ids, hf_greedy(ref, p, 10))
     assert engine.stats()["running"] == 0
+
+
+@pytest.mark.parametrize("pad_budget", [0, 10**6], ids=["prompts-apart", "prompts-in-decode-forward"])
+async def test_prompts_with_or_beside_decodes_equal_generate(model_path, ref, monkeypatch, pad_budget):
+    # Prompts of different lengths join while others decode: with a large budget they run in
+    # the decode forward (right-padded queries), with none each prompt runs on its own.
+    monkeypatch.setattr(model_runner, "PAD_BUDGET", pad_budget)
+    forwards = []
+    real = model_runner.ModelRunner._forward_rows
+    monkeypatch.setattr(
+        model_runner.ModelRunner, "_forward_rows", lambda self, *a: forwards.append(a[2:]) or real(self, *a)
+    )
+    ps = prompts([9, 2, 15, 4, 11, 6], seed=11)
+    engine = TorchEngine(model_path, max_running=3, eos_token_ids=())
+    try:
+        results = await asyncio.gather(*(engine.generate(req(f"r{i}", p, 12 + 3 * i)) for i, p in enumerate(ps)))
+    finally:
+        await engine.close()
+    for i, (p, r) in enumerate(zip(ps, results)):
+        np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, p, 12 + 3 * i))
+        assert np.abs(full_forward_logprobs(ref, p, r.response_ids) - r.logprobs).max() <= 1e-4
+    steps = engine.stats()["steps"]
+    if pad_budget:
+        assert len(forwards) == steps  # one forward per step
+    else:
+        assert len(forwards) > steps and sum(hi - lo == 1 for lo, hi in forwards) >= len(ps) - 1
+
+
+async def test_gpt2_learned_positions_equal_generate(tmp_path):
+    # Any HF causal LM: GPT-2 has a learned position table (padded queries must stay inside
+    # it) and its own attention code; responses run into its 40-position limit.
+    from transformers import GPT2Config
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=50, n_positions=40, n_embd=32, n_layer=2, n_head=2, initializer_range=0.2)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    gpt2 = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ps = prompts([3, 12, 5, 9, 2], seed=12)
+    engine = TorchEngine(tmp_path, max_running=3, eos_token_ids=())
+    try:
+        results = await asyncio.gather(*(engine.generate(req(f"r{i}", p, 40)) for i, p in enumerate(ps)))
+    finally:
+        await engine.close()
+    for p, r in zip(ps, results):
+        assert r.finish_reason == "length" and len(p) + len(r.response_ids) == 40
+        np.testing.assert_array_equal(r.response_ids, hf_greedy(gpt2, p, 40 - len(p)))
+        assert np.abs(full_forward_logprobs(gpt2, p, r.response_ids) - r.logprobs).max() <= 1e-4
+
+
+async def test_kv_memory_counts_slots_and_is_freed_by_clear_cache(model_path, ref):
+    ps = prompts([5, 8, 3], seed=13)
+    engine = TorchEngine(model_path, max_running=4, eos_token_ids=())
+    try:
+        tasks = await _start(engine, [req(f"r{i}", p, 30) for i, p in enumerate(ps)], "r1", 10)
+        await engine.pause("keep")
+        held = engine.kv_memory()
+        cfg = ref.config
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        per_column = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # K+V, float32
+        # 4 slots of one 256-column block each (every sequence here is shorter than 256 tokens).
+        assert held["bytes"] == 4 * GROW_TOKENS * per_column
+        assert held["peak_tokens"] >= engine.stats()["kv_tokens"] > 0
+        await engine.pause("keep", clear_cache=True)
+        assert engine.kv_memory()["bytes"] == 0 and engine.kv_memory()["peak_bytes"] == held["peak_bytes"]
+        await engine.resume()
+        results = await asyncio.gather(*tasks)
+    finally:
+        await engine.close()
+    for p, r in zip(ps, results):
+        np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, p, 30))
 
 
 @pytest.mark.gpu
