@@ -157,10 +157,10 @@ class PlacementConfig:
 
 
 # The Trainer's section is TrainerConfig without what the run decides (the ranks come from
-# placement, the checkpoint directory from run_dir) plus WorkerConfig's computing knobs, so the
+# placement, the checkpoint directory and samples.jsonl from run_dir) plus WorkerConfig's computing knobs, so the
 # optimizer is ``trainer.optim`` as verl users type it. Fields, types and defaults are the
 # owners' own: a knob added to TrainerConfig or WorkerConfig appears here by itself.
-_FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_dir",
+_FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_dir", "samples_path",
                           "model_path", "pad_token_id", "seed", "engine_kind"}
 _SECTION_DEFAULTS = {"micro_batch_size": 16, "groups_per_batch": 8}
 
@@ -242,7 +242,8 @@ class RunConfig:
     def groups_per_step(self) -> int:
         return self.trainer.groups_per_batch * self.trainer.require_batches
 
-    def trainer_config(self, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None) -> TrainerConfig:
+    def trainer_config(self, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None,
+                       samples_path: str | None = None) -> TrainerConfig:
         t = self.trainer
         worker = WorkerConfig(model_path=model_path, pad_token_id=pad_token_id, seed=self.seed,
                               **{k: getattr(t, k) for k in _WORKER_KEYS})
@@ -250,7 +251,7 @@ class RunConfig:
                 if f.name not in _FROM_PLACEMENT_OR_RUN}
         return TrainerConfig(worker=worker, world_size=self.trainer_world_size,
                              gpus_per_rank=1.0 if self.placement.trainer_gpus else 0.0,
-                             checkpoint_dir=checkpoint_dir, **loop)
+                             checkpoint_dir=checkpoint_dir, samples_path=samples_path, **loop)
 
     def weight_sync_config(self) -> WeightSyncConfig:
         """``weight_sync`` with its backend set by the engines' kind (``vllm`` engines take

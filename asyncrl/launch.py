@@ -15,6 +15,11 @@ Settings are `asyncrl.config.RunConfig`: a YAML file (``--config``), then dotted
 (``key.path=value``); the flags below are short aliases of dotted keys. Everything is checked
 before Ray starts (exit 2, one line on stderr). Heavy packages (torch, ray, transformers) are
 imported only after the flags are parsed, so ``--help`` is instant.
+
+A run continues from its latest checkpoint with ``--resume RUN_DIR`` (its ``config.yaml``
+first, then any ``--config``/flags/overrides given, e.g. ``--steps 200`` to train further);
+a run directory that holds a checkpoint is never started over by accident. Ctrl-C or SIGTERM
+stops cleanly (checkpoint, drain, exit 0); a second Ctrl-C stops at once (`asyncrl.shutdown`).
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("--dashboard", action="store_true",
                    help="serve the live metrics dashboard on 127.0.0.1 (metrics.dashboard=true; port metrics.dashboard_port)")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue the run in RUN_DIR from its latest checkpoint, with its config.yaml "
+                        "(settings given here win)")
     p.add_argument("--dry-run", action="store_true",
                    help="check everything, resolve placement against the cluster, print the plan and the config; "
                         "start nothing heavy")
@@ -114,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.placement import PlacementError
 
     try:
-        cfg, resolved = load_config(args.config, overrides_of(args))     # config
+        cfg, resolved = load_config(*config_layers(args))                # config
         if args.print_config:
             print(to_yaml(resolved), end="")
             return 0
         preflight(cfg)                                                   # checked before Ray starts
+        run_dir = _run_dir(cfg, resume=args.resume is not None)
     except (ConfigError, DataError) as e:
         return _usage_error(e)
 
@@ -134,10 +143,25 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         except PlacementError as e:
             return _usage_error(e)
-        run_dir = _make_run_dir(cfg, resolved)
+        _make_run_dir(run_dir, resolved)
         return asyncio.run(run(cfg, plan, run_dir))                      # start, run, close
     finally:
         placement.disconnect(cluster)
+
+
+def config_layers(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """YAML files and overrides: a resumed run's own config.yaml first, its run dir kept."""
+    from asyncrl.config import ConfigError
+
+    overrides = overrides_of(args)
+    if args.resume is None:
+        return list(args.config), overrides
+    run_dir = Path(args.resume)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
+    if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
+        raise ConfigError(f"--resume {args.resume} continues that run in its own directory; drop --run-dir")
+    return [str(run_dir / "config.yaml"), *args.config], [*overrides, f"run_dir={run_dir}"]
 
 
 def _usage_error(e: Exception) -> int:
@@ -174,30 +198,67 @@ def dry_run(plan) -> str:
     return plan.describe() + "\nplacement groups reserved and released: the plan fits the cluster"
 
 
-def _make_run_dir(cfg, resolved) -> Path:
-    from omegaconf import OmegaConf
+def _run_dir(cfg, *, resume: bool) -> Path:
+    """The run directory; one holding a checkpoint is continued only when asked (``--resume``)."""
+    from asyncrl.config import ConfigError
 
     run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(resolved, run_dir / "config.yaml")
+    if not resume and (run_dir / "checkpoints" / "latest").exists():
+        raise ConfigError(f"run_dir {run_dir} holds a checkpoint already: --resume {run_dir} continues that "
+                          "run; or choose another --run-dir")
     return run_dir
 
 
+def _make_run_dir(run_dir: Path, resolved) -> None:
+    from omegaconf import OmegaConf
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(resolved, run_dir / "config.yaml")
+
+
 async def run(cfg, plan, run_dir: Path) -> int:
-    """Start every process on its planned place, train ``cfg.steps`` steps, close everything."""
+    """Start every process on its planned place, train to step ``cfg.steps``, close everything.
+
+    The first SIGINT/SIGTERM stops cleanly: the step in hand is finished or abandoned, a
+    checkpoint written, the processes closed in order, exit 0. A second one stops at once.
+    """
     from asyncrl.processes import start
     from asyncrl.progress import train
+    from asyncrl.shutdown import EXIT_INTERRUPTED, GracefulStop
 
-    procs = await start(cfg, plan, run_dir)                                        # start
+    procs = None
+
+    def on_stop() -> None:
+        if procs is not None:
+            procs.trainer.request_stop()
+        else:
+            stop.task.cancel()  # still starting: nothing to checkpoint
+
+    stop = GracefulStop(on_stop)
     try:
-        await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
-                    validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
-                    report=procs.metrics.reporter.after_step if procs.metrics else None,
-                    rollouter=procs.rollouter)
-        print(await procs.rollout_summary(), flush=True)
+        with stop:
+            procs = await start(cfg, plan, run_dir)                                # start
+            if stop.requested:
+                procs.trainer.request_stop()
+            await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
+                        validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
+                        report=procs.metrics.reporter.after_step if procs.metrics else None,
+                        rollouter=procs.rollouter)
+            print(await procs.rollout_summary(), flush=True)
+            if stop.requested:
+                print(f"asyncrl: stopped cleanly at step {procs.trainer.step} ({stop.requested}); continue with: "
+                      f"python -m asyncrl.launch --resume {run_dir}", flush=True)
         return 0
+    except asyncio.CancelledError:
+        if stop.hard is not None:
+            return EXIT_INTERRUPTED
+        if stop.requested is not None:
+            print(f"asyncrl: stopped while starting ({stop.requested})", flush=True)
+            return 0
+        raise
     finally:
-        await procs.close()                                               # close
+        if procs is not None:
+            await procs.close(drain=stop.hard is None)                    # close
 
 
 if __name__ == "__main__":

@@ -10,15 +10,28 @@
 The Trainer's driver loop runs in the launcher's process, with the stream's consumer; the
 Rollouter, the engines and the trainer ranks are Ray actors in the placement groups of the
 `asyncrl.placement.Plan`. Every wait for a process to be ready has a deadline naming its setting.
+
+Resume: when ``<run_dir>/checkpoints`` holds a checkpoint, the ranks load it (model, optimizer,
+step, version, committed set); the stream's consumer starts from that committed set; the
+engines get the restored weights (`WeightSyncCoordinator.republish`) before the Rollouter
+starts; the coordinator and the Rollouter continue at the restored version; the Rollouter
+regenerates, by id, every id it had admitted that the checkpoint does not hold as trained or
+dropped, then feeds new ids from ``next_index`` (`RolloutState.resume`).
+
+Close: the Rollouter is drained (no new prompts, in-flight requests aborted), then the stream,
+the ranks and the engines are closed, in that order; a hard stop kills them all at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("asyncrl.launch")
 
 
 @dataclass
@@ -51,10 +64,17 @@ class Processes:
         return (f"asyncrl: rollouter admitted {progress.get('admitted', 0)} groups, sent {progress.get('sent', 0)}, "
                 f"replayed {progress.get('replayed', 0)} from skip dumps; engines served {requests} requests{skip}")
 
-    async def close(self) -> None:
+    async def close(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop everything: drain the Rollouter, close the stream, the ranks, the engines (in that
+        order, each under ``timeout_s``); ``drain=False`` kills them at once."""
         import ray
 
         if self.rollouter is not None:
+            if drain:
+                try:
+                    await asyncio.wait_for(self.rollouter.stop.remote(), timeout_s)
+                except Exception as e:  # noqa: BLE001 - a dead or wedged Rollouter is killed below
+                    log.warning("the Rollouter did not drain (%s: %s)", type(e).__name__, e)
             ray.kill(self.rollouter)
         if self.aggregator is not None:
             ray.kill(self.aggregator)
@@ -62,6 +82,9 @@ class Processes:
             await self.consumer.close()
         if self.ranks is not None:
             self.ranks.close()
+        if drain and self.engines:
+            await asyncio.wait([asyncio.ensure_future(_quietly(e.close.remote())) for e in self.engines],
+                               timeout=timeout_s)
         for e in self.engines:
             ray.kill(e)
         self.plan.release()
@@ -69,18 +92,56 @@ class Processes:
             self.metrics.close()
 
 
+async def _quietly(ref) -> None:
+    try:
+        await ref
+    except Exception:  # noqa: BLE001 - closing an engine that already died
+        pass
+
+
 class NotifyingSyncer:
     """Tell the Rollouter a sync pauses the engines, run the coordinator's sync, then tell it
-    which version the engines now serve."""
+    which version the engines now serve.
+
+    An engine that died is dropped by the coordinator; while live engines took the new weights
+    the run goes on with them (the Rollouter stops using a dead engine on its own)."""
 
     def __init__(self, coordinator: Any, rollouter: Any):
         self.coordinator, self.rollouter = coordinator, rollouter
 
     async def sync(self) -> int:
+        from asyncrl.sync import WeightSyncError
+
         await self.rollouter.on_pause.remote()
-        version = await self.coordinator.sync()
+        try:
+            version = await self.coordinator.sync()
+        except WeightSyncError as e:
+            c = self.coordinator
+            if not c.engines or not set(c.last.failed) <= set(c.dead) or c.version != c.last.version:
+                raise
+            log.warning("weight sync to version %d went on without dead engines: %s", c.version, e)
+            print(f"asyncrl: engine(s) {', '.join(c.last.failed)} died; going on with {len(c.engines)}", flush=True)
+            version = c.version
         await self.rollouter.on_sync.remote(version)
         return version
+
+
+class FeedState:
+    """The Rollouter's feed state for each checkpoint; if the Rollouter cannot answer (it died),
+    the last answer it gave, marked stale (`RolloutState.resume` moves a stale position past the
+    committed ids)."""
+
+    def __init__(self, rollouter: Any, last: dict | None = None, timeout_s: float = 60.0):
+        self.rollouter, self.last, self.timeout_s = rollouter, dict(last or {}), timeout_s
+
+    async def __call__(self) -> dict:
+        try:
+            self.last = await asyncio.wait_for(self.rollouter.feed_state.remote(), self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure to answer leaves the last known state
+            log.warning("the Rollouter did not give its feed state (%s: %s); the checkpoint keeps its last one",
+                        type(e).__name__, e)
+            return {**self.last, "stale": True}
+        return self.last
 
 
 async def start(cfg, plan, run_dir: Path) -> Processes:
@@ -114,11 +175,18 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
 
         net = addresses(cfg, plan)
         tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=_pad_token_id(model_path),
-                                  checkpoint_dir=str(run_dir / "checkpoints"))
+                                  checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"))
         procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks],
                                           across_nodes=net.ranks_across_nodes)
+        procs.trainer = trainer = Trainer(tcfg, procs.ranks, source=None)
+        resume = None
+        if await trainer.restore():
+            resume = {"saved": trainer.restored_rollouter_state, "committed": trainer.committed.to_json(),
+                      "dropped": trainer.dropped}
+            print(f"asyncrl: resumed at step {trainer.step}, version {trainer.version}; "
+                  f"{len(trainer.committed)} groups done", flush=True)
 
-        procs.consumer = StreamConsumer(net.consumer_stream)
+        procs.consumer = StreamConsumer(net.consumer_stream, committed=trainer.committed)
         await procs.consumer.start()
         print(f"asyncrl: sample stream on {procs.consumer.endpoint}"
               f"{' (CURVE: authenticated, encrypted)' if net.curve else ' (loopback)'}", flush=True)
@@ -133,14 +201,18 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
                         long_tail=cfg.data.long_tail)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
-            cfg.rollout, procs.engines, stream, model_path, data,
+            cfg.rollout, procs.engines, stream, model_path, data, resume,
             metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
             metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip),
             partial=partial, aggregator=procs.aggregator)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
-        procs.rollout_run = procs.rollouter.run.remote()
 
-        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync)
+        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
+                                            version=trainer.version)
+        if resume is not None:
+            await coordinator.republish()  # the engines serve the restored weights before they generate
+        await procs.rollouter.on_sync.remote(trainer.version)
+        procs.rollout_run = procs.rollouter.run.remote()
         source = procs.consumer
         if procs.metrics is not None:  # metrics (#16): time the Trainer's waits, report each step
             from asyncrl.metrics.report import MeteredSource, TrainerReporter
@@ -148,13 +220,14 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
             source = MeteredSource(procs.consumer)
             procs.metrics.reporter = TrainerReporter(procs.metrics.emitter("trainer"), source, coordinator,
                                                      procs.consumer)
-        procs.trainer = Trainer(tcfg, procs.ranks, source, NotifyingSyncer(coordinator, procs.rollouter),
-                                rollouter_state=lambda: procs.rollouter.feed_state.remote(),
-                                on_dropped=lambda ids: procs.rollouter.on_dropped.remote(ids))
+        trainer.source = source
+        trainer.syncer = NotifyingSyncer(coordinator, procs.rollouter)
+        trainer.rollouter_state = FeedState(procs.rollouter, last=trainer.restored_rollouter_state)
+        trainer.on_dropped = lambda ids: procs.rollouter.on_dropped.remote(ids)
         print(f"asyncrl: mode {cfg.mode}" + (", partial rollout" if partial.enable else ""), flush=True)
         return procs
     except BaseException:
-        await procs.close()
+        await procs.close(drain=False)
         raise
 
 

@@ -52,6 +52,7 @@ class ProgressView:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+            self._bar = None
 
 
 def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
@@ -73,32 +74,40 @@ def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
 async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
                 validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10,
                 report: Callable[[Any], None] | None = None, rollouter: Any = None) -> list[dict]:
-    """Run ``steps`` train steps; fail at once, under its own name, if the Rollouter stops first.
+    """Train until step ``steps`` (restored steps count), or until a stop is requested.
 
-    With ``validate``, every ``val_every`` steps and after the last one its ``val/`` metrics join
-    the step's metrics. With the Rollouter's handle, each step's metrics also hold its
-    blocked/idle time and the truncations of the step (`rollouter_step_metrics`).
+    Ends with a checkpoint whenever the Trainer can write one: at the last step, after a stop
+    request, and after a failure outside the ranks' training (then re-raised). A Rollouter that
+    stops first fails the run under its own name. With ``validate``, every ``val_every`` steps
+    and after the last one its ``val/`` metrics join the step's metrics. With the Rollouter's
+    handle, each step's metrics also hold its blocked/idle time and the truncations of the step
+    (`rollouter_step_metrics`).
     """
-    import ray
+    from asyncrl.trainer.trainer import StepAbandoned
 
     rows: list[dict] = []
     done_at: list[float] = []  # when each step (and its validation) finished
     t0 = last = time.monotonic()
     last_stats: dict = {}
     rollout_task = asyncio.wrap_future(rollout_ref.future())
-    # The Rollouter is killed at shutdown; its run() then ends with ActorDiedError, expected.
-    rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())
+    rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen below, under its own name
     view = ProgressView(steps)
     try:
         with open(run_dir / "metrics.jsonl", "a") as metrics, open(run_dir / "train.log", "a") as log:
-            for _ in range(steps):
+            while trainer.step < steps and not trainer.stopping:
                 step_task = asyncio.ensure_future(trainer.train_step())
                 done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
                 if step_task not in done:
-                    step_task.cancel()
-                    ray.get(rollout_ref)  # re-raises the Rollouter's failure here, under its own name
+                    # The step in hand ends cleanly (abandoned while collecting, or finished), so the
+                    # Trainer can still be checkpointed; then the Rollouter's failure is the run's.
+                    trainer.request_stop()
+                    await asyncio.gather(step_task, return_exceptions=True)
+                    rollout_task.result()  # re-raises the Rollouter's failure, under its own name
                     raise RuntimeError("the Rollouter stopped before training finished")
-                result = step_task.result()
+                try:
+                    result = step_task.result()
+                except StepAbandoned:
+                    break
                 m = result.metrics
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
@@ -119,14 +128,37 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                 done_at.append(last)
                 if report is not None:
                     report(result)  # to the metric stream (asyncrl.metrics)
+    except Exception as e:
+        view.close()
+        await checkpoint_after_failure(trainer, e, run_dir)
+        raise
     finally:
         view.close()
+    await trainer.finish()
     if len(done_at) > 1:  # start-up and the first step excluded
         print(f"asyncrl: steps 2-{len(done_at)} took {(done_at[-1] - done_at[0]) / (len(done_at) - 1):.3f} s/step",
               flush=True)
-    rewards = [r["reward_mean"] for r in rows]
-    k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
-    print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
-          f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
-          f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+    if rows:
+        rewards = [r["reward_mean"] for r in rows]
+        k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
+        print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
+              f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
+              f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
     return rows
+
+
+async def checkpoint_after_failure(trainer: Any, error: Exception, run_dir: Path) -> None:
+    """Make what the Trainer did durable before the run stops on ``error``, if its ranks allow."""
+    where = f"continue with: python -m asyncrl.launch --resume {run_dir}"
+    if trainer.broken:
+        print(f"asyncrl: stopping on {type(error).__name__}; no checkpoint ({trainer.broken}); {where} "
+              "(from the last checkpoint)", file=sys.stderr, flush=True)
+        return
+    try:
+        await trainer.finish()
+    except Exception as e:  # noqa: BLE001 - the original failure is what the run reports
+        print(f"asyncrl: stopping on {type(error).__name__}; the checkpoint failed too ({type(e).__name__}: {e}); "
+              f"{where} (from the last checkpoint)", file=sys.stderr, flush=True)
+        return
+    print(f"asyncrl: stopping on {type(error).__name__}: {error}\nasyncrl: checkpoint of step {trainer.step} "
+          f"written; {where}", file=sys.stderr, flush=True)

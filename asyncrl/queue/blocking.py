@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 from asyncrl.queue.consumer import ConsumerStats, StreamConsumer
 from asyncrl.queue.producer import ProducerStats, StreamProducer
 from asyncrl.queue.protocol import StreamConfig
-from asyncrl.types import Group
+from asyncrl.types import CommittedSet, Group
 
 T = TypeVar("T")
 
@@ -64,7 +64,7 @@ class BlockingStreamConsumer:
         self._thread.call(lambda: self._consumer.ack(ids, reason))
 
     @property
-    def committed(self) -> set[str]:
+    def committed(self) -> CommittedSet:
         return self._thread.call(lambda: self._consumer.committed)
 
     @property

@@ -13,8 +13,9 @@ and adds them to ``committed``. A consumer restarted with its persisted ``commit
 sees each group once.
 
 Malformed or foreign messages are counted in ``stats`` and logged; the stream goes on.
-Left out: several consumers sharing producers (one consumer per stream), and compaction of
-``committed`` (it grows by one short string per trained group).
+``committed`` is a `CommittedSet`: a watermark plus the ids done out of feed order, so it stays
+small however long the stream runs. Left out: several consumers sharing producers (one
+consumer per stream).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from asyncrl.queue.group_codec import unpack_groups
 from asyncrl.queue.lifecycle import StreamEndpoint
 from asyncrl.queue.protocol import StreamConfig, StreamError
 from asyncrl.queue.transport import StreamSocket, keep_freed_memory
-from asyncrl.types import Group
+from asyncrl.types import CommittedSet, Group
 
 log = logging.getLogger("asyncrl.queue")
 
@@ -95,7 +96,7 @@ class StreamConsumer(StreamEndpoint):
         self.stats = ConsumerStats()
         self.endpoint = self.config.endpoint
         """The endpoint bound (a ``:*`` port resolved once started): what producers connect to."""
-        self._committed: set[str] = set(committed)
+        self._committed = CommittedSet(committed)
         self._holders: dict[str, list[bytes]] = {}  # sample_id held now -> peers that sent it
         self._delivered: set[str] = set()
         self._ready: deque[Group] = deque()
@@ -161,9 +162,9 @@ class StreamConsumer(StreamEndpoint):
     # ---------------------------------------------------------------- the Trainer's API
 
     @property
-    def committed(self) -> set[str]:
+    def committed(self) -> CommittedSet:
         """A copy of the ``sample_id``s acked so far (including those given at construction)."""
-        return set(self._committed)
+        return self._committed.copy()
 
     @property
     def unacked(self) -> list[str]:

@@ -7,8 +7,17 @@ One asyncio loop, one task group::
          ▲                                  │ truncated (partial rollout)
          └─ partial buffer, highest age ◄───┘ first, released at the next weight sync
 
-- ``sample_id`` is ``sample_{epoch}_{index}``; ``index`` is the feed order at enqueue time, and
+- ``sample_id`` is ``sample_{epoch}_{index}``; ``index`` is the feed order at admission, and
   it continues across epochs and across a resume (`RolloutState.next_index`).
+- Resume: a checkpoint stores the feed position; the ids admitted before it but not yet
+  trained (in flight, or sent and not acked) are the feed indices below ``next_index`` that
+  the Trainer's committed set lacks. A resumed Rollouter regenerates them by id
+  (`RolloutState.pending`, served first, same ``sample_id`` and sampling seeds) before new
+  ids continue from ``next_index``; ``admitted`` continues from the groups already done. The
+  partial buffer is not saved: a truncated response waiting there is regenerated from its
+  prompt (its sample is pending), so only its tokens' work is lost.
+- `stop` drains: no new admissions, in-flight groups are cancelled and their requests aborted
+  on the engines (a resume regenerates them), and `run` returns.
 - Staleness gate (verl's fully-async knobs): after ``version`` weight syncs the Trainer will
   have consumed ``version * groups_per_sync`` groups; the Rollouter admits a new prompt only
   while ``admitted - given_back < (version + 1 + staleness_threshold) * groups_per_sync`` and
@@ -25,7 +34,8 @@ One asyncio loop, one task group::
   aborted on its engine, and fails its group.
 - A response that fails (engine error, dead engine, timeout) fails its whole group, which is
   still sent, with ``status="failed"`` and the error: the Trainer fails closed on it (or drops
-  and counts it). An engine whose actor died gets no further requests.
+  and counts it). An engine whose actor died gets no further requests: its requests go again,
+  same seed, to a live engine; only when none is left do they fail.
 - `generate_group` only generates; the send is separate, so the ``async_rollout`` skip role
   (`asyncrl.skip`) can answer a sample from a dump and the group is still sent as usual.
   The process that runs the Rollouter calls `SkipManager.init` (the registry is per process).
@@ -38,7 +48,7 @@ import concurrent.futures
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +56,8 @@ import numpy as np
 
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.skip import SkipManager, is_replayed
-from asyncrl.types import GenerateRequest, GenerateResult, Group, SamplingParams, Trajectory, make_sample_id, parse_sample_id
+from asyncrl.types import (CommittedSet, GenerateRequest, GenerateResult, Group, SamplingParams, Trajectory,
+                           make_sample_id, parse_sample_id)
 
 log = logging.getLogger("asyncrl.rollouter")
 
@@ -91,13 +102,38 @@ class RolloutConfig:
 
 @dataclass
 class RolloutState:
-    """What the Rollouter checkpoints: where the feed stands."""
+    """Where the feed stands: what the Rollouter checkpoints and resumes from."""
 
     epoch: int = 0
     next_index: int = 0
-    """Feed index of the next prompt (never restarts)."""
+    """Feed index of the next new prompt (never restarts)."""
     position: int = 0
     """Row of the current epoch to feed next."""
+    pending: list[int] = field(default_factory=list)
+    """Feed indices below ``next_index`` to generate (again) before any new one: admitted
+    before a checkpoint and not trained by it (a resume fills this)."""
+    done: int = 0
+    """Groups already trained or dropped (before a resume): they count as admitted and sent."""
+    dropped: int = 0
+    """Of ``done``, how many were dropped: like failed groups they give their budget back."""
+
+    @classmethod
+    def resume(cls, saved: dict, committed: CommittedSet, dropped: int, rows: int) -> RolloutState:
+        """Where a resumed Rollouter starts, from a checkpoint: its feed position ``saved`` (a
+        `Rollouter.snapshot`), the Trainer's ``committed`` set and ``dropped`` count, over a
+        dataset of ``rows`` prompts. Every feed index below ``next_index`` that is not committed
+        was admitted and not trained: it becomes ``pending``. A feed position older than the
+        committed set (saved before the Rollouter died) moves up past the highest committed id.
+        """
+        st = cls(epoch=int(saved.get("epoch", 0)), next_index=int(saved.get("next_index", 0)),
+                 position=int(saved.get("position", 0)))
+        top = committed.max_index() + 1
+        if top > st.next_index:
+            st.epoch, st.position = divmod(st.epoch * rows + st.position + top - st.next_index, rows)
+            st.next_index = top
+        st.pending = committed.missing(st.next_index)
+        st.done, st.dropped = len(committed), dropped
+        return st
 
 
 @dataclass
@@ -161,8 +197,7 @@ class Rollouter:
         self.aggregator = aggregator if self.partial.enable else None
         self.state = state or RolloutState()
         self.version = 0
-        self.admitted = 0
-        self.sent = 0
+        self.admitted = self.sent = self.state.done
         self.failed = 0
         self.given_back: set[str] = set()
         """sample_ids that will never be trained (failed, or dropped by the Trainer)."""
@@ -173,7 +208,14 @@ class Rollouter:
         self._load = [0] * len(self.engines)
         self._dead: set[int] = set()
         self._gate = asyncio.Condition()
-        self._feed_iter: Iterator[tuple[str, Prompt]] | None = None
+        self._groups: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
+        self._requests: dict[str, int] = {}  # request_id in flight -> engine index
+        self._stopping = False
+        self._where(self.state.next_index)  # the state must fit the dataset
+        for index in self.state.pending:
+            if not 0 <= index < self.state.next_index:
+                raise ValueError(f"RolloutState.pending holds {index}, not below next_index={self.state.next_index}")
+            self._where(index)
         self._paused_at: float | None = None
         self._paused_total = 0.0
         self._in_flight = 0
@@ -207,9 +249,38 @@ class Rollouter:
             self.given_back.update(sample_ids)
             self._gate.notify_all()
 
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Drain: admit nothing more, cancel in-flight groups, abort their requests on the engines.
+
+        `run` returns once its tasks are gone. Groups already sent stay with the producer (unacked)."""
+        async with self._gate:
+            self._stopping = True
+            self._gate.notify_all()
+        for task in list(self._groups.values()):
+            task.cancel()
+        by_engine: dict[int, list[str]] = {}
+        for request_id, e in self._requests.items():
+            by_engine.setdefault(e, []).append(request_id)
+        aborts = [_invoke(self.engines[e], "abort", ids) for e, ids in by_engine.items()]
+        results = await asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), timeout_s)
+        for e, result in zip(by_engine, results):
+            if isinstance(result, BaseException):
+                log.warning("engine %d did not abort its requests at stop: %s", e, result)
+
+    def snapshot(self) -> dict:
+        """The feed state for a checkpoint (JSON-able): position, plus the ids admitted and not yet
+        sent (``in_flight``) and sent but not acked (``unacked``, when the producer tells)."""
+        unacked = getattr(self.producer, "unacked", None)
+        return {
+            "epoch": self.state.epoch, "next_index": self.state.next_index, "position": self.state.position,
+            "in_flight": sorted(self._groups, key=_index_of),
+            "unacked": [g.sample_id for g in unacked] if unacked is not None else [],
+        }
+
     def _admissible(self) -> bool:
         budget = (self.version + 1 + self.cfg.staleness_threshold) * self.cfg.groups_per_sync
-        return (self.admitted - len(self.given_back) < budget
+        # Groups dropped before a resume gave their budget back too.
+        return (self.admitted - len(self.given_back) - self.state.dropped < budget
                 and self.admitted - self.sent < self.cfg.max_concurrent
                 and self.partials.undispatched == 0)  # released partials go before new prompts
 
@@ -220,36 +291,44 @@ class Rollouter:
 
     # ------------------------------------------------------------------ feed
 
-    def _feed(self) -> Iterator[tuple[str, Prompt]]:
-        while True:
-            while self.state.position < len(self.prompts):
-                prompt = self.prompts[self.state.position]
-                sample_id = make_sample_id(self.state.epoch, self.state.next_index)
-                self.state.position += 1
-                self.state.next_index += 1
-                yield sample_id, prompt
-            self.state.epoch += 1
-            self.state.position = 0
+    def _where(self, index: int) -> tuple[int, int]:
+        """``(epoch, row)`` of feed index ``index``: the feed walks the rows in order, epoch after epoch."""
+        n, st = len(self.prompts), self.state
+        offset = st.epoch * n + st.position + index - st.next_index
+        if offset < 0 or st.position > n:
+            raise ValueError(f"feed index {index} does not fit RolloutState(epoch={st.epoch}, position={st.position}, "
+                             f"next_index={st.next_index}) over a dataset of {n} rows (a different dataset?)")
+        return divmod(offset, n)
+
+    def _draw(self) -> tuple[str, Prompt]:
+        """The next prompt to admit: a pending one (a resume's) first, then the next new one."""
+        st = self.state
+        index = st.pending.pop(0) if st.pending else st.next_index
+        epoch, row = self._where(index)
+        if index == st.next_index:
+            st.epoch, st.position = self._where(index + 1)
+            st.next_index += 1
+        return make_sample_id(epoch, index), self.prompts[row]
 
     async def run(self, num_groups: int | None = None) -> None:
-        """Feed prompts until ``num_groups`` more groups were sent (forever when None)."""
-        if self._feed_iter is None:
-            self._feed_iter = self._feed()
+        """Feed prompts until ``num_groups`` more groups were admitted (forever when None), or `stop`."""
         if self._reward_pool is None:
             self._reward_pool = concurrent.futures.ThreadPoolExecutor(self.cfg.reward_workers,
                                                                       thread_name_prefix="asyncrl-reward")
         stop_at = None if num_groups is None else self.admitted + num_groups
         try:
             async with asyncio.TaskGroup() as tg:
-                # Check the limit before drawing: a drawn prompt advances the feed index for good.
                 while stop_at is None or self.admitted < stop_at:
-                    sample_id, prompt = next(self._feed_iter)
                     t0 = time.monotonic()
                     async with self._gate:
-                        await self._gate.wait_for(self._admissible)
+                        await self._gate.wait_for(lambda: self._stopping or self._admissible())
+                        if self._stopping:
+                            break
+                        # Draw only once admitted: every index below next_index was admitted.
+                        sample_id, prompt = self._draw()
                         self.admitted += 1
+                        self._groups[sample_id] = tg.create_task(self._one_group(sample_id, prompt))
                     self.stats.gate_blocked_s += time.monotonic() - t0
-                    tg.create_task(self._one_group(sample_id, prompt))
         finally:
             self._reward_pool.shutdown(wait=False, cancel_futures=True)
             self._reward_pool = None
@@ -257,17 +336,20 @@ class Rollouter:
     # ------------------------------------------------------------------ one prompt
 
     async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
-        group = await self.generate_group(sample_id, prompt)
-        t0 = time.monotonic()
-        await self.producer.send(group)
-        self.stats.credit_blocked_s += time.monotonic() - t0
-        async with self._gate:
-            self.sent += 1
-            self.replayed += is_replayed(group)
-            if group.status == "failed":
-                self.failed += 1
-                self.given_back.add(sample_id)  # never trained: its budget goes back
-            self._gate.notify_all()
+        try:
+            group = await self.generate_group(sample_id, prompt)
+            t0 = time.monotonic()
+            await self.producer.send(group)
+            self.stats.credit_blocked_s += time.monotonic() - t0
+            async with self._gate:
+                self.sent += 1
+                self.replayed += is_replayed(group)
+                if group.status == "failed":
+                    self.failed += 1
+                    self.given_back.add(sample_id)  # never trained: its budget goes back
+                self._gate.notify_all()
+        finally:
+            self._groups.pop(sample_id, None)  # sent, or cancelled by stop()
 
     @SkipManager.annotate(role="async_rollout")
     async def generate_group(self, sample_id: str, prompt: Prompt) -> Group:
@@ -347,32 +429,37 @@ class Rollouter:
         return float(await reward if inspect.isawaitable(reward) else reward)
 
     async def _generate(self, request: GenerateRequest, truncatable: bool) -> tuple[GenerateResult, int]:
-        """Run ``request`` on the least-loaded live engine under the (pause-aware) deadline."""
-        live = [e for e in range(len(self.engines)) if e not in self._dead]
-        if not live:
-            raise _EngineDied(f"{request.request_id}: every engine replica is dead")
-        e = min(live, key=self._load.__getitem__)
-        self._load[e] += 1
-        self._busy(+1)
-        call = asyncio.ensure_future(_call(self.engines[e], request, truncatable))
-        try:
-            timeout, start = self.cfg.request_timeout_s, self._active_time()
-            while not call.done():
-                left = timeout - (self._active_time() - start)
-                if left <= 0:
-                    await self._abort_timed_out(e, request, call)
-                await asyncio.wait({call}, timeout=left)
-            return call.result(), e
-        except BaseException as exc:
-            if _actor_died(exc) and e not in self._dead:
-                self._dead.add(e)
-                self.stats.dead_engines += 1
-                log.error("engine replica %d died (%r); no further requests go to it", e, exc)
-            raise
-        finally:
-            call.cancel()
-            self._load[e] -= 1
-            self._busy(-1)
+        """Run ``request`` on the least-loaded live engine under the (pause-aware) deadline; if that
+        engine's actor dies, again (same seed) on another live one."""
+        while True:
+            live = [e for e in range(len(self.engines)) if e not in self._dead]
+            if not live:
+                raise _EngineDied(f"{request.request_id}: every engine replica is dead")
+            e = min(live, key=self._load.__getitem__)
+            self._load[e] += 1
+            self._busy(+1)
+            self._requests[request.request_id] = e
+            call = asyncio.ensure_future(_call(self.engines[e], request, truncatable))
+            try:
+                timeout, start = self.cfg.request_timeout_s, self._active_time()
+                while not call.done():
+                    left = timeout - (self._active_time() - start)
+                    if left <= 0:
+                        await self._abort_timed_out(e, request, call)
+                    await asyncio.wait({call}, timeout=left)
+                return call.result(), e
+            except Exception as exc:
+                if not _actor_died(exc):
+                    raise
+                if e not in self._dead:
+                    self._dead.add(e)
+                    self.stats.dead_engines += 1
+                    log.error("engine replica %d died (%r); no further requests go to it", e, exc)
+            finally:
+                call.cancel()
+                self._load[e] -= 1
+                self._busy(-1)
+                self._requests.pop(request.request_id, None)
 
     async def _abort_timed_out(self, e: int, request: GenerateRequest, call: asyncio.Future) -> None:
         self.stats.timed_out += 1
@@ -417,6 +504,10 @@ async def _invoke(target: Any, method: str, *args: Any) -> Any:
     remote = getattr(fn, "remote", None)
     out = remote(*args) if remote is not None else fn(*args)
     return await out if inspect.isawaitable(out) else out
+
+
+def _index_of(sample_id: str) -> int:
+    return parse_sample_id(sample_id)[1]
 
 
 def _actor_died(exc: BaseException) -> bool:

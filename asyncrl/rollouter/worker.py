@@ -83,8 +83,12 @@ class RolloutWorker:
     """The Rollouter process; build it as a Ray actor (``ray.remote(RolloutWorker)``)."""
 
     def __init__(self, cfg: RolloutConfig, engines: list, stream, model_path: str, data_spec: DataSpec,
-                 state: dict | None = None, *, metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0,
-                 skip: SkipConfig | None = None, partial: PartialRolloutConfig | None = None, aggregator=None):
+                 resume: dict | None = None, *, metrics_endpoint: str | None = None, metrics_interval_s: float = 1.0,
+                 skip: SkipConfig | None = None,
+                 partial: PartialRolloutConfig | None = None, aggregator=None):
+        """``resume``: ``{"saved": <the checkpoint's rollouter_state>, "committed": <CommittedSet
+        JSON>, "dropped": int}`` of a restored Trainer: the feed continues where it stood, and
+        what was admitted but not trained is generated again first (`RolloutState.resume`)."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -98,12 +102,19 @@ class RolloutWorker:
             data=prompts_fingerprint((p.prompt_ids for p in self.prompts),
                                      data_spec.train or f"builtin:arithmetic:seed={data_spec.seed}"),
             reward=data_spec.reward or "builtin"))
-        self.state = RolloutState(**(state or {}))
+        if resume is None:
+            self.state = RolloutState()
+        else:
+            from asyncrl.types import CommittedSet
+
+            self.state = RolloutState.resume(resume["saved"], CommittedSet.from_json(resume["committed"]),
+                                             resume["dropped"], rows=len(self.prompts))
         self.partial, self.aggregator = partial, aggregator
         self.version = 0
         self.dropped: list[str] = []
         self.rollouter: Rollouter | None = None
         self.metrics_endpoint, self.metrics_interval_s = metrics_endpoint, metrics_interval_s
+        self._stopped = False
 
     def ready(self) -> int:
         """Returns once the dataset is loaded: the number of prompts."""
@@ -129,6 +140,8 @@ class RolloutWorker:
                                    partial=self.partial, aggregator=self.aggregator)
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
         await self.rollouter.on_dropped(self.dropped)
+        if self._stopped:
+            await self.rollouter.stop()
         try:
             await self.rollouter.run(num_groups)
         finally:
@@ -149,6 +162,13 @@ class RolloutWorker:
         self.version = version
         if self.rollouter is not None:
             await self.rollouter.on_sync(version)
+
+    async def stop(self) -> dict:
+        """Drain: no new prompts, in-flight groups cancelled and aborted on the engines; `run` returns."""
+        self._stopped = True
+        if self.rollouter is not None:
+            await self.rollouter.stop()
+        return self.progress()
 
     async def on_dropped(self, sample_ids: list[str]) -> None:
         """The Trainer dropped these groups by policy: their budget goes back to the gate."""
@@ -183,8 +203,11 @@ class RolloutWorker:
                 "val/samples": float(len(scored))}
 
     def feed_state(self) -> dict:
-        """The feed position, for the Trainer's checkpoint (``rollouter_state`` slot)."""
-        return dataclasses.asdict(self.state)
+        """The feed position and what is in flight, for the Trainer's checkpoint (``rollouter_state``)."""
+        if self.rollouter is not None:
+            return self.rollouter.snapshot()
+        st = self.state
+        return {"epoch": st.epoch, "next_index": st.next_index, "position": st.position}
 
     def progress(self) -> dict:
         r = self.rollouter

@@ -91,10 +91,16 @@ class WeightSyncCoordinator:
     async def sync(self) -> int:
         """Pause keep -> broadcast -> load -> resume on every engine; return the new version."""
         async with self._lock:  # one sync at a time: each one re-reads the trainer's weights
-            return await self._sync()
+            return await self._sync(self._version + 1)
 
-    async def _sync(self) -> int:
-        cfg, target, t0 = self.config, self._version + 1, time.perf_counter()
+    async def republish(self) -> int:
+        """Put the trainer's current weights into every engine under the current version (no new
+        version): a resumed run's engines serve the restored weights before they generate."""
+        async with self._lock:
+            return await self._sync(self._version)
+
+    async def _sync(self, target: int) -> int:
+        cfg, t0 = self.config, time.perf_counter()
         report = SyncReport(version=target)
         paused, failed = await self._pause_all()
         report.pause_s = time.perf_counter() - t0

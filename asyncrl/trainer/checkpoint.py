@@ -8,8 +8,10 @@ Layout under ``checkpoint_dir``::
 A checkpoint is written into ``step_N.tmp`` and renamed when both the shards and the sidecar
 are on disk, then ``latest`` is replaced; a crash mid-write leaves the previous checkpoint as
 ``latest``. The sidecar holds the trainer's ``version`` and ``step``, the ``committed``
-sample_ids (trained or dropped by policy) and a ``rollouter_state`` slot (feed index, partial
-buffer, unacked groups) that the Rollouter fills.
+sample_ids (trained or dropped by policy, as a `CommittedSet`: a watermark plus exceptions, so
+it stays small however long the run), the records this checkpoint made durable (to repair
+``samples.jsonl`` after a crash) and a ``rollouter_state`` slot (feed position, partial buffer)
+that the Rollouter fills.
 
 Leaves out: pruning old checkpoints and async (background) saving.
 """
@@ -36,8 +38,13 @@ class TrainerState:
     """Train steps completed."""
     version: int
     """Weight version (number of weight syncs) at the checkpoint."""
-    committed: list[str] = field(default_factory=list)
-    """sample_ids already trained on or dropped by policy; a resumed run never trains them again."""
+    committed: dict | list = field(default_factory=dict)
+    """sample_ids already trained on or dropped by policy (`CommittedSet.to_json`; older
+    sidecars hold a plain list); a resumed run never trains them again."""
+    dropped: int = 0
+    """How many of them were dropped by policy (the rest were trained)."""
+    records: list[dict] = field(default_factory=list)
+    """The ``samples.jsonl`` records of the groups this checkpoint made durable."""
     rollouter_state: dict = field(default_factory=dict)
     """The Rollouter's state (feed index, partial buffer, unacked groups); opaque to the trainer."""
 

@@ -140,6 +140,9 @@ class TrainerConfig:
     checkpoint_every: int = 1
     """Train steps between checkpoints; acks wait for the checkpoint that makes a step durable,
     so the stream's window must exceed ``groups_per_batch * require_batches * checkpoint_every``."""
+    samples_path: str | None = None
+    """Where the audit trail goes (``<run_dir>/samples.jsonl``: one line per trained or dropped
+    group, written once its step is durable); None writes none."""
     rank_start_timeout_s: float = 300.0
     """Deadline for every rank to load the model and join the process group."""
     step_timeout_s: float = 1800.0

@@ -17,10 +17,27 @@ Each step's metrics add ``timing_s/update_actor``, ``timing_s/save_checkpoint`` 
 partial-rollout figures of the trained groups (verl's ``fully_async/partial/total_partial_num``,
 ``partial_ratio``, ``max_partial_span``: versions one trajectory spans, ``age_mean``, ``age_max``);
 waiting, weight-sync time and the idle ratio come from the metric stream's reporter.
+The groups of a step train in feed order, whatever order they arrived in, so the step's
+floating-point sums do not depend on arrival timing.
+
+Audit: with ``samples_path`` set, every trained or dropped group gets one line in
+``samples.jsonl`` once its step is durable (`asyncrl.trainer.audit`). Stopping: after
+`request_stop` a step still collecting its groups is abandoned (`StepAbandoned`: nothing of it
+was trained, its groups stay unacked); a step already training finishes. `finish` then writes
+the checkpoint that makes everything durable.
+
+Groups replayed by the SkipManager (`asyncrl.skip.is_replayed`) get their token versions
+re-based to the current version before screening, so ``max_version_gap`` judges them as
+produced now rather than by the dumping run's timeline; their behaviour log-probs are kept
+(see `Trainer._replayed`). ``replayed_groups`` counts them per step.
+
+The source is a `asyncrl.queue.base.GroupSource` (``recv``/``ack``): the ZeroMQ `StreamConsumer`,
+or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.sync.base.WeightSyncer`. Leaves out: the metrics pipeline (each step returns a dict).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
@@ -32,14 +49,18 @@ from asyncrl.queue.base import GroupSource
 from asyncrl.queue.memory import MemorySource
 from asyncrl.skip.rollout_skip import REPLAY_KEY, is_replayed, rebase_versions
 from asyncrl.sync.base import WeightSyncer
-from asyncrl.trainer import checkpoint
+from asyncrl.trainer import audit, checkpoint
 from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.ranks import RankGroup
 from asyncrl.trainer.worker import merge_stats
-from asyncrl.types import Group
+from asyncrl.types import CommittedSet, Group, parse_sample_id
 
-__all__ = ["GroupSource", "MemorySource", "StepResult", "Trainer", "WeightSyncer"]
+__all__ = ["GroupSource", "MemorySource", "StepAbandoned", "StepResult", "Trainer", "WeightSyncer"]
+
+
+class StepAbandoned(Exception):
+    """A stop was requested while a step was still collecting groups: nothing of it was trained."""
 
 
 @dataclass
@@ -75,10 +96,18 @@ class Trainer:
         self.on_dropped = on_dropped
         self.step = 0
         self.version = 0
-        self.committed: set[str] = set()
+        self.committed = CommittedSet()
         """sample_ids trained on or dropped by policy."""
-        self._durable: set[str] = set()
+        self.dropped = 0
+        """How many of ``committed`` were dropped by policy."""
+        self._durable = CommittedSet()
         self._unacked: list[str] = []
+        self._records: list[audit.SampleRecord] = []  # audit lines waiting for their step to be durable
+        self._log = audit.SampleLog(cfg.samples_path) if cfg.samples_path else None
+        self._stop = asyncio.Event()
+        self.broken: str | None = None
+        """Set when a step failed while the ranks were training it: they may hold part of it, so
+        no checkpoint is written from them any more (the last one stays the resume point)."""
         self.restored_rollouter_state: dict = {}
 
     async def restore(self) -> bool:
@@ -87,24 +116,40 @@ class Trainer:
         Restores the ranks' model and optimizer, ``step``, ``version`` and ``committed``; give
         ``committed`` to the stream (``StreamConsumer(cfg, committed=trainer.committed)``) so
         replays of committed groups are acked, not delivered. The Rollouter's saved state is in
-        ``restored_rollouter_state``.
+        ``restored_rollouter_state``. ``samples.jsonl`` is repaired to list exactly the groups
+        the checkpoint made durable (see `asyncrl.trainer.audit`).
         """
         found = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
         if found is None:
             return False
         path, state = found
         await self.ranks.call("load_checkpoint", timeout=self.cfg.step_timeout_s, path=str(path))
-        self.step, self.version = state.step, state.version
-        self.committed = set(state.committed)
-        self._durable = set(state.committed)
+        self.step, self.version, self.dropped = state.step, state.version, state.dropped
+        self.committed = CommittedSet.from_json(state.committed)
+        self._durable = self.committed.copy()
+        self._unacked, self._records = [], []
         self.restored_rollouter_state = state.rollouter_state
+        if self._log is not None:
+            self._log.repair(self.committed, state.records)
         return True
+
+    def request_stop(self) -> None:
+        """Stop at the next safe point: abandon a step still collecting, let one training finish."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def finish(self) -> None:
+        """Make everything trained or dropped so far durable: a checkpoint if any of it is not."""
+        if self.cfg.checkpoint_dir and (self._unacked or self._records):
+            await self.save_checkpoint()
 
     async def run(self, num_steps: int) -> list[StepResult]:
         """Run ``num_steps`` train steps; the last one is always checkpointed (when enabled)."""
         results = [await self.train_step() for _ in range(num_steps)]
-        if self.cfg.checkpoint_dir and self._unacked:
-            await self.save_checkpoint()
+        await self.finish()
         return results
 
     async def _collect(self) -> tuple[list[Group], list[tuple[str, str]]]:
@@ -114,7 +159,7 @@ class Trainer:
         seen: set[str] = set()
         while len(kept) < need:
             try:
-                group = await self.source.recv(timeout=self.cfg.recv_timeout_s)
+                group = await self._next_group()
             except TimeoutError:
                 raise TimeoutError(f"no group arrived within recv_timeout_s={self.cfg.recv_timeout_s} "
                                    f"(step {self.step + 1} has {len(kept)} of {need})") from None
@@ -132,10 +177,29 @@ class Trainer:
             for sid, reason in out:
                 self.source.ack([sid], reason=reason)
                 self.committed.add(sid)
+                self.dropped += 1
+                self._records.append(audit.dropped(sid, self.step + 1, reason))
                 dropped.append((sid, reason))
             if out and self.on_dropped is not None:
                 await _maybe_await(self.on_dropped([sid for sid, _ in out]))
         return kept, dropped
+
+    async def _next_group(self) -> Group:
+        """The source's next group, unless a stop is requested first (`StepAbandoned`)."""
+        if self._stop.is_set():
+            raise StepAbandoned(f"stop requested while step {self.step + 1} was collecting groups")
+        recv = asyncio.ensure_future(self.source.recv(timeout=self.cfg.recv_timeout_s))
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if recv.done():
+            return recv.result()
+        recv.cancel()
+        await asyncio.gather(recv, return_exceptions=True)
+        # A group received meanwhile stays unacked: its producer keeps it, a resume regenerates it.
+        raise StepAbandoned(f"stop requested while step {self.step + 1} was collecting groups")
 
     def _replayed(self, group: Group) -> Group:
         """A group the SkipManager replayed from a dump, made fit for this run (see `rebase_versions`).
@@ -158,6 +222,7 @@ class Trainer:
         cfg = self.cfg
         groups, dropped = await self._collect()
         t_collected = time.perf_counter()
+        groups.sort(key=_feed_order)
         per_batch = []
         batches = []
         for i in range(cfg.require_batches):
@@ -165,18 +230,24 @@ class Trainer:
             batch = assemble(chunk, pad_token_id=cfg.worker.pad_token_id,
                              norm_adv_by_std=cfg.worker.algorithm.norm_adv_by_std)
             batches.append(batch)
-            per_batch.append(await self._train_minibatch(batch))
+            try:
+                per_batch.append(await self._train_minibatch(batch))
+            except BaseException as e:
+                # The ranks may hold part of this step's updates: no checkpoint may record them.
+                self.broken = f"step {self.step + 1} failed while training ({type(e).__name__}: {e})"
+                raise
         ids = [g.sample_id for g in groups]
         self.step += 1
         self.committed.update(ids)
         self._unacked.extend(ids)
+        self._records.extend(audit.trained(ids, self.step))
         t_trained = time.perf_counter()
         if self.syncer is not None and self.step % cfg.trigger_parameter_sync_step == 0:
             self.version = await self.syncer.sync()
         t_synced = time.perf_counter()
         if cfg.checkpoint_dir is None:
             self._durable.update(ids)  # without checkpoints a committed step is as durable as it gets
-            self._ack_unacked()
+            self._made_durable()
         elif self.step % cfg.checkpoint_every == 0:
             await self.save_checkpoint()
         t_end = time.perf_counter()
@@ -201,22 +272,36 @@ class Trainer:
         return out
 
     async def save_checkpoint(self) -> None:
-        """Publish a checkpoint of the ranks and the sidecar, then ack the groups it made durable."""
+        """Publish a checkpoint of the ranks and the sidecar, then log and ack the groups it made durable."""
+        if self.broken:
+            raise RuntimeError(f"no checkpoint: {self.broken}")
         root = self.cfg.checkpoint_dir
         staged = checkpoint.staging_path(root, self.step)
         await self.ranks.call("save_checkpoint", timeout=self.cfg.step_timeout_s, path=str(staged))
         state = checkpoint.TrainerState(
-            step=self.step, version=self.version, committed=sorted(self.committed),
+            step=self.step, version=self.version, committed=self.committed.to_json(), dropped=self.dropped,
+            records=list(self._records),
             rollouter_state=await _maybe_await(self.rollouter_state()) if self.rollouter_state else {},
         )
         checkpoint.publish(root, staged, state)
-        self._durable = set(self.committed)
-        self._ack_unacked()
+        self._durable = self.committed.copy()
+        self._made_durable()
 
-    def _ack_unacked(self) -> None:
+    def _made_durable(self) -> None:
+        """Log, then ack, what is durable now (a crash between the two only re-sends acked-later groups)."""
+        if self._log is not None:
+            self._log.append(self._records)
+        self._records = []
         if self._unacked:
             self.source.ack(self._unacked)
             self._unacked = []
+
+
+def _feed_order(group: Group) -> tuple[int, str]:
+    try:
+        return parse_sample_id(group.sample_id)[1], group.sample_id
+    except ValueError:
+        return -1, group.sample_id  # ids not from a Rollouter's feed keep a stable order too
 
 
 async def _maybe_await(value):

@@ -120,6 +120,18 @@ async def test_three_syncs_land_bitwise_and_metadata_goes_once(trainer, engines)
     assert coord.last.attempts == 1 and coord.last.failed == {}
 
 
+async def test_republish_after_a_resume_loads_the_weights_and_keeps_the_version(trainer, engines):
+    # A resumed run: a fresh coordinator at the restored version, the ranks hold restored weights
+    # the engines lack. republish() puts them in without counting a sync.
+    version = await engines[0].version.remote()
+    coord = WeightSyncCoordinator(trainer.workers, engines, CFG, version=version)
+    await trainer.call("__ray_call__", [(_perturb, 77), (_perturb, 77)], timeout=60)
+    assert await coord.republish() == version and coord.version == version
+    await _assert_equal(trainer, engines)
+    assert [await h.version.remote() for h in engines] == [version, version]
+    assert await coord.sync() == version + 1  # the next sync counts on from the restored version
+
+
 async def _coordinator(trainer, engines, cfg=CFG):
     versions = {await h.version.remote() for h in engines}
     assert len(versions) == 1

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from asyncrl.queue.memory import MemorySink
+
+ListProducer = MemorySink  # main's partial-rollout tests still use the old name
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
 from asyncrl.rollouter.torch_engine import TorchEngine
 from asyncrl.types import parse_sample_id
@@ -149,3 +151,130 @@ async def test_rewards_run_off_the_event_loop(model_path):
     finally:
         await engine.close()
     assert len(threads) == 4 and threading.get_ident() not in threads
+
+
+async def test_a_resume_regenerates_pending_ids_first_with_the_same_tokens_then_continues_the_feed(model_path):
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        cfg = RolloutConfig(n=2, max_tokens=4, groups_per_sync=100, max_concurrent=1, seed=3)
+        first = MemorySink()
+        await asyncio.wait_for(Rollouter(cfg, [engine], first, make_prompts(3), length_reward).run(num_groups=8), 120)
+        # A checkpoint taken at next_index=6 with 0, 1, 3 and 5 trained: 2 and 4 were admitted, not trained.
+        resumed = MemorySink()
+        state = RolloutState(epoch=2, position=0, next_index=6, pending=[2, 4], done=4)
+        r = Rollouter(cfg, [engine], resumed, make_prompts(3), length_reward, state=state)
+        assert r.admitted == 4
+        await asyncio.wait_for(r.run(num_groups=4), 120)
+    finally:
+        await engine.close()
+    assert [g.sample_id for g in resumed.groups] == ["sample_0_2", "sample_1_4", "sample_2_6", "sample_2_7"]
+    assert r.state.next_index == 8 and r.state.pending == []
+    before = {g.sample_id: g for g in first.groups}
+    for g in resumed.groups:  # same id -> same prompt and sampling seeds -> same tokens on the same weights
+        old = before[g.sample_id]
+        assert g.meta["prompt"] == old.meta["prompt"]
+        for t, u in zip(sorted(g.trajectories, key=lambda t: t.index), sorted(old.trajectories, key=lambda t: t.index)):
+            assert np.array_equal(t.response_ids, u.response_ids)
+            np.testing.assert_allclose(t.logprobs, u.logprobs, atol=1e-5)
+
+
+async def test_the_gate_counts_groups_done_before_a_resume(model_path, until):
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        producer = MemorySink()
+        cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=2, staleness_threshold=0.0)
+        # Resumed at version 2 with 5 groups done, one of them dropped: 4 count against (2 + 1) * 2 = 6.
+        r = Rollouter(cfg, [engine], producer, make_prompts(3), length_reward,
+                      state=RolloutState(next_index=5, done=5, dropped=1))
+        await r.on_sync(2)
+        task = asyncio.create_task(r.run())
+        await producer.wait_for(2, 60)
+        await until(lambda: r.sent == 7, 60, "the second group to be counted as sent")
+        assert r.admitted == 7 and not r._admissible()
+        assert [g.sample_id for g in producer.groups] == ["sample_0_5", "sample_0_6"]
+        await r.stop()
+        await asyncio.wait_for(task, 30)
+    finally:
+        await engine.close()
+
+
+class HangingEngine:
+    """Generates nothing until its requests are aborted."""
+
+    def __init__(self):
+        self.started, self.aborted = [], []
+        self._events = {}
+
+    async def generate(self, request):
+        self.started.append(request.request_id)
+        await self._events.setdefault(request.request_id, asyncio.Event()).wait()
+        raise AssertionError("an aborted request's result is never awaited")
+
+    async def abort(self, request_ids):
+        self.aborted.extend(request_ids)
+
+
+async def test_stop_drains_in_flight_groups_and_aborts_their_requests(until):
+    engines = [HangingEngine(), HangingEngine()]
+    producer = MemorySink()
+    cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10, max_concurrent=2)
+    r = Rollouter(cfg, engines, producer, make_prompts(3), length_reward)
+    task = asyncio.create_task(r.run())
+    await until(lambda: sum(len(e.started) for e in engines) == 4, 30, "four requests on the engines")
+    assert r.snapshot() == {"epoch": 0, "next_index": 2, "position": 2, "in_flight": ["sample_0_0", "sample_0_1"],
+                            "unacked": []}
+    await r.stop()
+    await asyncio.wait_for(task, 10)  # run() returns: nothing left in flight
+    assert sorted(rid for e in engines for rid in e.aborted) == sorted(rid for e in engines for rid in e.started)
+    assert producer.groups == [] and r.admitted == 2 and r.snapshot()["in_flight"] == []
+
+
+def test_a_state_that_does_not_fit_the_dataset_is_refused():
+    with pytest.raises(ValueError, match="pending holds 9, not below next_index=4"):
+        Rollouter(RolloutConfig(), [BrokenEngine()], MemorySink(), make_prompts(3), length_reward,
+                  state=RolloutState(next_index=4, position=1, epoch=1, pending=[9]))
+    with pytest.raises(ValueError, match="feed index 1 does not fit"):
+        Rollouter(RolloutConfig(), [BrokenEngine()], MemorySink(), make_prompts(3), length_reward,
+                  state=RolloutState(next_index=4, pending=[1]))  # a feed that started at index 4
+
+
+def test_resume_state_makes_every_uncommitted_id_below_the_feed_position_pending():
+    from asyncrl.types import CommittedSet
+
+    committed = CommittedSet(f"sample_{i // 3}_{i}" for i in (0, 1, 2, 3, 5, 7))
+    saved = {"epoch": 3, "next_index": 9, "position": 0, "in_flight": ["sample_2_8"], "unacked": ["sample_1_4"]}
+    st = RolloutState.resume(saved, committed, dropped=1, rows=3)
+    assert (st.epoch, st.next_index, st.position) == (3, 9, 0) and st.pending == [4, 6, 8]
+    assert (st.done, st.dropped) == (6, 1)
+    # A feed position saved before ids it had fed were committed (the Rollouter died in between):
+    # the feed moves past the highest committed id; the gaps below it are pending.
+    stale = {"epoch": 1, "next_index": 4, "position": 1}
+    st = RolloutState.resume(stale, committed, dropped=0, rows=3)
+    assert (st.epoch, st.next_index, st.position) == (2, 8, 2) and st.pending == [4, 6]
+    r = Rollouter(RolloutConfig(), [BrokenEngine()], MemorySink(), make_prompts(3), length_reward, state=st)
+    assert [r._draw()[0] for _ in range(3)] == ["sample_1_4", "sample_2_6", "sample_2_8"]
+
+
+async def test_a_dead_engine_is_left_out_and_its_requests_go_to_a_live_one(model_path):
+    import ray
+
+    class Dead:
+        calls = 0
+
+        async def generate(self, request):
+            Dead.calls += 1
+            raise ray.exceptions.ActorDiedError()
+
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        producer = MemorySink()
+        cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=10, max_concurrent=1)
+        r = Rollouter(cfg, [Dead(), engine], producer, make_prompts(2), length_reward)
+        await asyncio.wait_for(r.run(num_groups=3), 60)
+    finally:
+        await engine.close()
+    assert all(g.complete for g in producer.groups) and len(producer.groups) == 3
+    assert Dead.calls == 1  # tried once, then left out
+    only_dead = Rollouter(cfg, [Dead()], MemorySink(), make_prompts(1), length_reward)
+    await asyncio.wait_for(only_dead.run(num_groups=1), 30)
+    assert "every engine replica is dead" in only_dead.producer.groups[0].error

@@ -1,0 +1,227 @@
+"""Whole-run crashes and resume through ``python -m asyncrl.launch``: exactly-once across them.
+
+One run is interrupted five ways, each at a seeded random step, and resumed each time:
+an engine actor killed (two engines: the run goes on without it), the Rollouter actor killed
+(the run stops with a checkpoint and a clear error), a trainer rank killed (stops; the last
+checkpoint stays the resume point), Ctrl-C to the process group (clean stop, exit 0), and the
+launcher itself killed with SIGKILL (its local Ray cluster dies with it). Then:
+
+- ``samples.jsonl`` names no id twice and exactly the final checkpoint's committed set; every
+  feed index below the final ``next_index`` is trained, dropped with a reason, or pending in
+  the final checkpoint (in flight or sent and not acked);
+- on-policy (staleness 0, a sync every step) the interrupted run ends with the same parameters
+  (within 1e-6) and the same ``samples.jsonl`` as an uninterrupted run with the same seed.
+
+Actors are found among the launcher's own descendants (``ray::<Class>`` process titles) and
+killed by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.types import CommittedSet, parse_sample_id
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, GROUPS = 14, 2
+COMMON = ["--steps", str(STEPS), "--n", "2", "--groups-per-step", str(GROUPS), "--max-tokens", "3",
+          "--lr", "1e-3", "--sync-every", "1", "--staleness-threshold", "0", "--engines", "2", "--seed", "3",
+          "trainer.checkpoint_every=2"]
+T = 600.0  # deadline of any one wait (the shared CI machine starts Ray slowly)
+
+
+class Launch:
+    """One ``python -m asyncrl.launch`` process in its own session; its output read by a thread."""
+
+    def __init__(self, *args: str):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "asyncrl.launch", *args], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_line(self, prefix: str) -> str:
+        """The next line of output starting with ``prefix`` (earlier lines are passed over)."""
+        while True:
+            try:
+                line = self._queue.get(timeout=T)
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} within {T}s:\n{self.output[-3000:]}") from None
+            if line is None:
+                raise AssertionError(f"the launcher exited before {prefix!r}:\n{self.output[-3000:]}")
+            if line.startswith(prefix):
+                return line
+
+    def wait_step(self, step: int) -> None:
+        self.wait_line(f"step {step:3d}/")
+
+    def restored_step(self) -> int:
+        """The step a resumed launcher restored (from its 'resumed at step N, ...' line)."""
+        return int(self.wait_line("asyncrl: resumed at step ").split()[4].rstrip(","))
+
+    def actor_pids(self, cls: str) -> list[int]:
+        out = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if p.cmdline() and p.cmdline()[0].startswith(f"ray::{cls}"):
+                    out.append(p.pid)
+            except psutil.Error:
+                pass
+        assert out, f"no ray::{cls} process under the launcher"
+        return out
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(timeout=T)
+        finally:
+            self.kill_all()
+
+    def kill_all(self) -> list[psutil.Process]:
+        """SIGKILL the launcher, then every process under it still there after 60 s (by pid); returns those."""
+        try:
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        _, alive = psutil.wait_procs(family, timeout=60)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=30)
+        return alive
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = run_dir / "checkpoints"
+    out = run_dir / "final.pt"
+    dcp_to_torch_save(ckpt / (ckpt / "latest").read_text().strip(), out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+def _sidecar(run_dir: Path) -> dict:
+    ckpt = run_dir / "checkpoints"
+    return json.loads((ckpt / (ckpt / "latest").read_text().strip() / "trainer_state.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_every_process_killed_then_resumed_trains_each_sample_once_and_matches_an_uninterrupted_run(tmp_path):
+    rng = random.Random(14)
+    model = build_tiny_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    resume = ["--resume", str(run_dir)]
+    runs: list[Launch] = []
+
+    def later(run: Launch) -> int:
+        """A seeded random step 1-2 steps after the one ``run`` restored."""
+        return run.restored_step() + rng.randint(1, 2)
+
+    try:
+        # 1. An engine dies: the run goes on with the other one. Then the Rollouter dies: the run
+        #    stops, with a checkpoint of what it trained and an error naming the Rollouter.
+        run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON)
+        runs.append(run)
+        run.wait_step(rng.randint(1, 2))
+        os.kill(run.actor_pids("EngineActor")[0], signal.SIGKILL)
+        at = rng.randint(4, 5)
+        run.wait_step(at)
+        assert "died; going on with 1" in run.output, run.output[-3000:]
+        os.kill(run.actor_pids("RolloutWorker")[0], signal.SIGKILL)
+        assert run.finish() == 1, run.output[-3000:]
+        assert "stopping on" in run.output and "--resume" in run.output, run.output[-3000:]
+        assert _sidecar(run_dir)["step"] >= at
+
+        # 2. A trainer rank dies: the run stops; the last checkpoint stays the resume point.
+        run = Launch(*resume)
+        runs.append(run)
+        run.wait_step(later(run))
+        before = _sidecar(run_dir)["step"]
+        os.kill(run.actor_pids("TrainerWorker")[0], signal.SIGKILL)
+        assert run.finish() == 1, run.output[-3000:]
+        assert "stopping on" in run.output, run.output[-3000:]
+        assert _sidecar(run_dir)["step"] >= before
+
+        # 3. Ctrl-C, as a terminal sends it (to the whole process group): clean stop, exit 0.
+        run = Launch(*resume)
+        runs.append(run)
+        run.wait_step(step := later(run))
+        os.killpg(run.proc.pid, signal.SIGINT)
+        assert run.finish() == 0, run.output[-3000:]
+        stopped = _sidecar(run_dir)["step"]
+        assert "stopped cleanly at step" in run.output and stopped >= step
+
+        # 4. The launcher killed with SIGKILL.
+        run = Launch(*resume)
+        runs.append(run)
+        restored = run.restored_step()
+        assert restored == stopped
+        run.wait_step(restored + rng.randint(1, 2))
+        run.kill_all()  # its Ray processes notice and exit; any still there after 60 s are killed by pid
+
+        # 5. Resume to the end.
+        run = Launch(*resume)
+        runs.append(run)
+        assert run.finish() == 0, run.output[-3000:]
+
+        # The reference: the same run, never interrupted.
+        ref_dir = tmp_path / "reference"
+        ref = Launch("--model", str(model), "--run-dir", str(ref_dir), *COMMON)
+        runs.append(ref)
+        assert ref.finish() == 0, ref.output[-3000:]
+    finally:
+        for r in runs:
+            r.kill_all()
+
+    records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    ids = [r["sample_id"] for r in records]
+    assert len(ids) == len(set(ids)), "a sample_id is listed twice"
+    state = _sidecar(run_dir)
+    assert state["step"] == STEPS
+    committed = CommittedSet.from_json(state["committed"])
+    assert committed == set(ids)
+    assert all(r["reason"] for r in records if r["status"] == "dropped")
+    trained = [r for r in records if r["status"] == "trained"]
+    assert sorted(r["step"] for r in trained) == sorted(s for s in range(1, STEPS + 1) for _ in range(GROUPS))
+    feed = state["rollouter_state"]
+    done = {parse_sample_id(sid)[1] for sid in ids}
+    pending = {parse_sample_id(sid)[1] for sid in feed["in_flight"] + feed["unacked"]}
+    assert set(range(feed["next_index"])) <= done | pending  # trained, dropped, or still pending
+    assert max(done | pending) < feed["next_index"]
+
+    # On-policy, every id is generated from the same weights with the same seeds, interrupted or not.
+    assert (run_dir / "samples.jsonl").read_text() == (ref_dir / "samples.jsonl").read_text()
+    got, want = _final_params(run_dir), _final_params(ref_dir)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert (got[k] - want[k]).abs().max().item() <= 1e-6, k
