@@ -14,7 +14,8 @@ Rollouter, the engines and the trainer ranks are Ray actors in the placement gro
 Resume: when ``<run_dir>/checkpoints`` holds a checkpoint, the ranks load it (model, optimizer,
 step, version, committed set); the stream's consumer starts from that committed set; the
 engines get the restored weights (`WeightSyncCoordinator.republish`) before the Rollouter
-starts; the coordinator and the Rollouter continue at the restored version; the Rollouter
+starts; the coordinator and the Rollouter continue at the restored version (one more when the
+run stopped in a weight sync: `Trainer.catch_up_sync` runs that sync instead); the Rollouter
 regenerates, by id, every id it had admitted that the checkpoint does not hold as trained or
 dropped, then feeds new ids from ``next_index`` (`RolloutState.resume`).
 
@@ -209,8 +210,10 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
 
         coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
                                             version=trainer.version)
-        if resume is not None:
-            await coordinator.republish()  # the engines serve the restored weights before they generate
+        # The engines serve the restored weights before they generate: the sync the restored run
+        # stopped in (its version counts), else the restored version again.
+        if resume is not None and not await trainer.catch_up_sync(coordinator):
+            await coordinator.republish()
         await procs.rollouter.on_sync.remote(trainer.version)
         procs.rollout_run = procs.rollouter.run.remote()
         source = procs.consumer

@@ -47,6 +47,10 @@ class TrainerState:
     """The ``samples.jsonl`` records of the groups this checkpoint made durable."""
     rollouter_state: dict = field(default_factory=dict)
     """The Rollouter's state (feed index, partial buffer, unacked groups); opaque to the trainer."""
+    sync_due: bool = False
+    """The weight sync due after ``step`` did not finish (the run stopped in it): ``version``
+    lags the weights by that sync, and a resume runs it (`Trainer.catch_up_sync`) before any
+    generation, so the engines serve these weights as the version an uninterrupted run gives them."""
 
 
 def save_shards(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_steps: int) -> None:

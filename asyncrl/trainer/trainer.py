@@ -109,6 +109,9 @@ class Trainer:
         """Set when a step failed while the ranks were training it: they may hold part of it, so
         no checkpoint is written from them any more (the last one stays the resume point)."""
         self.restored_rollouter_state: dict = {}
+        self.sync_due = False
+        """A weight sync was due after ``step`` and has not finished (set while it runs, and after
+        a restore of a run that stopped in it); a checkpoint records it, `catch_up_sync` runs it."""
 
     async def restore(self) -> bool:
         """Load the latest checkpoint under ``checkpoint_dir`` if there is one; True if it did.
@@ -125,12 +128,25 @@ class Trainer:
         path, state = found
         await self.ranks.call("load_checkpoint", timeout=self.cfg.step_timeout_s, path=str(path))
         self.step, self.version, self.dropped = state.step, state.version, state.dropped
+        self.sync_due = state.sync_due
         self.committed = CommittedSet.from_json(state.committed)
         self._durable = self.committed.copy()
         self._unacked, self._records = [], []
         self.restored_rollouter_state = state.rollouter_state
         if self._log is not None:
             self._log.repair(self.committed, state.records)
+        return True
+
+    async def catch_up_sync(self, syncer: WeightSyncer) -> bool:
+        """After `restore`: run the weight sync the restored run stopped in, if any; True if it ran.
+
+        Without it the restored ``version`` lags the weights by one sync, and the Rollouter's
+        staleness budget (counted from the version) is one sync short: on-policy it admits
+        nothing and the run waits forever for its next step's groups."""
+        if not self.sync_due:
+            return False
+        self.version = await syncer.sync()
+        self.sync_due = False
         return True
 
     def request_stop(self) -> None:
@@ -243,7 +259,9 @@ class Trainer:
         self._records.extend(audit.trained(ids, self.step))
         t_trained = time.perf_counter()
         if self.syncer is not None and self.step % cfg.trigger_parameter_sync_step == 0:
+            self.sync_due = True  # until it finishes: a checkpoint after a failed sync says so
             self.version = await self.syncer.sync()
+            self.sync_due = False
         t_synced = time.perf_counter()
         if cfg.checkpoint_dir is None:
             self._durable.update(ids)  # without checkpoints a committed step is as durable as it gets
@@ -282,6 +300,7 @@ class Trainer:
             step=self.step, version=self.version, committed=self.committed.to_json(), dropped=self.dropped,
             records=list(self._records),
             rollouter_state=await _maybe_await(self.rollouter_state()) if self.rollouter_state else {},
+            sync_due=self.sync_due,
         )
         checkpoint.publish(root, staged, state)
         self._durable = self.committed.copy()

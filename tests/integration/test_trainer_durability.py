@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import numpy as np
+import torch
 import pytest
 
 from asyncrl.trainer import checkpoint
@@ -134,3 +135,54 @@ async def test_a_stop_abandons_a_step_still_collecting_and_finish_makes_the_rest
     assert [sid for sid, _ in source.acks] == ["sample_0_0", "sample_0_1"]  # sample_0_2 stays unacked
     with pytest.raises(StepAbandoned):
         await trainer.train_step()
+
+
+async def test_a_run_stopped_in_its_weight_sync_runs_that_sync_at_resume(local_rank, tmp_path):
+    # The Rollouter died while the sync after step 1 was due (NotifyingSyncer's first call
+    # fails): step 1 is trained and checkpointed, but its weights never became version 1. The
+    # resume must publish them as version 1, as an uninterrupted run would; republishing them as
+    # version 0 leaves an on-policy Rollouter's staleness budget spent, and the run waits forever.
+    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.sync.inprocess import InProcessSyncer
+
+    path, ranks = local_rank
+    cfg = trainer_config(path, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10,
+                         samples_path=str(tmp_path / "samples.jsonl"))
+
+    class RollouterGone:
+        async def sync(self) -> int:
+            raise RuntimeError("the Rollouter actor died")
+
+    trainer = Trainer(cfg, ranks, MemorySource(make_group(i) for i in range(2)), RollouterGone())
+    with pytest.raises(RuntimeError, match="Rollouter actor died"):
+        await trainer.train_step()
+    assert trainer.step == 1 and trainer.version == 0 and trainer.sync_due
+    await trainer.finish()  # what the launcher does before it stops on the failure
+    _, state = checkpoint.latest(cfg.checkpoint_dir)
+    assert state.step == 1 and state.version == 0 and state.sync_due
+
+    resumed = Trainer(cfg, ranks, MemorySource())
+    assert await resumed.restore() and resumed.step == 1 and resumed.version == 0 and resumed.sync_due
+    engine = TorchEngine(str(path))
+    try:
+        full = (await ranks.call("full_state_dict", timeout=60))[0]  # step 1's weights
+
+        def serves_step_1() -> bool:
+            served = dict(engine.model.named_parameters())
+            return all(torch.equal(served[k], v) for k, v in full.items() if k in served)
+
+        assert engine.version == 0 and not serves_step_1()
+        assert await resumed.catch_up_sync(InProcessSyncer(ranks, [engine])) is True
+        assert resumed.version == 1 and engine.version == 1 and not resumed.sync_due and serves_step_1()
+        assert await resumed.catch_up_sync(InProcessSyncer(ranks, [engine])) is False  # nothing due now
+        assert engine.version == 1
+
+        # A step whose sync finished is checkpointed with nothing due.
+        resumed.source = MemorySource(make_group(i) for i in range(2, 4))
+        resumed.syncer = InProcessSyncer(ranks, [engine])
+        await resumed.train_step()
+        await resumed.finish()
+        _, state = checkpoint.latest(cfg.checkpoint_dir)
+        assert state.step == 2 and state.version == 2 and not state.sync_due and engine.version == 2
+    finally:
+        await engine.close()
