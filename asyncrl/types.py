@@ -66,7 +66,9 @@ class CommittedSet(Set):
     ``sample_{epoch}_{index}`` form are kept as they are.
 
     A ``collections.abc.Set`` of str (``in``, ``len``, iteration, ``==`` and ``|`` with sets).
-    An index is one sample: adding ``sample_1_5`` when ``sample_0_5`` is done raises ValueError.
+    In one feed an index is one sample; ids that share an index with a done id of another epoch
+    (several producers numbering their own feeds, hand-made ids) are kept one by one, so the set
+    stays exact whatever ids it is given.
     """
 
     def __init__(self, ids: Iterable[str] = ()):
@@ -116,8 +118,8 @@ class CommittedSet(Set):
             return sample_id in self._other
         epoch, index = parsed
         if index < self._watermark:
-            return self._epoch_below(index) == epoch
-        return self._above.get(index) == epoch
+            return self._epoch_below(index) == epoch or sample_id in self._other
+        return self._above.get(index) == epoch or sample_id in self._other
 
     def __len__(self) -> int:
         return self._watermark + len(self._above) + len(self._other)
@@ -135,7 +137,7 @@ class CommittedSet(Set):
         return f"CommittedSet(watermark={self._watermark}, exceptions={self.exceptions})"
 
     def add(self, sample_id: str) -> None:
-        """Mark ``sample_id`` done; ValueError if its feed index is done under another epoch."""
+        """Mark ``sample_id`` done (an index already done under another epoch: kept one by one)."""
         parsed = _split_sample_id(sample_id)
         if parsed is None:
             self._other.add(sample_id)
@@ -143,7 +145,8 @@ class CommittedSet(Set):
         epoch, index = parsed
         known = self._epoch_below(index) if index < self._watermark else self._above.get(index, epoch)
         if known != epoch:
-            raise ValueError(f"{sample_id}: feed index {index} is already done as sample_{known}_{index}")
+            self._other.add(sample_id)
+            return
         if index < self._watermark:
             return
         self._above[index] = epoch

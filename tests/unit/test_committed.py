@@ -59,14 +59,17 @@ def test_the_watermark_crosses_epochs_and_iterates_back_every_id():
     assert list(done) == [sid(i) for i in range(2 * EPOCH_SIZE + 3)]
 
 
-def test_an_index_is_one_sample_and_bad_json_names_what_is_wrong():
+def test_ids_sharing_an_index_stay_exact_and_bad_json_names_what_is_wrong():
     done = CommittedSet([sid(0), sid(7)])
     done.add(sid(0))  # adding again is a no-op
     assert len(done) == 2
-    with pytest.raises(ValueError, match="feed index 0 is already done as sample_0_0"):
-        done.add("sample_3_0")
-    with pytest.raises(ValueError, match="feed index 7"):
-        done.add("sample_1_7")
+    # Another feed's ids with the same indices (two producers numbering their own feeds) are
+    # kept one by one: the set stays exact, and survives its JSON.
+    done.update(["sample_3_0", "sample_1_7"])
+    assert len(done) == 4 and done.exceptions == 3
+    assert {"sample_3_0", "sample_1_7", sid(0), sid(7)} == set(done)
+    assert "sample_3_0" in done and "sample_2_0" not in done and "sample_1_7" in done
+    assert CommittedSet.from_json(done.to_json()) == done
     with pytest.raises(ValueError, match="malformed committed set.*watermark"):
         CommittedSet.from_json({"epochs": []})
     with pytest.raises(ValueError, match="must start at index 0"):
