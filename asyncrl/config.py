@@ -534,7 +534,3 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
         raise ConfigError("skip.rollout.enable=true: the rollout role replays the synchronous path's train-step "
                           "batches; this pipeline's Rollouter is skipped with skip.async_rollout (its steps are "
                           "feed indices of sample_{epoch}_{index})")
-    # Sections whose parts have not landed yet: asking for them must not pass silently.
-    # (Remove each line when its part is wired into the launcher.)
-    if cfg.partial_rollout.enable:
-        raise ConfigError("partial_rollout.enable=true: partial rollout is not wired into the launcher yet")

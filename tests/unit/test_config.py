@@ -86,7 +86,6 @@ def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
     (["engine.kind=vllm"], ("engine.kind=vllm", "rollouter_gpus")),
     (["data.train=/d.jsonl"], ("data.train (--dataset)", "data.reward (--reward)")),
     (["partial_rollout.enable=true", "partial_rollout.threshold=1000"], ("threshold=1000", "rollout.n")),
-    (["partial_rollout.enable=true"], ("partial_rollout.enable=true", "not wired")),
     (["metrics.sinks=[jsonl,graphite]"], ("metrics.sinks", "graphite")),
     (["stream.endpoint=tcp://0.0.0.0:1"], ("stream.endpoint",)),
     (["skip.rollout.enable=true"], ("skip.rollout.enable", "skip.async_rollout")),
