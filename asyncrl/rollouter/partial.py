@@ -61,6 +61,21 @@ class PartialResponse:
     age: int = 0
     """Truncations survived."""
 
+    def to_json(self) -> dict:
+        """A JSON-able copy (for the checkpoint's ``rollouter_state``); `from_json` reads it back exactly."""
+        ids, logprobs, versions = self.joined()
+        return {"age": self.age, "response_ids": ids.tolist(), "logprobs": logprobs.tolist(),
+                "versions": versions.tolist()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> PartialResponse:
+        parts = cls(age=int(data["age"]))
+        if data["response_ids"]:
+            parts.raw_response_ids.append(np.asarray(data["response_ids"], dtype=np.int64))
+            parts.logprobs.append(np.asarray(data["logprobs"], dtype=np.float32))
+            parts.versions.append(np.asarray(data["versions"], dtype=np.int64))
+        return parts
+
     def add(self, result: GenerateResult) -> None:
         self.raw_response_ids.append(result.response_ids)
         self.logprobs.append(result.logprobs)

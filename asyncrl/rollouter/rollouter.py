@@ -14,8 +14,10 @@ One asyncio loop, one task group::
   the Trainer's committed set lacks. A resumed Rollouter regenerates them by id
   (`RolloutState.pending`, served first, same ``sample_id`` and sampling seeds) before new
   ids continue from ``next_index``; ``admitted`` continues from the groups already done. The
-  partial buffer is not saved: a truncated response waiting there is regenerated from its
-  prompt (its sample is pending), so only its tokens' work is lost.
+  partial buffer is saved too (``partials`` in the snapshot): a response truncated before the
+  checkpoint continues after the resume from its saved parts (tokens, behaviour log-probs,
+  versions, age), served with its pending group; only a part being generated at the crash,
+  and the finished responses of unfinished groups, are generated again.
 - `stop` drains: no new admissions, in-flight groups are cancelled and their requests aborted
   on the engines (a resume regenerates them), and `run` returns.
 - Staleness gate (verl's fully-async knobs): after ``version`` weight syncs the Trainer will
@@ -116,6 +118,9 @@ class RolloutState:
     """Groups already trained or dropped (before a resume): they count as admitted and sent."""
     dropped: int = 0
     """Of ``done``, how many were dropped: like failed groups they give their budget back."""
+    partials: dict[str, dict[int, PartialResponse]] = field(default_factory=dict)
+    """Truncated responses of pending samples saved by a checkpoint (``sample_id -> {k: parts}``):
+    each continues from its parts instead of starting over."""
 
     @classmethod
     def resume(cls, saved: dict, committed: CommittedSet, dropped: int, rows: int) -> RolloutState:
@@ -133,6 +138,10 @@ class RolloutState:
             st.next_index = top
         st.pending = committed.missing(st.next_index)
         st.done, st.dropped = len(committed), dropped
+        pending = set(st.pending)
+        for sample_id, responses in saved.get("partials", {}).items():
+            if parse_sample_id(sample_id)[1] in pending:  # a trained or dropped sample needs no parts
+                st.partials[sample_id] = {int(k): PartialResponse.from_json(r) for k, r in responses.items()}
         return st
 
 
@@ -210,6 +219,9 @@ class Rollouter:
         self._gate = asyncio.Condition()
         self._groups: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
         self._requests: dict[str, int] = {}  # request_id in flight -> engine index
+        self._truncated: dict[str, dict[int, PartialResponse]] = {
+            sid: dict(responses) for sid, responses in self.state.partials.items()}
+        """Truncated responses not yet finished, of groups not yet sent: what `snapshot` saves."""
         self._stopping = False
         self._where(self.state.next_index)  # the state must fit the dataset
         for index in self.state.pending:
@@ -275,6 +287,8 @@ class Rollouter:
             "epoch": self.state.epoch, "next_index": self.state.next_index, "position": self.state.position,
             "in_flight": sorted(self._groups, key=_index_of),
             "unacked": [g.sample_id for g in unacked] if unacked is not None else [],
+            "partials": {sid: {str(k): parts.to_json() for k, parts in responses.items()}
+                         for sid, responses in self._truncated.items() if responses},
         }
 
     def _admissible(self) -> bool:
@@ -340,6 +354,7 @@ class Rollouter:
             group = await self.generate_group(sample_id, prompt)
             t0 = time.monotonic()
             await self.producer.send(group)
+            self._truncated.pop(sample_id, None)  # its parts are in the group now (or it failed)
             self.stats.credit_blocked_s += time.monotonic() - t0
             async with self._gate:
                 self.sent += 1
@@ -383,7 +398,8 @@ class Rollouter:
         """One response, resumed across truncations; returns it with the replica that finished it."""
         cfg = self.cfg
         budget = prompt.max_tokens or cfg.max_tokens
-        parts = PartialResponse()
+        restored = self.state.partials.get(sample_id, {}).pop(k, None)  # saved by a checkpoint
+        parts = restored or PartialResponse()
         while True:
             truncatable = self.aggregator is not None and parts.age < self.partial.max_age
             ids, _, _ = parts.joined()
@@ -395,7 +411,9 @@ class Rollouter:
                                         seed=cfg.seed + 1000 * index + k + 7919 * parts.age),
             )
             if parts.age:
-                self.partials.dispatched()
+                if restored is None:  # a restored response was never in this run's buffer
+                    self.partials.dispatched()
+                restored = None
                 self.stats.resumed += 1
             dispatched_in = self.version
             result, replica = await self._generate(request, truncatable)
@@ -404,6 +422,7 @@ class Rollouter:
                 break
             parts.age += 1
             self.stats.truncated += 1
+            self._truncated.setdefault(sample_id, {})[k] = parts
             # The round it was stopped in: never later than its last token's version or the
             # round it was sent in (a later guess could wait for a sync that needs this group).
             stopped_in = int(result.versions[-1]) if len(result.versions) else dispatched_in
@@ -411,6 +430,7 @@ class Rollouter:
                 await self.partials.wait(parts.age, stopped_in)
             else:
                 self.partials.undispatched += 1  # its next round has begun already: go now
+        self._truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
         response_ids, logprobs, versions = parts.joined()
         finish = result.finish_reason if result.finish_reason != "truncated" else "length"
         trajectory = Trajectory(

@@ -159,3 +159,58 @@ def test_partial_config_errors_name_the_field():
     with pytest.raises(ValueError, match="aggregator"):
         Rollouter(RolloutConfig(), [object()], MemorySink(), long_tail_prompts(1), lambda p, i: 0.0,
                   partial=PartialRolloutConfig(enable=True))
+
+
+async def test_a_checkpoint_keeps_the_partial_buffer_and_a_resume_continues_each_response_from_its_parts(
+        model_path, until):
+    import json
+
+    from asyncrl.rollouter.rollouter import RolloutState
+    from asyncrl.types import CommittedSet
+
+    engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(2)]
+    cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=1.0,
+                        max_concurrent=8)
+    partial = PartialRolloutConfig(enable=True, max_age=3)
+    prompts = long_tail_prompts(40)
+
+    def rollouter(state=None) -> Rollouter:
+        aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(GROUPS_PER_SYNC, N))
+        return Rollouter(cfg, engines, MemorySink(), prompts, lambda prompt, ids: float(len(ids)), state=state,
+                         partial=partial, aggregator=aggregator)
+
+    try:
+        # Round 0 admits 4 prompts; the three short groups end it, so the long one (index 0)
+        # is truncated and waits in the buffer for a round that never comes: the run stops there.
+        first = rollouter()
+        task = asyncio.create_task(first.run())
+        await until(lambda: len(first.partials) == N and len(first.producer.groups) == 3, what="truncated responses")
+        await first.stop()
+        await task
+        saved = json.loads(json.dumps(first.snapshot()))  # what the checkpoint sidecar holds
+        assert list(saved["partials"]) == ["sample_0_0"] and set(saved["partials"]["sample_0_0"]) == {"0", "1"}
+        parts = saved["partials"]["sample_0_0"]
+        assert all(p["age"] == 1 and 1 <= len(p["response_ids"]) < LONG for p in parts.values())
+        assert all(len(p["response_ids"]) == len(p["logprobs"]) == len(p["versions"]) for p in parts.values())
+
+        # The three short groups were trained; sample 0 is pending and takes its parts along.
+        trained = CommittedSet(g.sample_id for g in first.producer.groups)
+        state = RolloutState.resume(saved, trained, dropped=0, rows=len(prompts))
+        assert state.pending == [0] and set(state.partials) == {"sample_0_0"}
+        assert RolloutState.resume(saved, CommittedSet([*trained, "sample_0_0"]), 0, len(prompts)).partials == {}
+
+        second = rollouter(state)
+        await asyncio.wait_for(second.run(num_groups=1), 120)
+    finally:
+        for e in engines:
+            await e.close()
+    [group] = second.producer.groups
+    assert group.sample_id == "sample_0_0" and group.complete and second.stats.resumed == N
+    for t in group.trajectories:
+        p = parts[str(t.index)]
+        k = len(p["response_ids"])
+        # It went on from its parts: same tokens, log-probs and versions, then the rest of its budget.
+        assert len(t.response_ids) == LONG and t.age == 1
+        assert t.response_ids[:k].tolist() == p["response_ids"] and t.versions[:k].tolist() == p["versions"]
+        assert np.array_equal(t.logprobs[:k], np.asarray(p["logprobs"], dtype=np.float32))
+    assert second.snapshot()["partials"] == {}
