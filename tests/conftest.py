@@ -3,6 +3,8 @@ import os
 
 import pytest
 
+from asyncrl.skip import SkipManager
+
 
 def pytest_collection_modifyitems(config, items):
     try:
@@ -79,3 +81,61 @@ async def _until(predicate, timeout: float = 60.0, what: str = "the condition") 
 def until():
     """``await until(predicate, timeout=60, what=...)`` (see `_until`)."""
     return _until
+
+
+@SkipManager.annotate(role="rollout")
+async def _rollout_batch(engine, tokenizer, rows: list[dict], *, first_index: int, n: int, temperature: float,
+                         max_tokens: int, seed: int) -> list:
+    """``n`` scored responses for each built-in task row, as groups ``sample_0_{first_index + i}``
+    in feed order: the package's `Rollouter` with its gate wide open, collected instead of
+    streamed. Annotated with the ``rollout`` skip role (one dump per `SkipManager.set_step`)."""
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter, RolloutState, encode_prompts
+    from asyncrl.tasks import arithmetic
+    from asyncrl.types import parse_sample_id
+
+    collected = MemorySink()
+    cfg = RolloutConfig(n=n, max_tokens=max_tokens, temperature=temperature, groups_per_sync=len(rows),
+                        max_concurrent=len(rows), seed=seed)
+
+    def reward(prompt, response_ids) -> float:
+        return arithmetic.reward(prompt.text, arithmetic.decode_response(tokenizer, response_ids))
+
+    prompts = encode_prompts(tokenizer, rows, encode=arithmetic.encode_prompt)
+    rollouter = Rollouter(cfg, [engine], collected, prompts, reward, state=RolloutState(next_index=first_index))
+    await rollouter.run(num_groups=len(rows))
+    return sorted(collected.groups, key=lambda g: parse_sample_id(g.sample_id)[1])
+
+
+@pytest.fixture
+def rollout_batch():
+    """``await rollout_batch(engine, tokenizer, rows, first_index=, n=, temperature=, max_tokens=, seed=)``
+    (see `_rollout_batch`)."""
+    return _rollout_batch
+
+
+def _run_launch(*args, timeout: float = 420.0) -> str:
+    """``python -m asyncrl.launch *args`` in a child process (one torch thread); returns its output
+    (stdout and stderr) after asserting exit 0. Past ``timeout`` it is killed by pid."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.fixture
+def run_launch():
+    """``run_launch(*args, timeout=420) -> output``: the launcher in a child process, exit 0 asserted."""
+    return _run_launch

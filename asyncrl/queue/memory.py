@@ -1,8 +1,8 @@
 """In-process `GroupSource` and `GroupSink`: a group stream without sockets.
 
 `MemorySink` keeps what a Rollouter sends, in order, and lets a caller wait for a count;
-`MemorySource` hands a list of groups to a Trainer and records every ack. Used by the
-on-policy loop (`asyncrl.trainer.sync_loop`) and by tests.
+`MemorySource` hands a list of groups to a Trainer and records every ack. Used by tests
+and by in-process loops.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
 - `fsdp`: ``parallelize(model, mesh)``; `worker`: `TrainerWorker` (one rank); `ranks`: `RankGroup`;
 - `trainer`: `Trainer` (the driver loop); it takes a `GroupSource` (`asyncrl.queue`) and a
   `WeightSyncer` (`asyncrl.sync`), re-exported here with `MemorySource`;
-- `checkpoint`: DCP shards + JSON sidecar; `sync_loop`: the in-process on-policy loop (the launcher's
-  ``--mode sync`` runs the same lockstep with every process of an async run).
+- `checkpoint`: DCP shards + JSON sidecar. The on-policy lockstep is the launcher's ``--mode sync``
+  (`asyncrl.modes`), with every process of an async run; this package imports neither the
+  Rollouter nor the tasks.
 
 Names are imported lazily so ``import asyncrl.trainer`` stays cheap (no torch until used).
 """

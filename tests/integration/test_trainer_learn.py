@@ -1,10 +1,14 @@
 """Learning: on-policy synchronous GRPO with the built-in engine raises the reward on the
-built-in addition task (a reduced run of ``scripts/learn_sync.py``; fixed seeds).
+built-in addition task, in one process: generate a batch with the `Rollouter` on an in-process
+`TorchEngine`, train one `Trainer` step on it (FSDP2 ranks on Ray), push the weights with the
+in-process syncer, repeat (the launcher's ``--mode sync`` runs the same lockstep across processes).
 
 It starts from the shipped default policy (the same weights on every machine), and asserts
 margins well inside what the run gains (measured figures beside the asserts), so a
 different float rounding of the RL run itself does not decide the outcome.
 """
+
+import time
 
 import numpy as np
 import pytest
@@ -16,42 +20,64 @@ from asyncrl.models.tiny import build_tokenizer
 from asyncrl.rollouter.torch_engine import TorchEngine
 from asyncrl.tasks import arithmetic
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
+from asyncrl.queue.memory import MemorySource
+from asyncrl.sync.inprocess import InProcessSyncer
 from asyncrl.trainer.ranks import RankGroup
-from asyncrl.trainer.sync_loop import SyncGRPOConfig, learn_sync, rollout
+from asyncrl.trainer.trainer import Trainer
 
 STEPS, PROMPTS, N, WINDOW = 30, 32, 8, 5
 HELD_OUT = arithmetic.generate_dataset(64, seed=20_261_123)  # not the training prompts' seed
 
 
-async def held_out_reward(engine, tok) -> float:
+MAX_TOKENS = arithmetic.ArithmeticTaskConfig().max_response_tokens
+
+
+async def held_out_reward(rollout_batch, engine, tok) -> float:
     """Mean sampled (T=1) reward over 64 held-out prompts x 8 responses, with fixed seeds."""
-    groups = await rollout(engine, tok, HELD_OUT, first_index=10**6, n=N, temperature=1.0,
-                           max_tokens=arithmetic.ArithmeticTaskConfig().max_response_tokens, seed=7)
+    groups = await rollout_batch(engine, tok, HELD_OUT, first_index=10**6, n=N, temperature=1.0,
+                                 max_tokens=MAX_TOKENS, seed=7)
     return float(np.mean([t.reward for g in groups for t in g.trajectories]))
 
 
+async def learn_sync(rollout_batch, cfg: TrainerConfig, ranks, engine, tok, steps: int, seed: int) -> list[dict]:
+    """``steps`` x (generate ``groups_per_batch`` groups, train one step, load the weights into the engine)."""
+    data = arithmetic.generate_dataset(cfg.groups_per_batch * steps, seed=seed)
+    source = MemorySource()
+    trainer = Trainer(cfg, ranks, source, InProcessSyncer(ranks, [engine]))
+    history = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        rows = data[step * cfg.groups_per_batch:(step + 1) * cfg.groups_per_batch]
+        for g in await rollout_batch(engine, tok, rows, first_index=step * cfg.groups_per_batch, n=N,
+                                     temperature=1.0, max_tokens=MAX_TOKENS, seed=seed):
+            source.put(g)
+        result = await trainer.train_step()
+        history.append(dict(result.metrics, step_s=time.perf_counter() - t0, engine_version=engine.version))
+    return history
+
+
 @pytest.mark.slow
-async def test_sync_grpo_raises_mean_reward():
+async def test_sync_grpo_raises_mean_reward(rollout_batch):
+    from asyncrl.skip import SkipManager
+
     torch.set_num_threads(1)
+    SkipManager.reset()  # no skip role: every batch is generated
     model = str(default_model_path())  # shipped warm start: mixed rewards within groups from the start
     tok = build_tokenizer()
-    cfg = SyncGRPOConfig(
-        trainer=TrainerConfig(
-            worker=WorkerConfig(model_path=model, micro_batch_size=32, pad_token_id=tok.pad_token_id,
-                                algorithm=AlgorithmConfig(loss_agg_mode="token-mean"),
-                                optim=OptimConfig(lr=3e-3, warmup_steps=2)),
-            groups_per_batch=PROMPTS, cpus_per_rank=1),
-        steps=STEPS, n=N, seed=0,
-    )
+    cfg = TrainerConfig(
+        worker=WorkerConfig(model_path=model, micro_batch_size=32, pad_token_id=tok.pad_token_id,
+                            algorithm=AlgorithmConfig(loss_agg_mode="token-mean", temperature=1.0),
+                            optim=OptimConfig(lr=3e-3, warmup_steps=2)),
+        groups_per_batch=PROMPTS, cpus_per_rank=1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     ranks = engine = None
     try:
-        ranks = RankGroup.start_ray(cfg.trainer)
+        ranks = RankGroup.start_ray(cfg)
         engine = TorchEngine(model, max_running=PROMPTS * N, seed=0)
-        before = await held_out_reward(engine, tok)
-        history = await learn_sync(cfg, ranks, engine, tok)
-        after = await held_out_reward(engine, tok)
+        before = await held_out_reward(rollout_batch, engine, tok)
+        history = await learn_sync(rollout_batch, cfg, ranks, engine, tok, STEPS, seed=0)
+        after = await held_out_reward(rollout_batch, engine, tok)
     finally:
         if engine is not None:
             await engine.close()

@@ -325,11 +325,10 @@ async def test_concurrent_async_samples_resolve_their_own_steps(model_path, tmp_
     assert first["sample_1_5"].trajectories != first["sample_0_0"].trajectories  # distinct dumps, not one reused
 
 
-async def test_sync_rollout_role_replays_a_train_steps_batch(model_path, tmp_path):
+async def test_sync_rollout_role_replays_a_train_steps_batch(model_path, tmp_path, rollout_batch):
     from asyncrl.models.tiny import build_tokenizer
     from asyncrl.rollouter.torch_engine import TorchEngine
     from asyncrl.tasks import arithmetic
-    from asyncrl.trainer.sync_loop import rollout
 
     tok = build_tokenizer()
     rows = arithmetic.generate_dataset(4, seed=0)
@@ -338,9 +337,9 @@ async def test_sync_rollout_role_replays_a_train_steps_batch(model_path, tmp_pat
     try:
         kw = dict(n=2, temperature=1.0, max_tokens=3, seed=0)
         SkipManager.set_step(1)
-        a = await rollout(engine, tok, rows[2:], first_index=2, **kw)
+        a = await rollout_batch(engine, tok, rows[2:], first_index=2, **kw)
         before = engine.stats()["requests"]
-        b = await rollout(engine, tok, rows[2:], first_index=2, **kw)
+        b = await rollout_batch(engine, tok, rows[2:], first_index=2, **kw)
         assert engine.stats()["requests"] == before == 2 * 2
     finally:
         await engine.close()
