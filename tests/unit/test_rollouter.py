@@ -222,7 +222,7 @@ async def test_stop_drains_in_flight_groups_and_aborts_their_requests(until):
     task = asyncio.create_task(r.run())
     await until(lambda: sum(len(e.started) for e in engines) == 4, 30, "four requests on the engines")
     assert r.snapshot() == {"epoch": 0, "next_index": 2, "position": 2, "in_flight": ["sample_0_0", "sample_0_1"],
-                            "unacked": []}
+                            "unacked": [], "partials": {}}
     await r.stop()
     await asyncio.wait_for(task, 10)  # run() returns: nothing left in flight
     assert sorted(rid for e in engines for rid in e.aborted) == sorted(rid for e in engines for rid in e.started)
