@@ -28,7 +28,6 @@ _EXPORTS = {
     "make_receiver": "asyncrl.sync.base",
     "WeightSyncError": "asyncrl.sync.wire",
     "WeightSyncGroup": "asyncrl.sync.group",
-    "SyncGroupConfig": "asyncrl.sync.group",
     "BroadcastSender": "asyncrl.sync.broadcast",
     "BroadcastReceiver": "asyncrl.sync.broadcast",
     "BucketLayout": "asyncrl.sync.buckets",

@@ -93,6 +93,25 @@ class GroupInit:
     group_name: str = "asyncrl-weight-sync"
     """``broadcast`` only: key prefix in the store (a new name makes a fresh group)."""
 
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (trainer rank 0 + at least one engine worker), got {self.world_size}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.join_timeout_s is not None and self.join_timeout_s <= 0:
+            raise ValueError(f"join_timeout_s must be > 0 (or None: timeout_s), got {self.join_timeout_s}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in [0, 65535] (0 = pick a free port), got {self.master_port}")
+
+    @property
+    def resolved_backend(self) -> str:
+        """``backend`` with ``auto`` made concrete: nccl when CUDA is available, else gloo."""
+        if self.backend == "auto":
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        return self.backend
+
 
 @dataclass(frozen=True, kw_only=True)
 class SenderInit:

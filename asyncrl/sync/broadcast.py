@@ -69,13 +69,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 
 from asyncrl.sync.base import GroupInit, JoinThread, ReceiverInit, SenderInit, full_tensor, local_tensor, node_address
 from asyncrl.sync.buckets import NUM_BUFFERS, BucketBuffers, BucketLayout, model_param_metas, pack, plan_buckets, unpack
-from asyncrl.sync.group import SyncGroupConfig, WeightSyncGroup
+from asyncrl.sync.group import WeightSyncGroup
 from asyncrl.sync.wire import HEADER_LEN, MAGIC, WeightSyncError, dtype_name
 
 
@@ -102,7 +102,7 @@ class BroadcastSender:
         self.keep_buffers = keep_buffers
         """Keep the two bucket buffers between syncs (no page faults next time; 2 buckets stay resident)."""
         self._bufs: BucketBuffers | None = None
-        self.group_config = SyncGroupConfig(**group)
+        self.group_config = GroupInit(**group)
         self._group: WeightSyncGroup | None = None
         self._join: JoinThread | None = None
         self._layout: BucketLayout | None = None
@@ -132,7 +132,7 @@ class BroadcastSender:
         self._group = WeightSyncGroup(self.group_config, rank=0)
         port = self._group.listen()
         self._join = JoinThread(self._group.join, name="weight-sync-join")
-        group = GroupInit(**{**asdict(self.group_config), "master_port": port})
+        group = replace(self.group_config, master_port=port)
         return [ReceiverInit(method="broadcast", group=group, rank_offset=r) for r in range(1, group.world_size)]
 
     def update_kwargs(self, *, version: int) -> dict:
@@ -276,7 +276,7 @@ class BroadcastReceiver:
         the ``weight_views`` hook (False: always stage and ``load_weights``)."""
         self._views: dict[str, torch.Tensor] = {}
         self.rank = rank_offset
-        self.group_config = SyncGroupConfig(**group)
+        self.group_config = GroupInit(**group)
         self._group = WeightSyncGroup(self.group_config, rank=rank_offset)
         self._layout: BucketLayout | None = None
         self._plan: dict | None = None

@@ -18,50 +18,17 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True, kw_only=True)
-class SyncGroupConfig:
-    """How to reach and build the weight-sync group (plain values: it crosses Ray as kwargs)."""
-
-    master_addr: str = "127.0.0.1"
-    """Address rank 0 binds the rendezvous store to and the other ranks connect to."""
-    master_port: int = 0
-    """Port of the store; 0 lets rank 0 pick a free one (it reports it back)."""
-    world_size: int = 2
-    """1 trainer rank + every engine worker."""
-    backend: str = "auto"
-    """``gloo``, ``nccl``, or ``auto`` (nccl when CUDA is available, else gloo)."""
-    timeout_s: float = 120.0
-    """Deadline of joining the group and of every collective on it."""
-    group_name: str = "asyncrl-weight-sync"
-    """Key prefix in the store; a new name makes a fresh group on the same store."""
-
-    def __post_init__(self) -> None:
-        if self.world_size < 2:
-            raise ValueError(f"world_size must be >= 2 (trainer rank 0 + at least one engine worker), got {self.world_size}")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if not 0 <= self.master_port < 65536:
-            raise ValueError(f"master_port must be in [0, 65535] (0 = pick a free port), got {self.master_port}")
-
-    @property
-    def resolved_backend(self) -> str:
-        if self.backend == "auto":
-            return "nccl" if torch.cuda.is_available() else "gloo"
-        return self.backend
+from asyncrl.sync.base import GroupInit
 
 
 class WeightSyncGroup:
     """One member of the weight-sync group. Rank 0 calls `listen()` then `join()`; others `join()`."""
 
-    def __init__(self, config: SyncGroupConfig, rank: int) -> None:
+    def __init__(self, config: GroupInit, rank: int) -> None:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank must be in [0, {config.world_size}), got {rank}")
         self.config = config

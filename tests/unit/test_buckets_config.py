@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from asyncrl.sync import BroadcastSender as WeightSender
-from asyncrl.sync import SyncGroupConfig, WeightSyncConfig, WeightSyncCoordinator, WeightSyncer
+from asyncrl.sync import GroupInit, WeightSyncConfig, WeightSyncCoordinator, WeightSyncer
 
 
 @pytest.mark.parametrize(
@@ -25,9 +25,9 @@ def test_sync_config_names_the_bad_field(kwargs, message):
 
 def test_group_config_and_sender_refuse_bad_values():
     with pytest.raises(ValueError, match="world_size must be >= 2"):
-        SyncGroupConfig(world_size=1)
+        GroupInit(world_size=1)
     with pytest.raises(ValueError, match="master_port must be in"):
-        SyncGroupConfig(master_port=70000)
+        GroupInit(master_port=70000)
     with pytest.raises(ValueError, match="bucket_mb must be > 0"):
         WeightSender(torch.nn.Linear(2, 2), rank=0, bucket_mb=0, world_size=2)
 
