@@ -39,26 +39,16 @@ def test_bad_flags_name_the_flag():
 
 
 @pytest.mark.timeout(400)
-def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
+def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path, run_launch):
     from asyncrl.tasks import arithmetic
 
     model = build_tiny_model(tmp_path / "model")
     run_dir = tmp_path / "run"
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps(r) + "\n" for r in arithmetic.generate_dataset(5, seed=99)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "asyncrl.launch", "--model", str(model), "--steps", "4", "--n", "4",
-           "--groups-per-step", "3", "--sync-every", "2", "--max-tokens", "4", "--lr", "1e-3",
-           "--run-dir", str(run_dir), "--val-dataset", str(val), "--reward", "asyncrl.tasks.arithmetic:reward",
-           "data.val_every=2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-    try:
-        out, _ = proc.communicate(timeout=360)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out[-3000:]
+    out = run_launch("--model", model, "--steps", "4", "--n", "4", "--groups-per-step", "3", "--sync-every", "2",
+                     "--max-tokens", "4", "--lr", "1e-3", "--run-dir", run_dir, "--val-dataset", val,
+                     "--reward", "asyncrl.tasks.arithmetic:reward", "data.val_every=2", timeout=360)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # One weight sync every 2 steps: the version the trainer reports follows it.
@@ -91,3 +81,25 @@ def test_pipeline_runs_async_steps_with_weight_syncs(tmp_path):
     sidecars = [json.loads(p.read_text()) for p in (run_dir / "checkpoints").rglob("*.json")]
     feed = [s["rollouter_state"] for s in sidecars if s.get("rollouter_state")]
     assert feed and all(f["next_index"] >= 12 for f in feed), sidecars
+
+
+@pytest.mark.timeout(400)
+def test_partial_rollout_from_the_launcher_truncates_the_long_tail_and_trains_complete_groups(tmp_path, run_launch):
+    model = build_tiny_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    out = run_launch("--model", model, "--steps", "6", "--n", "4", "--groups-per-step", "4", "--long-tail", "16",
+                     "--partial-rollout", "true", "--staleness-threshold", "1", "--lr", "1e-3", "--run-dir", run_dir,
+                     timeout=360)
+    assert "mode async, partial rollout" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["groups"] == 4 for r in rows)
+    # Rounds ended at the threshold and their long tail was stopped, then resumed on newer weights.
+    truncated = sum(r["fully_async/partial/truncated"] for r in rows)
+    assert truncated >= 1, rows
+    assert sum(r["fully_async/partial/total_partial_num"] for r in rows) >= 1
+    assert max(r["fully_async/partial/max_partial_span"] for r in rows) >= 2
+    # Every trained group was complete, and trained once.
+    records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    ids = [r["sample_id"] for r in records if r["status"] == "trained"]
+    assert len(ids) == 24 == len(set(ids))
+    assert all(r.get("dropped_incomplete", 0) == 0 for r in rows)
