@@ -318,3 +318,36 @@ async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
     assert first["stream/unacked"] == 0 and first["stream/credit"] == 0  # no consumer: no credit
     assert "throughput/generated_tokens_per_s" not in first and second["throughput/generated_tokens_per_s"] > 0
     assert all(is_known(n) for n in second), [n for n in second if not is_known(n)]
+
+
+def test_wandb_sink_writes_an_offline_run_with_the_events(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import re
+
+    from asyncrl.metrics.sinks.wandb import WandbSink
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the sink's default: offline, no account needed
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = WandbSink(MetricsConfig(sinks=("wandb",)), tmp_path)
+    try:
+        for step in (1, 2, 3):
+            sink.write(_events(step))
+    finally:
+        sink.close()
+    [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+
+    def logged(key: str) -> list:
+        """The JSON values recorded under ``key``: each history item is the key, then its
+        ``value_json`` field (protobuf field 16: tag bytes 0x82 0x01, a length byte, the text)."""
+        out = []
+        for m in re.finditer(re.escape(key.encode()) + rb"\x82\x01", data):
+            n = data[m.end()]
+            out.append(json.loads(data[m.end() + 1:m.end() + 1 + n]))
+        return out
+
+    # Every value of every step, in order (wandb records each in the history and the summary).
+    assert sorted(set(logged("train/reward_mean"))) == [0.1, 0.2, 0.30000000000000004]
+    assert sorted(set(logged("engine/0/running"))) == [4, 5, 6]
+    assert set(logged("fully_async/trainer/idle_ratio")) == {0.5}
+    assert sorted(set(logged("trainer/step"))) == [1, 2, 3]

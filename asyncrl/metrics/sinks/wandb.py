@@ -1,6 +1,6 @@
 """wandb sink, when the ``wandb`` package is installed (offline mode unless WANDB_MODE says otherwise).
 
-wandb is not a dependency of asyncrl; without it this sink reports itself off and the run goes on.
+wandb is optional (the `metrics` extra installs it); without it this sink reports itself off and the run goes on.
 """
 
 from __future__ import annotations
