@@ -172,20 +172,24 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         kind = cfg.engine_kind
         procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
                          for slot in plan.engines]
-        await _ready([e.ready.remote() for e in procs.engines], plan.ready_timeout_s, "engine replicas")
+        engines_ready = [e.ready.remote() for e in procs.engines]  # they start while the ranks do
 
         net = addresses(cfg, plan)
         tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=_pad_token_id(model_path),
                                   checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"))
         procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks],
                                           across_nodes=net.ranks_across_nodes)
+        await _ready(engines_ready, plan.ready_timeout_s, "engine replicas")
         procs.trainer = trainer = Trainer(tcfg, procs.ranks, source=None)
         resume = None
         if await trainer.restore():
             resume = {"saved": trainer.restored_rollouter_state, "committed": trainer.committed.to_json(),
                       "dropped": trainer.dropped}
+            partials = sum(len(r) for r in trainer.restored_rollouter_state.get("partials", {}).values())
             print(f"asyncrl: resumed at step {trainer.step}, version {trainer.version}; "
-                  f"{len(trainer.committed)} groups done", flush=True)
+                  f"{len(trainer.committed)} groups done"
+                  + (f"; {partials} truncated responses go on from their saved parts" if partials else ""),
+                  flush=True)
 
         procs.consumer = StreamConsumer(net.consumer_stream, committed=trainer.committed)
         await procs.consumer.start()

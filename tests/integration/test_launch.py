@@ -103,3 +103,13 @@ def test_partial_rollout_from_the_launcher_truncates_the_long_tail_and_trains_co
     ids = [r["sample_id"] for r in records if r["status"] == "trained"]
     assert len(ids) == 24 == len(set(ids))
     assert all(r.get("dropped_incomplete", 0) == 0 for r in rows)
+
+    # The final checkpoint keeps the partial buffer; a resume continues its responses from their parts.
+    ckpt = run_dir / "checkpoints"
+    feed = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "trainer_state.json").read_text())["rollouter_state"]
+    saved = sum(len(responses) for responses in feed["partials"].values())
+    out = run_launch("--resume", run_dir, "--steps", "8", timeout=360)
+    assert (f"{saved} truncated responses go on from their saved parts" in out) == (saved > 0), out[-3000:]
+    records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    ids = [r["sample_id"] for r in records if r["status"] == "trained"]
+    assert len(ids) == 32 == len(set(ids))
