@@ -398,8 +398,9 @@ class Rollouter:
         """One response, resumed across truncations; returns it with the replica that finished it."""
         cfg = self.cfg
         budget = prompt.max_tokens or cfg.max_tokens
-        restored = self.state.partials.get(sample_id, {}).pop(k, None)  # saved by a checkpoint
-        parts = restored or PartialResponse()
+        parts = self._truncated.get(sample_id, {}).get(k)
+        from_checkpoint = parts is not None  # only a resume puts parts there before this call
+        parts = parts or PartialResponse()
         while True:
             truncatable = self.aggregator is not None and parts.age < self.partial.max_age
             ids, _, _ = parts.joined()
@@ -411,9 +412,9 @@ class Rollouter:
                                         seed=cfg.seed + 1000 * index + k + 7919 * parts.age),
             )
             if parts.age:
-                if restored is None:  # a restored response was never in this run's buffer
+                if not from_checkpoint:  # a restored response was never in this run's buffer
                     self.partials.dispatched()
-                restored = None
+                from_checkpoint = False
                 self.stats.resumed += 1
             dispatched_in = self.version
             result, replica = await self._generate(request, truncatable)
