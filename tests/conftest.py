@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -139,3 +140,23 @@ def _run_launch(*args, timeout: float = 420.0) -> str:
 def run_launch():
     """``run_launch(*args, timeout=420) -> output``: the launcher in a child process, exit 0 asserted."""
     return _run_launch
+
+
+@contextlib.contextmanager
+def _two_ray_nodes(num_cpus: int):
+    """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), ``num_cpus`` each; shut down on exit."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus})
+    try:
+        cluster.add_node(num_cpus=num_cpus)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture
+def two_ray_nodes():
+    """``with two_ray_nodes(num_cpus) as cluster:`` (see `_two_ray_nodes`)."""
+    return _two_ray_nodes

@@ -19,14 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_node_run_with_curve_stream_and_weight_sync(tmp_path):
-    from ray.cluster_utils import Cluster
-
+def test_two_node_run_with_curve_stream_and_weight_sync(tmp_path, two_ray_nodes):
     model = build_tiny_model(tmp_path / "model")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    try:
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes()
+    with two_ray_nodes(2) as cluster:
         run_dir = tmp_path / "run"
         env = {**os.environ, "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "asyncrl.launch", "--model", str(model), "--nodes", "2", "--steps", "2",
@@ -42,5 +37,3 @@ def test_two_node_run_with_curve_stream_and_weight_sync(tmp_path):
         # One weight sync after each step: the version the Trainer reports counts them.
         assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [1, 2]
         assert all(r["groups"] == 2 for r in rows)
-    finally:
-        cluster.shutdown()
