@@ -12,9 +12,10 @@ The engine is built by kind: ``"torch"`` -> `TorchEngine` (built-in), ``"vllm"``
 and ``receive_weights`` goes to it; a method that does not fit the engine's kind is refused.
 
 Partial rollout: ``generate(request, truncatable=True)`` registers the request for the
-aggregator's ``truncate(version)`` signal, which stops every registered request still
-running in round ``version`` (the engine's abort hands back the partial output); such a
-result comes back with ``finish_reason="truncated"``.
+aggregator's ``truncate(version)`` signal, which stops every registered request that has
+generated tokens in round ``version`` (the engine's abort hands back the partial output);
+such a result comes back with ``finish_reason="truncated"``. A registered request still
+queued for a slot is left to run.
 """
 
 from __future__ import annotations
@@ -79,16 +80,20 @@ class EngineActor:
         return result
 
     async def truncate(self, version: int) -> int:
-        """End round ``version``: stop every truncatable request in flight, with its partial output.
+        """End round ``version``: stop every truncatable request that has generated tokens, with
+        its partial output.
 
-        Ignored (returns 0) once the engine serves a later version: that round is over. Returns
-        how many requests were stopped.
+        A request still queued for a slot has nothing to hand back: it keeps its place and runs
+        when a stopped one frees its slot (stopping it would only leave it, and the engine, waiting
+        for the next round). Ignored (returns 0) once the engine serves a later version: that
+        round is over. Returns how many requests were stopped.
         """
         if self.engine.version != version or not self._truncatable:
             return 0
-        ids = list(self._truncatable)
-        self._truncated.update(ids)
-        await self.engine.abort(ids)
+        ids = [rid for rid, n in self.engine.progress(self._truncatable).items() if n > 0]
+        if ids:
+            self._truncated.update(ids)
+            await self.engine.abort(ids)
         return len(ids)
 
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = False) -> None:

@@ -4,8 +4,9 @@ A round is the span between two weight syncs; its number is the weight version. 
 report each finished group here (`report`), split by the replica that finished each
 trajectory. When the round's count reaches ``threshold`` the aggregator signals every
 replica (``truncate(version)`` on each `asyncrl.rollouter.actor.EngineActor`) to stop the
-round's unfinished, truncatable requests; each returns its partial output with
-``finish_reason="truncated"`` and the Rollouter parks it in its partial buffer.
+round's unfinished, truncatable requests that have generated tokens (queued ones run on in
+the freed slots); each returns its partial output with ``finish_reason="truncated"`` and
+the Rollouter parks it in its partial buffer.
 
 What is counted: the trajectories of *complete* groups, ``n`` per group. A finished
 trajectory whose siblings are still running gives the Trainer nothing, so counting it could

@@ -82,6 +82,11 @@ class RolloutEngine(Protocol):
         """End the named requests now with their partial output (``finish_reason="abort"``)."""
         ...
 
+    def progress(self, request_ids: Iterable[str]) -> dict[str, int]:
+        """Tokens generated so far by each named request in flight (0 while it waits for a
+        slot); ids not in flight are left out."""
+        ...
+
     def param_meta(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """Name, dtype and shape of every parameter the engine loads, in a stable order."""
         ...

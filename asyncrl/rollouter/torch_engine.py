@@ -198,6 +198,19 @@ class TorchEngine:
                 self._finish(self._running[rid], "abort")
             cond.notify_all()
 
+    def progress(self, request_ids: Iterable[str]) -> dict[str, int]:
+        """Tokens generated so far by each named request in flight (0 while it is queued for a
+        KV slot); ids not in flight are left out."""
+        queued = {s.rid for s in self._queued}
+        out = {}
+        for rid in request_ids:
+            seq = self._running.get(rid)
+            if seq is not None:
+                out[rid] = seq.n_generated
+            elif rid in queued:
+                out[rid] = 0
+        return out
+
     async def wait_for_tokens(self, request_id: str, n_tokens: int, timeout_s: float = 60.0) -> int:
         """Wait until ``request_id`` has generated ``n_tokens`` or is no longer in flight.
 

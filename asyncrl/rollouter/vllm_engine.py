@@ -412,6 +412,11 @@ class VLLMEngine:
         else:
             self._waiters.pop(rid, None)
 
+    def progress(self, request_ids: Iterable[str]) -> dict[str, int]:
+        """Tokens each named request in flight has streamed back so far (0 while vLLM still
+        queues or prefills it); ids not in flight are left out."""
+        return {rid: self._live[rid][0] for rid in request_ids if rid in self._live}
+
     async def wait_for_tokens(self, request_id: str, n_tokens: int, timeout_s: float = 60.0) -> int:
         """Wait until ``request_id`` has ``n_tokens`` or has left; its count then (0 once left).
 

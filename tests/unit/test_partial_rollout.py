@@ -129,6 +129,28 @@ async def test_long_tail_truncated_at_threshold_and_resumed_across_versions(mode
     assert worst <= 1e-4, worst
 
 
+async def test_truncation_stops_requests_with_tokens_and_leaves_queued_ones_to_run(model_path):
+    # Two KV slots, four truncatable requests: two run, two wait for a slot.
+    actor = EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0, max_running=2)
+    from asyncrl.types import GenerateRequest, SamplingParams
+
+    try:
+        requests = [GenerateRequest(f"r{i}", np.array([1, 4 + i, 5]), max_tokens=40,
+                                    sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(4)]
+        tasks = [asyncio.create_task(actor.generate(r, True)) for r in requests]
+        await asyncio.sleep(0)
+        await actor.wait_for_tokens("r0", 3)
+        await actor.wait_for_tokens("r1", 1)
+        assert await actor.truncate(1) == 0  # a round the engine does not serve: ignored
+        assert await actor.truncate(0) == 2
+        results = await asyncio.gather(*tasks)
+    finally:
+        await actor.close()
+    assert [r.finish_reason for r in results] == ["truncated", "truncated", "length", "length"]
+    assert all(0 < len(r.response_ids) < 40 for r in results[:2])
+    assert all(len(r.response_ids) == 40 for r in results[2:])  # they ran in the freed slots
+
+
 async def test_partial_buffer_releases_highest_age_first_and_only_later_rounds():
     buf = PartialBuffer()
     order = []

@@ -250,6 +250,20 @@ async def test_abort_chosen_requests(model_path, ref):
     np.testing.assert_array_equal(results[1].response_ids, hf_greedy(ref, ps[1], 25))
 
 
+async def test_progress_counts_running_tokens_and_zero_for_queued(model_path):
+    engine = TorchEngine(model_path, max_running=1, eos_token_ids=())
+    try:
+        tasks = await _start(engine, [req("r0", [5, 6, 7], 30), req("r1", [8, 9], 30)], "r0", 4)
+        progress = engine.progress(["r0", "r1", "unknown"])
+        assert progress.keys() == {"r0", "r1"}  # not in flight: left out
+        assert 4 <= progress["r0"] < 30 and progress["r1"] == 0  # r1 waits for the one slot
+        await engine.abort(["r0", "r1"])
+        await asyncio.gather(*tasks)
+        assert engine.progress(["r0", "r1"]) == {}
+    finally:
+        await engine.close()
+
+
 async def test_wait_drains_in_flight_and_refuses_new(model_path, ref):
     ps = prompts([4, 7, 5], seed=8)
     engine = TorchEngine(model_path, max_running=2, eos_token_ids=())

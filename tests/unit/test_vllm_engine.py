@@ -659,8 +659,10 @@ async def test_glue_abort_pause_modes_and_refusals(fake_vllm, tmp_path):
     task = asyncio.create_task(engine.generate(_greedy("a", [1, 4], 50)))
     await asyncio.sleep(0)  # let generate() register the request
     await engine.wait_for_tokens("a", 3)
+    assert engine.progress(["a", "unknown"]).keys() == {"a"} and engine.progress(["a"])["a"] >= 3
     await engine.abort(["a", "unknown"])
     part = await task
+    assert engine.progress(["a"]) == {}
     assert part.finish_reason == "abort" and 3 <= len(part.response_ids) < 50
     assert len(part.logprobs) == len(part.versions) == len(part.response_ids)
     assert await engine.wait_for_tokens("a", 5) == 0  # no longer in flight
