@@ -18,7 +18,8 @@ Time is from the end of step 1 to the end of step N + 1 (the launcher's ``time_s
 model start-up and the first step (the Rollouter's own start, tens of seconds on a loaded
 machine, the same in every mode) are not counted. The modes run interleaved, ``--repeats`` times each, and the
 median counts; rewards are the mean sampled reward of the last ``--window`` steps, averaged
-over the repeats. With ``--json`` the last line is one JSON object::
+over the repeats. Each run also prints where its time went: the Trainer's idle ratio (waiting
+for groups) and the engines' (no request in flight), means over the run's metric stream. With ``--json`` the last line is one JSON object::
 
     {"sync_s", "async_s", "async_partial_s", "speedup_async", "speedup_partial",
      "reward_sync", "reward_async", "reward_async_partial"}
@@ -87,7 +88,21 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> d
         "len_mean": statistics.mean(r["response_length_mean"] for r in rows),
         "partial_ratio": statistics.mean(r["fully_async/partial/partial_ratio"] for r in rows),
         "staleness": statistics.mean(r["staleness_mean"] for r in rows),
+        "trainer_idle": _event_mean(run_dir, "fully_async/trainer/idle_ratio"),
+        "engine_idle": _event_mean(run_dir, "fully_async/rollouter/idle_ratio"),
     }
+
+
+def _event_mean(run_dir: Path, name: str) -> float:
+    """Mean of one metric over the run's metric stream (``events.jsonl``; the Rollouter's come on
+    its own poll clock, not per step)."""
+    values = []
+    with open(run_dir / "events.jsonl") as f:
+        for line in f:
+            event = json.loads(line)
+            if event["name"] == name:
+                values.append(event["value"])
+    return statistics.mean(values) if values else float("nan")
 
 
 def main() -> None:
@@ -112,7 +127,8 @@ def main() -> None:
                     print(f"  seed {seed} {mode:>13}: {r['time_s']:7.1f} s to step {args.steps}  reward "
                           f"{r['reward_start']:.3f} -> {r['reward_end']:.3f}  len {r['len_mean']:.1f}  "
                           f"partial {r['partial_ratio']:.2f}  "
-                          f"staleness {r['staleness']:.2f}  (wall {time.perf_counter() - t0:.0f} s)", flush=True)
+                          f"staleness {r['staleness']:.2f}  idle: trainer {r['trainer_idle']:.2f} engines "
+                          f"{r['engine_idle']:.2f}  (wall {time.perf_counter() - t0:.0f} s)", flush=True)
     med = {m: statistics.median(r["time_s"] for r in rs) for m, rs in results.items()}
     reward = {m: statistics.mean(r["reward_end"] for r in rs) for m, rs in results.items()}
     out = {
