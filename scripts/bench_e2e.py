@@ -19,7 +19,8 @@ model start-up and the first step (the Rollouter's own start, tens of seconds on
 machine, the same in every mode) are not counted. The modes run interleaved, ``--repeats`` times each, and the
 median counts; rewards are the mean sampled reward of the last ``--window`` steps, averaged
 over the repeats. Each run also prints where its time went: the Trainer's idle ratio (waiting
-for groups) and the engines' (no request in flight), means over the run's metric stream. With ``--json`` the last line is one JSON object::
+for groups) and the engines' (no request in flight), means over the run's metric stream.
+With ``--json`` the last line is one JSON object::
 
     {"sync_s", "async_s", "async_partial_s", "speedup_async", "speedup_partial",
      "reward_sync", "reward_async", "reward_async_partial"}
@@ -77,7 +78,11 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> d
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if out.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({out.returncode}):\n{(out.stdout + out.stderr)[-3000:]}")
+    from asyncrl.metrics.sinks.jsonl import read_events
+
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # The metric stream: the Rollouter's values come on its own poll clock, not per step.
+    events = read_events(run_dir / "events.jsonl")
     elapsed = rows[-1]["time_s"] - rows[0]["time_s"]  # steps 2..N+1
     rows = rows[1:]
     w = min(args.window, len(rows))
@@ -88,20 +93,13 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> d
         "len_mean": statistics.mean(r["response_length_mean"] for r in rows),
         "partial_ratio": statistics.mean(r["fully_async/partial/partial_ratio"] for r in rows),
         "staleness": statistics.mean(r["staleness_mean"] for r in rows),
-        "trainer_idle": _event_mean(run_dir, "fully_async/trainer/idle_ratio"),
-        "engine_idle": _event_mean(run_dir, "fully_async/rollouter/idle_ratio"),
+        "trainer_idle": _mean_of(events, "fully_async/trainer/idle_ratio"),
+        "engine_idle": _mean_of(events, "fully_async/rollouter/idle_ratio"),
     }
 
 
-def _event_mean(run_dir: Path, name: str) -> float:
-    """Mean of one metric over the run's metric stream (``events.jsonl``; the Rollouter's come on
-    its own poll clock, not per step)."""
-    values = []
-    with open(run_dir / "events.jsonl") as f:
-        for line in f:
-            event = json.loads(line)
-            if event["name"] == name:
-                values.append(event["value"])
+def _mean_of(events: list, name: str) -> float:
+    values = [e.value for e in events if e.name == name]
     return statistics.mean(values) if values else float("nan")
 
 

@@ -4,8 +4,8 @@ A *round* is the span between two weight syncs (the weight version). When the
 `asyncrl.rollouter.aggregator.AggregatorActor` ends a round early, every unfinished request
 of that round that has generated tokens stops with what it generated so far (one still
 queued for a KV slot has nothing to keep: it stays queued and runs in the freed slots).
-Such a response keeps its tokens (``raw_response_ids``), their behaviour log-probs and per-token versions in `PartialResponse`,
-its ``age`` grows by one, and it waits in the `PartialBuffer` until the next round begins:
+Such a response keeps its tokens (``raw_response_ids``), their behaviour log-probs and
+per-token versions in `PartialResponse`, its ``age`` grows by one, and it waits in the `PartialBuffer` until the next round begins:
 resuming on the same weights would only churn. When the round advances, the buffer releases
 its waiting responses highest age first, and the Rollouter dispatches them before it admits
 any new prompt. A resumed request continues from prompt + partial response with the
