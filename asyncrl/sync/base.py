@@ -152,8 +152,13 @@ def make_sender(model: torch.nn.Module, *, rank: int, init: SenderInit) -> Weigh
     raise ValueError(f"weight-sync method must be one of {SYNC_METHODS}, got {init.method!r}")
 
 
-def make_receiver(engine: Any, init: ReceiverInit) -> WeightReceiver:
-    """The engine half of ``init.method`` for ``engine``."""
+def make_receiver(engine: Any, init: ReceiverInit, *, engine_kind: str = "torch") -> WeightReceiver:
+    """The engine half of ``init.method`` for ``engine`` (of kind ``engine_kind``: a vLLM engine
+    receives ``broadcast`` in its own worker processes)."""
+    if init.method == "broadcast" and engine_kind == "vllm":
+        from asyncrl.sync.vllm_broadcast import VLLMBroadcastReceiver
+
+        return VLLMBroadcastReceiver.from_init(engine, init)
     if init.method == "broadcast":
         from asyncrl.sync.broadcast import BroadcastReceiver
 

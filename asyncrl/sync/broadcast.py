@@ -61,7 +61,9 @@ the group is dropped, ``finish_weight_update`` is not called, ``incomplete`` sta
 and the coordinator does not resume that engine: it stays paused until a later complete
 receive (the coordinator re-sends the whole set). Metadata is received once per group and
 re-used while the sender says it did not change.
-Leaves out: several workers per engine (one rank per receiver); receiving packed buckets
+An engine with several workers (vLLM with tensor parallelism) takes ``workers_per_engine``
+consecutive ranks: each worker is a receiver of its own (`asyncrl.sync.vllm_broadcast`).
+Leaves out: receiving packed buckets
 of several tensors in place (they are staged and copied once).
 """
 
@@ -93,9 +95,10 @@ class BroadcastSender:
                  workers_per_engine: int = 1, **group) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if workers_per_engine != 1:
-            raise ValueError("the broadcast backend gives each engine one group rank (workers_per_engine=1), "
-                             f"got {workers_per_engine}")
+        if workers_per_engine < 1:
+            raise ValueError(f"workers_per_engine must be >= 1, got {workers_per_engine}")
+        self.workers_per_engine = workers_per_engine
+        """Group ranks each engine takes (a vLLM engine's tensor-parallel workers each receive)."""
         self.model = model
         self.rank = rank
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -133,7 +136,10 @@ class BroadcastSender:
         port = self._group.listen()
         self._join = JoinThread(self._group.join, name="weight-sync-join")
         group = replace(self.group_config, master_port=port)
-        return [ReceiverInit(method="broadcast", group=group, rank_offset=r) for r in range(1, group.world_size)]
+        wpe = self.workers_per_engine
+        if (group.world_size - 1) % wpe:
+            raise WeightSyncError(f"world_size {group.world_size} is not 1 + a multiple of workers_per_engine={wpe}")
+        return [ReceiverInit(method="broadcast", group=group, rank_offset=r) for r in range(1, group.world_size, wpe)]
 
     def update_kwargs(self, *, version: int) -> dict:
         """Nothing beyond the version: the layout travels in-band (header + metadata)."""

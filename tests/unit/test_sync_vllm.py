@@ -108,7 +108,7 @@ async def test_two_workers_per_engine_geometry_and_engine_dtype_on_the_wire(fake
     assert sorted(i["rank_offset"] + r for i in infos for r in range(2)) == [1, 2, 3, 4]
     for actor in engines.values():
         ops = [c[0] for c in actor.engine.llm.calls]
-        assert ops == ["pause", "init", "start", "update", "finish", "resume"]  # the group is formed while paused
+        assert ops == ["pause", "init", "start", "update", "finish", "label", "resume"]  # the group is formed while paused
         (update,) = [c[1] for c in actor.engine.llm.calls if c[0] == "update"]
         assert update["names"] == [n for n, _ in model.named_parameters()]
         assert set(update["dtype_names"]) == {"bfloat16"}
@@ -129,14 +129,14 @@ async def test_two_workers_per_engine_geometry_and_engine_dtype_on_the_wire(fake
     assert sum(b.numel() for b in cpu_sender.sent) == sum(p.numel() for p in model.parameters()) * 4
 
 
-async def test_broadcast_method_is_refused_by_a_vllm_engine(fake_vllm, tmp_path):  # noqa: F811
+async def test_vllm_method_is_refused_by_the_builtin_engine(model_path):
     from asyncrl.rollouter.actor import EngineActor
     from asyncrl.sync.base import ReceiverInit
 
-    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
-    actor = EngineActor(kind="vllm", model_path=tmp_path)
-    with pytest.raises(ValueError, match="WeightSyncConfig.method='vllm'"):
-        await actor.init_weight_sync(ReceiverInit(method="broadcast"))
+    actor = EngineActor(kind="torch", model_path=model_path)
+    with pytest.raises(ValueError, match="receives weights with method 'broadcast', not 'vllm'.*method='broadcast'"):
+        await actor.init_weight_sync(ReceiverInit(method="vllm"))
+    await actor.close()
 
 
 def test_vllm_config_refuses_deadlines_vllm_would_not_keep():
@@ -144,8 +144,8 @@ def test_vllm_config_refuses_deadlines_vllm_would_not_keep():
         WeightSyncConfig(method="vllm", connect_timeout_s=600)
     with pytest.raises(ValueError, match="VLLMSyncConfig.join_timeout_s=301"):
         VLLMSyncConfig(join_timeout_s=301)
-    with pytest.raises(ValueError, match="workers_per_engine must be 1 with method='broadcast'"):
-        WeightSyncConfig(workers_per_engine=2)
+    with pytest.raises(ValueError, match="workers_per_engine must be >= 1"):
+        WeightSyncConfig(workers_per_engine=0)
     with pytest.raises(ValueError, match="WeightSyncConfig.method"):
         WeightSyncConfig(method="ipc")
 

@@ -117,12 +117,31 @@ def test_checkpoint_meta_matches_the_hf_model(tmp_path):
 
 
 def test_engine_config_validates_and_builds_engine_args(tmp_path):
+    (tmp_path / "config.json").write_text('{"dtype": "float32"}')
     cfg = VLLMEngineConfig(model_path=tmp_path, dtype="float32", max_model_len=128, engine_kwargs={"max_num_batched_tokens": 512})
     args = cfg.engine_args()
     assert args["model"] == str(tmp_path) and args["logprobs_mode"] == "processed_logprobs"
-    assert args["weight_transfer_config"] == {"backend": "nccl"} and args["skip_tokenizer_init"] is True
+    assert "weight_transfer_config" not in args and args["skip_tokenizer_init"] is True
+    assert args["worker_extension_cls"] == "asyncrl.sync.vllm_broadcast.AsyncrlWorkerExtension"
     assert args["max_model_len"] == 128 and args["max_num_batched_tokens"] == 512
     assert VLLMEngineConfig(model_path=tmp_path, dtype=torch.bfloat16).engine_args()["dtype"] == "bfloat16"
+    nccl = VLLMEngineConfig(model_path=tmp_path, weight_transfer="nccl").engine_args()
+    assert nccl["weight_transfer_config"] == {"backend": "nccl"}
+    # CPU defaults: eager, a bounded KV cache; GPU: vLLM's own sizing
+    assert cfg.engine_args(cpu=True)["enforce_eager"] is True and args["enforce_eager"] is False
+    assert cfg.engine_args(cpu=True)["kv_cache_memory_bytes"] == 1024 * 2**20 and "kv_cache_memory_bytes" not in args
+    with pytest.raises(ValueError, match="weight_transfer"):
+        VLLMEngineConfig(model_path=tmp_path, weight_transfer="gloo")
+
+
+def test_auto_dtype_is_the_checkpoints_own(tmp_path):
+    # vLLM's own "auto" serves an fp32 checkpoint in 16 bits on CPU; asyncrl asks for what the file holds
+    (tmp_path / "config.json").write_text('{"dtype": "float32"}')
+    assert VLLMEngineConfig(model_path=tmp_path).engine_args()["dtype"] == "float32"
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert VLLMEngineConfig(model_path=tmp_path).engine_args()["dtype"] == "bfloat16"
+    (tmp_path / "config.json").write_text('{}')
+    assert VLLMEngineConfig(model_path=tmp_path).engine_args()["dtype"] == "float32"
     with pytest.raises(ValueError, match="logprobs_mode"):
         VLLMEngineConfig(model_path=tmp_path, logprobs_mode="sampled")
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
@@ -446,7 +465,7 @@ def test_geometry_matches_vllms_own_packer():
 
 
 class _FakeAsyncLLM:
-    def __init__(self, engine_args):
+    def __init__(self, engine_args, stat_loggers=()):
         self.engine_args = engine_args
         self.label = "default"
         self.paused: str | None = None
@@ -511,6 +530,9 @@ class _FakeAsyncLLM:
 
     async def finish_weight_update(self, weight_version=None):
         self.calls.append(("finish", weight_version))
+
+    async def update_weight_version(self, weight_version):
+        self.calls.append(("label", weight_version))
         self.label = weight_version
 
     def shutdown(self):
@@ -546,6 +568,9 @@ def fake_vllm(monkeypatch):
     module("vllm.v1.engine")
     module("vllm.v1.engine.exceptions", EngineDeadError=type("EngineDeadError", (Exception,), {}))
     module("vllm.v1.engine.async_llm", AsyncLLM=SimpleNamespace(from_engine_args=_FakeAsyncLLM))
+    module("vllm.v1.metrics")
+    module("vllm.v1.metrics.loggers", StatLoggerBase=object)
+    module("vllm.platforms", current_platform=SimpleNamespace(is_cpu=lambda: False))
     module("vllm.distributed")
     module("vllm.distributed.weight_transfer")
     module(
@@ -570,75 +595,6 @@ def _receiver(engine, *, join_timeout_s=30.0, timeout_s=30.0):
     return make_receiver(engine, ReceiverInit(method="vllm", group=group, rank_offset=1, options={"packed": True}))
 
 
-async def test_glue_generate_keep_update_versions(fake_vllm, tmp_path):
-    engine = _fake_engine(tmp_path)
-    llm = engine.llm
-    assert llm.engine_args["logprobs_mode"] == "processed_logprobs"
-    res = await engine.generate(_greedy("a", [1, 4], 6))
-    assert res.finish_reason == "length" and len(res.response_ids) == 6
-    np.testing.assert_allclose(res.logprobs, -res.response_ids / 100, rtol=1e-6)
-    assert res.versions.tolist() == [0] * 6  # vLLM's "default" label = initial version
-
-    receiver = _receiver(engine)
-    await receiver.connect()
-    task = asyncio.create_task(engine.generate(_greedy("k", [1, 4], 12)))
-    await asyncio.sleep(0)  # let generate() register the request
-    assert await engine.wait_for_tokens("k", 4) >= 4
-    await engine.pause("keep")
-    frozen = engine._live["k"][0]
-    await receiver.receive(version=1, names=["w"], dtype_names=["float32"], shapes=[[2]])
-    await engine.resume()
-    kept = await task
-    k = int((kept.versions == 0).sum())  # a step already running when pause() came may finish on v0
-    assert frozen <= k < 12 and kept.versions.tolist() == [0] * k + [1] * (12 - k)
-    assert engine.version == 1
-    ops = [c[0] for c in llm.calls]
-    assert ops == ["init", "pause", "start", "update", "finish", "resume"]
-    assert ("pause", "keep", False) in llm.calls and ("finish", "1") in llm.calls
-    init = llm.calls[0][1]
-    assert init == {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
-                    "packed": True}
-
-
-async def test_prompts_carry_a_cache_salt_per_weight_version(fake_vllm, tmp_path):
-    # vLLM keys its prefix cache on the salt: a prompt after an update must not match KV of older weights.
-    engine = _fake_engine(tmp_path)
-    receiver = _receiver(engine)
-    await receiver.connect()
-    await engine.generate(_greedy("a", [1, 4], 2))
-    await engine.pause("keep")
-    queued = asyncio.create_task(engine.generate(_greedy("q", [1, 4], 2)))  # queued while paused
-    await asyncio.sleep(0)
-    await receiver.receive(version=1, names=["w"], dtype_names=["float32"], shapes=[[2]])
-    await engine.resume()
-    await queued
-    await engine.generate(_greedy("b", [1, 4], 2))
-    salts = [p["cache_salt"] for p in engine.llm.prompts]
-    assert [p["prompt_token_ids"] for p in engine.llm.prompts] == [[1, 4]] * 3
-    assert salts[0] == "asyncrl-v0" and salts[2] == "asyncrl-v1"
-    assert salts[1] not in (salts[0], salts[2])  # prefilled after the update, but under a salt of its own
-    unsalted = _fake_engine(tmp_path, prefix_cache_salt=False, engine_kwargs={"enable_prefix_caching": False})
-    await unsalted.generate(_greedy("c", [1], 1))
-    assert "cache_salt" not in unsalted.llm.prompts[0]
-    assert unsalted.llm.engine_args["enable_prefix_caching"] is False
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        VLLMEngineConfig(model_path=tmp_path, prefix_cache_salt=False)
-
-
-async def test_close_aborts_requests_in_flight_before_shutdown(fake_vllm, tmp_path):
-    engine = _fake_engine(tmp_path)
-    tasks = [asyncio.create_task(engine.generate(_greedy(r, [1, 4], 10_000))) for r in ("x", "y")]
-    await asyncio.sleep(0)
-    await engine.wait_for_tokens("x", 2)
-    await engine.wait_for_tokens("y", 2)
-    await engine.close()
-    results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-    assert [r.finish_reason for r in results] == ["abort", "abort"]
-    assert all(2 <= len(r.response_ids) < 10_000 for r in results)
-    assert [c[0] for c in engine.llm.calls] == ["abort", "shutdown"]
-    assert engine.llm.calls[0] == ("abort", ["x", "y"])
-
-
 def test_sampling_outside_vllms_temperature_range_is_refused():
     from asyncrl.rollouter.vllm_engine import check_vllm_temperature
 
@@ -650,36 +606,6 @@ def test_sampling_outside_vllms_temperature_range_is_refused():
     assert sampling_kwargs(_request(greedy=True, temperature=5.0))["temperature"] == 0.0  # greedy: no temperature
     with pytest.raises(ValueError, match="--temperature=3"):
         check_vllm_temperature(3, "--temperature")
-
-
-async def test_glue_abort_pause_modes_and_refusals(fake_vllm, tmp_path):
-    from asyncrl.rollouter.engine import EngineClosedError, EnginePausedError
-
-    engine = _fake_engine(tmp_path)
-    task = asyncio.create_task(engine.generate(_greedy("a", [1, 4], 50)))
-    await asyncio.sleep(0)  # let generate() register the request
-    await engine.wait_for_tokens("a", 3)
-    assert engine.progress(["a", "unknown"]).keys() == {"a"} and engine.progress(["a"])["a"] >= 3
-    await engine.abort(["a", "unknown"])
-    part = await task
-    assert engine.progress(["a"]) == {}
-    assert part.finish_reason == "abort" and 3 <= len(part.response_ids) < 50
-    assert len(part.logprobs) == len(part.versions) == len(part.response_ids)
-    assert await engine.wait_for_tokens("a", 5) == 0  # no longer in flight
-
-    await engine.pause("abort")
-    with pytest.raises(EnginePausedError, match="mode='abort'"):
-        await engine.generate(_greedy("b", [1], 3))
-    await engine.resume()
-    stop = await engine.generate(GenerateRequest("s", np.array([1, 4]), 20, SamplingParams(greedy=True, stop_token_ids=(1,))))
-    assert stop.finish_reason in ("stop", "length")
-    with pytest.raises(VLLMWeightSyncError, match="pause\\(mode='keep'\\) first"):
-        await _receiver(engine).receive(version=1)
-    with pytest.raises(EngineError, match="without a started weight update"):
-        await engine.finish_weight_update(1)
-    await engine.close()
-    with pytest.raises(EngineClosedError):
-        await engine.generate(_greedy("c", [1], 3))
 
 
 async def test_glue_failed_update_never_resumes(fake_vllm, tmp_path):
