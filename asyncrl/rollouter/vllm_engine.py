@@ -337,7 +337,7 @@ class VLLMEngine:
 
         from vllm.platforms import current_platform
 
-        self._counters = dict(tokens_generated=0, finished=0, running=0, queued=0, preempted=0,
+        self._counters = dict(tokens_generated=0, requests=0, running=0, queued=0, preempted=0,
                               prompt_tokens_computed=0, prompt_tokens_cached=0)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(cpu=current_platform.is_cpu())),
                                              stat_loggers=[_counting_stat_logger(self._counters)])
@@ -419,7 +419,7 @@ class VLLMEngine:
         if final is None or final.finish_reason is None:
             raise EngineError(f"request {rid}: vLLM ended the request without a final output")
         self._counters["tokens_generated"] += len(ids)
-        self._counters["finished"] += 1
+        self._counters["requests"] += 1
         return GenerateResult(
             request_id=rid,
             response_ids=np.asarray(ids, dtype=np.int64),
@@ -527,7 +527,7 @@ class VLLMEngine:
         self._version = int(version)
 
     def stats(self) -> dict[str, int]:
-        """Counters: tokens_generated, finished, version, and from vLLM's scheduler and iteration
+        """Counters: tokens_generated, requests (finished), version, and from vLLM's scheduler and iteration
         stats (`_counting_stat_logger`): running, queued, preempted (requests vLLM preempted and
         so re-prefills: 0 through a ``pause(keep)`` with ``clear_cache=False``),
         prompt_tokens_computed and prompt_tokens_cached (prompt tokens served from the prefix
