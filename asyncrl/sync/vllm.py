@@ -1,4 +1,4 @@
-"""The ``vllm`` weight-sync backend: vLLM's NCCL weight-transfer engine, both halves (vLLM 0.33).
+"""The ``vllm`` weight-sync backend: vLLM's NCCL weight-transfer engine, both halves (vLLM 0.32 and 0.33, GPU).
 
 vLLM engines receive weights through vLLM's own transfer engine
 (``weight_transfer_config={"backend": "nccl"}``), not through asyncrl's `WeightSyncGroup`:
@@ -15,8 +15,10 @@ relies on, read from vLLM 0.33.0's
   trainer rank 0 runs `VLLMWeightSender.connect`; both block in the same rendezvous.
 - Update (each sync): engines run ``start_weight_update``, then
   ``update_weights({names, dtype_names, shapes})`` *while* the trainer broadcasts, then
-  ``finish_weight_update``. Empty lists mean "same metadata as last time"
-  (`VLLMWeightSender.update_kwargs` sends names/dtypes/shapes once).
+  ``finish_weight_update``. `VLLMWeightSender.update_kwargs` sends the full names/dtypes/
+  shapes every sync: vLLM 0.33 reads empty lists as "same as last time", 0.32 does not.
+  On 0.32 the engines unpack with one buffer (its packed receiver has no ordering between
+  buffers); 0.33 takes ``packed_num_buffers`` as sent.
 - Packed geometry (`plan_vllm_buckets`): tensors in metadata order, raw bytes, no padding;
   a bucket closes right after the tensor that takes its total past
   ``packed_buffer_size_bytes`` (that tensor included), or at the end. One NCCL broadcast
@@ -331,7 +333,6 @@ class VLLMWeightSender:
         self._comm = None
         self._join: JoinThread | None = None
         self._streams: list[object | None] = []
-        self._announced: list[TensorMeta] | None = None
         self.stats = {"syncs": 0, "meta_sends": 0, "bytes_sent": 0, "peak_extra_bytes": 0, "last_send_s": 0.0}
 
     @classmethod
@@ -370,7 +371,6 @@ class VLLMWeightSender:
         self.port = self.config.master_port or free_port(self.config.master_address)
         self.device = self._device()
         self._join = self._start_join()
-        self._announced = None  # vLLM's init_transfer_engine forgets the engines' cached metadata
         return self.receiver_inits()
 
     def receiver_inits(self) -> list[ReceiverInit]:
@@ -429,23 +429,14 @@ class VLLMWeightSender:
     # -- one sync -----------------------------------------------------------------------------
 
     def update_kwargs(self, *, version: int) -> dict:
-        """Rank 0: the ``receive_weights`` kwargs every vLLM engine gets for this sync.
-
-        Names/dtypes/shapes go on the first sync after `connect` and whenever they change;
-        otherwise empty lists, which vLLM reads as "same as last time".
-        """
+        """Rank 0: the ``receive_weights`` kwargs every vLLM engine gets for this sync: the full
+        names/dtypes/shapes, every time (vLLM 0.33 reads empty lists as "same as last time", but
+        0.32 requires them and would load nothing)."""
         metas = self.metas()
         if self.config.packed:
             check_vllm_alignment(metas, self.config.bucket_bytes)
-        if metas == self._announced:
-            return {"names": [], "dtype_names": [], "shapes": []}
-        self._announced = metas
         self.stats["meta_sends"] += 1
         return update_info(metas)
-
-    def forget_metadata(self) -> None:
-        """Announce full metadata at the next sync (e.g. after an engine was rebuilt)."""
-        self._announced = None
 
     @torch.no_grad()
     def send(self, *, version: int) -> dict:
@@ -480,7 +471,6 @@ class VLLMWeightSender:
         except BaseException as exc:
             for _ in pairs:  # finish the gathers so the other trainer ranks do not hang
                 pass
-            self._announced = None
             if isinstance(exc, VLLMWeightSyncError):
                 raise
             raise VLLMWeightSyncError(f"broadcast of weights version {version} to vLLM failed: {exc}") from exc
@@ -546,7 +536,12 @@ class VLLMWeightReceiver:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         self._check_usable("init_weight_sync")
-        request = WeightTransferInitRequest(init_info=dict(self.init_info))
+        info = dict(self.init_info)
+        if _vllm_series() < (0, 33) and info.get("packed_num_buffers", 1) > 1:
+            # vLLM 0.32's packed receiver may unpack a tensor split over two buckets before the
+            # second bucket landed when it cycles several buffers (0.33 orders them with events)
+            info["packed_num_buffers"] = 1
+        request = WeightTransferInitRequest(init_info=info)
         await self._step(self.engine.llm.init_weight_transfer_engine(request), "init_weight_transfer_engine",
                          self.join_timeout_s, "connect_timeout_s")
 
@@ -596,3 +591,11 @@ class VLLMWeightReceiver:
         except Exception as exc:
             self.engine.weights_broken = f"vLLM {what} failed ({exc}); rebuild the engine"
             raise VLLMWeightSyncError(self.engine.weights_broken) from exc
+
+
+def _vllm_series() -> tuple[int, int]:
+    """(major, minor) of the installed vLLM."""
+    from vllm import __version__
+
+    major, minor = __version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)

@@ -235,7 +235,7 @@ def test_engine_init_infos_lay_engines_out_after_trainer_rank0():
         engine_init_infos(master_address="x", master_port=1, workers_per_engine=[])
 
 
-def test_sender_announces_metadata_once_and_broadcasts_all_bytes(tmp_path):
+def test_sender_announces_metadata_every_sync_and_broadcasts_all_bytes(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"), dtype=torch.float32)
@@ -255,11 +255,8 @@ def test_sender_announces_metadata_once_and_broadcasts_all_bytes(tmp_path):
     expected = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
     assert torch.equal(flat, expected)
 
-    again = sender.update_kwargs(version=2)
-    assert again == {"names": [], "dtype_names": [], "shapes": []}
-    assert sender.stats["meta_sends"] == 1
-    sender.forget_metadata()
-    assert sender.update_kwargs(version=3)["names"] == names
+    # full metadata every sync: vLLM 0.32 does not read empty lists as "same as last time"
+    assert sender.update_kwargs(version=2) == first
 
 
 def test_sender_on_other_ranks_only_iterates(tmp_path):
@@ -559,7 +556,7 @@ def fake_vllm(monkeypatch):
         monkeypatch.setitem(sys.modules, name, mod)
 
     params = lambda **kw: SimpleNamespace(kw=kw)  # noqa: E731
-    module("vllm", SamplingParams=params)
+    module("vllm", SamplingParams=params, __version__="0.33.0")  # the contract the stand-in follows
     module("vllm.exceptions", RetryableRequestError=_FakeRetryable)
     module("vllm.sampling_params", RequestOutputKind=SimpleNamespace(DELTA="DELTA"))
     module("vllm.engine")
