@@ -143,12 +143,17 @@ class ModelRunner:
         last = torch.tensor(lens, device=device)[:, None] - 1
         # Padded queries reuse their row's last real position (a learned position table stays in range).
         positions = torch.minimum(cols, cols.gather(1, last)) if width_q > 1 else cols
+        # Logits only from the shortest row's last token on (an int logits_to_keep means the same
+        # in every transformers 5.x; a tensor of positions does not), then each row's own last one.
+        keep = width_q - min(lens) + 1
         out = self.model(
             input_ids=ids,
             attention_mask=step_masks(self.model.config, cols, width),
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=last if width_q > 1 else 1,
+            logits_to_keep=keep,
         )
-        return out.logits[:, -1]
+        if keep == 1:
+            return out.logits[:, -1]
+        return out.logits[torch.arange(hi - lo, device=device), last[:, 0] - (width_q - keep)]
