@@ -451,7 +451,7 @@ class Rollouter:
 
     async def _generate(self, request: GenerateRequest, truncatable: bool) -> tuple[GenerateResult, int]:
         """Run ``request`` on the least-loaded live engine under the (pause-aware) deadline; if that
-        engine's actor dies, again (same seed) on another live one."""
+        engine's actor or engine process dies, again (same seed) on another live one."""
         while True:
             live = [e for e in range(len(self.engines)) if e not in self._dead]
             if not live:
@@ -532,6 +532,12 @@ def _index_of(sample_id: str) -> int:
 
 
 def _actor_died(exc: BaseException) -> bool:
+    """The replica is gone: its Ray actor died, or the engine inside it did (a vLLM EngineCore
+    killed under a live actor raises `EngineClosedError`; through Ray the error keeps its class)."""
+    from asyncrl.rollouter.engine import EngineClosedError
+
+    if isinstance(exc, EngineClosedError):
+        return True
     try:
         from ray.exceptions import RayActorError
     except ImportError:  # pragma: no cover - ray is a dependency

@@ -210,23 +210,41 @@ async def test_close_with_requests_in_flight_returns_their_partial_output(actor)
         assert res.finish_reason == "abort" and len(res.response_ids) < 200
 
 
-async def test_a_killed_engine_core_fails_its_requests(tiny_model):
-    from asyncrl.rollouter.engine import EngineError
+async def test_a_killed_engine_core_fails_its_requests_and_groups_closed(tiny_model):
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.engine import EngineClosedError
+    from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+    from asyncrl.rollouter.torch_engine import TorchEngine
     from asyncrl.rollouter.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(_model_dir(tiny_model), max_model_len=256, kv_cache_mb=64, eos_token_ids=())
+    builtin = TorchEngine(_model_dir(tiny_model), eos_token_ids=())
     try:
         task = asyncio.create_task(engine.generate(_req("d", PROMPT, 200, seed=1)))
         await asyncio.sleep(0)
         await engine.wait_for_tokens("d", 3)
         (proc,) = engine.llm.engine_core.resources.engine_manager.processes
         os.kill(proc.pid, signal.SIGKILL)
-        with pytest.raises(EngineError):
+        with pytest.raises(EngineClosedError):
             await asyncio.wait_for(task, 60)
-        with pytest.raises(EngineError):
+        with pytest.raises(EngineClosedError):
             await asyncio.wait_for(engine.generate(_req("e", PROMPT, 4)), 60)
+
+        prompts = [Prompt(text=f"p{i}", prompt_ids=np.asarray(PROMPT, dtype=np.int64)) for i in range(2)]
+        cfg = RolloutConfig(n=2, max_tokens=4, groups_per_sync=100)
+        # the dead replica alone: its groups fail closed, naming why
+        sink = MemorySink()
+        await asyncio.wait_for(Rollouter(cfg, [engine], sink, prompts, lambda p, r: 0.0).run(num_groups=2), 60)
+        assert [g.status for g in sink.groups] == ["failed", "failed"]
+        assert all("every engine replica is dead" in g.error for g in sink.groups)
+        # beside a live replica: the requests go there and the groups complete
+        sink = MemorySink()
+        await asyncio.wait_for(Rollouter(cfg, [engine, builtin], sink, prompts, lambda p, r: 0.0).run(num_groups=2), 60)
+        assert [g.status for g in sink.groups] == ["ok", "ok"], [g.error for g in sink.groups]
+        assert all(g.complete for g in sink.groups)
     finally:
         await engine.close()
+        await builtin.close()
 
 
 # ----------------------------------------------------------------------- the whole pipeline on vLLM
