@@ -8,7 +8,7 @@ cross Ray as the `asyncrl.types` dataclasses.
 The engine is built by kind: ``"torch"`` -> `TorchEngine` (built-in), ``"vllm"`` ->
 ``asyncrl.rollouter.vllm_engine.VLLMEngine`` (imported only when asked for). Weight sync:
 ``init_weight_sync(ReceiverInit)`` builds the receiver of the record's method
-(`asyncrl.sync.base.make_receiver`: ``broadcast`` for either kind, into vLLM's workers for a
+(`asyncrl.sync.backends.make_receiver`: ``broadcast`` for either kind, into vLLM's workers for a
 vLLM engine; ``vllm``, vLLM's NCCL engine, for vLLM on GPU) and ``receive_weights`` goes to
 it; a method that does not fit the engine's kind is refused.
 
@@ -28,9 +28,6 @@ from asyncrl.rollouter.engine import PauseMode
 from asyncrl.types import GenerateRequest, GenerateResult
 
 ENGINE_KINDS = ("torch", "vllm")
-SYNC_METHODS_OF_KIND = {"torch": ("broadcast",), "vllm": ("broadcast", "vllm")}
-"""The weight-sync methods (`asyncrl.sync.base`) each engine kind receives with: ``broadcast``
-into the built-in engine or into vLLM's workers; ``vllm``: vLLM's own NCCL transfer engine."""
 
 
 def make_engine(kind: str = "torch", **engine_kwargs):
@@ -136,15 +133,12 @@ class EngineActor:
 
     async def init_weight_sync(self, init):
         """Join the weight-sync group described by ``init`` (this engine's `ReceiverInit`)."""
-        from asyncrl.sync.base import make_receiver
+        from asyncrl.sync.backends import make_receiver
 
-        allowed = SYNC_METHODS_OF_KIND[self.kind]
-        if init.method not in allowed:
-            raise ValueError(f"a {self.kind!r} engine receives weights with method {' or '.join(map(repr, allowed))}, "
-                             f"not {init.method!r}: set WeightSyncConfig.method={allowed[0]!r}")
+        receiver = make_receiver(self.engine, init, engine_kind=self.kind)  # refuses a method the kind lacks
         if self._receiver is not None:
             await _maybe_await(self._receiver.close())
-        self._receiver = make_receiver(self.engine, init, engine_kind=self.kind)
+        self._receiver = receiver
         return await self._receiver.connect()
 
     async def receive_weights(self, **kwargs):

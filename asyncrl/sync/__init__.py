@@ -1,10 +1,12 @@
 """Weight sync: one interface (`base`), one file per backend, the coordinator that drives them.
 
 - `base`: the `WeightSyncer` / `WeightSender` / `WeightReceiver` protocols, the typed init
-  records (`SenderInit`, `ReceiverInit`, `GroupInit`), `make_sender` / `make_receiver`;
+  records (`SenderInit`, `ReceiverInit`, `GroupInit`);
+- `backends`: `make_sender` / `make_receiver`, the one place a backend is chosen;
 - `wire`: wire constants, dtype names and errors both halves import;
 - backends: `broadcast` (`BroadcastSender` / `BroadcastReceiver` over a `WeightSyncGroup`
-  (`group`) with packed uint8 buckets (`buckets`); gloo on CPU, nccl on CUDA), `vllm`
+  (`group`) with packed uint8 buckets (`buckets`); gloo on CPU, nccl on CUDA),
+  `vllm_broadcast` (the same broadcast received inside vLLM's worker processes), `vllm`
   (vLLM's NCCL weight-transfer engine, both halves), `inprocess` (`InProcessSyncer`);
 - `coordinator`: `WeightSyncCoordinator`, pause keep -> transfer -> load -> resume ->
   version += 1 on every engine, each step under a named timeout; the backend is
@@ -24,8 +26,8 @@ _EXPORTS = {
     "SenderInit": "asyncrl.sync.base",
     "ReceiverInit": "asyncrl.sync.base",
     "GroupInit": "asyncrl.sync.base",
-    "make_sender": "asyncrl.sync.base",
-    "make_receiver": "asyncrl.sync.base",
+    "make_sender": "asyncrl.sync.backends",
+    "make_receiver": "asyncrl.sync.backends",
     "WeightSyncError": "asyncrl.sync.wire",
     "WeightSyncGroup": "asyncrl.sync.group",
     "BroadcastSender": "asyncrl.sync.broadcast",

@@ -10,7 +10,8 @@ Three backends implement it, one file each:
 
 The first two are driven by `asyncrl.sync.coordinator.WeightSyncCoordinator`. The backend
 is named once, by ``WeightSyncConfig.method``; the coordinator puts it in the typed init
-records below, and `make_sender` / `make_receiver` build the matching halves from them:
+records below, and `asyncrl.sync.backends.make_sender` / ``make_receiver`` build the matching
+halves from them (this module imports no backend; the backends import it):
 
 1. every trainer rank: ``init_weight_sync(SenderInit)`` -> `make_sender` -> `WeightSender.connect`;
    rank 0 returns one `ReceiverInit` per engine (the others return None);
@@ -29,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from asyncrl.sync.config import SYNC_METHODS, SyncMethod
+from asyncrl.sync.config import SyncMethod
 from asyncrl.sync.wire import WeightSyncError
 
 
@@ -137,37 +138,6 @@ class ReceiverInit:
     """Group rank of the engine's first worker (its workers take the next ones)."""
     options: dict = field(default_factory=dict)
     """Backend-specific settings (``vllm``: packed, packed_buffer_size_bytes, packed_num_buffers)."""
-
-
-def make_sender(model: torch.nn.Module, *, rank: int, init: SenderInit) -> WeightSender:
-    """The trainer half of ``init.method`` (imported only when asked for)."""
-    if init.method == "broadcast":
-        from asyncrl.sync.broadcast import BroadcastSender
-
-        return BroadcastSender.from_init(model, rank=rank, init=init)
-    if init.method == "vllm":
-        from asyncrl.sync.vllm import VLLMWeightSender
-
-        return VLLMWeightSender.from_init(model, rank=rank, init=init)
-    raise ValueError(f"weight-sync method must be one of {SYNC_METHODS}, got {init.method!r}")
-
-
-def make_receiver(engine: Any, init: ReceiverInit, *, engine_kind: str = "torch") -> WeightReceiver:
-    """The engine half of ``init.method`` for ``engine`` (of kind ``engine_kind``: a vLLM engine
-    receives ``broadcast`` in its own worker processes)."""
-    if init.method == "broadcast" and engine_kind == "vllm":
-        from asyncrl.sync.vllm_broadcast import VLLMBroadcastReceiver
-
-        return VLLMBroadcastReceiver.from_init(engine, init)
-    if init.method == "broadcast":
-        from asyncrl.sync.broadcast import BroadcastReceiver
-
-        return BroadcastReceiver.from_init(engine, init)
-    if init.method == "vllm":
-        from asyncrl.sync.vllm import VLLMWeightReceiver
-
-        return VLLMWeightReceiver.from_init(engine, init)
-    raise ValueError(f"weight-sync method must be one of {SYNC_METHODS}, got {init.method!r}")
 
 
 # -- helpers every backend shares ------------------------------------------------------------

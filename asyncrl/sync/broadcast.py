@@ -2,7 +2,7 @@
 
 `BroadcastSender` runs in every trainer rank, `BroadcastReceiver` in an engine actor; they
 meet in a `asyncrl.sync.group.WeightSyncGroup` and move buckets laid out by
-`asyncrl.sync.buckets`. `asyncrl.sync.base.make_sender` / ``make_receiver`` build them from
+`asyncrl.sync.buckets`. `asyncrl.sync.backends.make_sender` / ``make_receiver`` build them from
 the coordinator's `SenderInit` / `ReceiverInit`.
 
 Sender. Every trainer rank calls `send`: gathering full tensors from FSDP2 shards

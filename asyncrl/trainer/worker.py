@@ -215,7 +215,7 @@ class TrainerWorker:
     def init_weight_sync(self, init):
         """Build this rank's sender for ``init.method`` (a `asyncrl.sync.base.SenderInit`) and connect;
         rank 0 returns one `ReceiverInit` per engine."""
-        from asyncrl.sync.base import make_sender
+        from asyncrl.sync.backends import make_sender
 
         if self._sender is not None:
             self._sender.close()

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.sync.base import GroupInit, JoinThread, SenderInit, make_sender
+from asyncrl.sync.backends import make_sender
+from asyncrl.sync.base import GroupInit, JoinThread, SenderInit
 from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
 from asyncrl.sync.vllm import VLLMSyncConfig, VLLMWeightSender, VLLMWeightSyncError, plan_vllm_buckets
 from asyncrl.sync.wire import WeightSyncError

@@ -346,10 +346,10 @@ async def test_vllm_nccl_weight_transfer_into_kept_request(tmp_path, gpu_model_d
     trainer = _hf(new_dir, device="cuda:1")
     sender = VLLMWeightSender(trainer, rank=0, workers_per_engine=[1], config=VLLMSyncConfig(bucket_mb=0.05))
     try:
-        from asyncrl.sync.base import make_receiver
+        from asyncrl.sync.backends import make_receiver
 
         (init,) = sender.connect()
-        receiver = make_receiver(engine, init)
+        receiver = make_receiver(engine, init, engine_kind="vllm")
         await receiver.connect()
 
         task = asyncio.create_task(engine.generate(_greedy("k", PROMPTS[1], 100)))
@@ -530,11 +530,13 @@ def _fake_engine(tmp_path, **kw):
 
 
 def _receiver(engine, *, join_timeout_s=30.0, timeout_s=30.0):
-    from asyncrl.sync.base import ReceiverInit, make_receiver
+    from asyncrl.sync.backends import make_receiver
+    from asyncrl.sync.base import ReceiverInit
 
     group = GroupInit(master_addr="127.0.0.1", master_port=1234, world_size=2, timeout_s=timeout_s,
                       join_timeout_s=join_timeout_s)
-    return make_receiver(engine, ReceiverInit(method="vllm", group=group, rank_offset=1, options={"packed": True}))
+    return make_receiver(engine, ReceiverInit(method="vllm", group=group, rank_offset=1, options={"packed": True}),
+                         engine_kind="vllm")
 
 
 def test_sampling_outside_vllms_temperature_range_is_refused():
