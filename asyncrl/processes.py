@@ -50,6 +50,8 @@ class Processes:
     """The Rollouter's ``run`` call (an ObjectRef); it fails if the Rollouter does."""
     metrics: Any = None
     """The run's `asyncrl.metrics.MetricsService` (None when ``metrics.enabled`` is false)."""
+    dashboard: Any = None
+    """The live `asyncrl.dashboard.server.DashboardServer` on the metric stream (``metrics.dashboard``)."""
 
     async def validate(self, step: int) -> dict[str, float]:
         """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
@@ -91,6 +93,8 @@ class Processes:
         self.plan.release()
         if self.metrics is not None:
             self.metrics.close()
+        if self.dashboard is not None:
+            self.dashboard.close()
 
 
 async def _quietly(ref) -> None:
@@ -169,6 +173,12 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
             from asyncrl.metrics.service import MetricsService
 
             procs.metrics = MetricsService(cfg.metrics, run_dir)
+            if cfg.metrics.dashboard:
+                from asyncrl.dashboard.server import DashboardServer, StreamFeed
+
+                procs.dashboard = DashboardServer(StreamFeed(procs.metrics.endpoints.subscribe), host=cfg.metrics.host,
+                                                  port=cfg.metrics.dashboard_port, title=run_dir.name)
+                print(f"asyncrl: live dashboard at {procs.dashboard.url}", flush=True)
         kind = cfg.engine_kind
         procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
                          for slot in plan.engines]

@@ -1,4 +1,7 @@
-"""`MetricsService`: the launcher's side of the metric stream (forwarder, sinks, dashboard).
+"""`MetricsService`: the launcher's side of the metric stream (forwarder, sinks).
+
+The live dashboard subscribes to the same stream; the launcher starts it beside this service
+(`asyncrl.processes`), so metrics/ never imports dashboard/.
 
 ::
 
@@ -43,13 +46,6 @@ class MetricsService:
         self._thread.start()
         self.reporter = None
         """The launcher's `TrainerReporter`, once it has made one."""
-        self.dashboard = None
-        if cfg.dashboard:
-            from asyncrl.dashboard.server import DashboardServer, StreamFeed
-
-            self.dashboard = DashboardServer(StreamFeed(self.endpoints.subscribe), host=cfg.host,
-                                             port=cfg.dashboard_port, title=self.run_dir.name)
-            print(f"asyncrl: live dashboard at {self.dashboard.url}", flush=True)
 
     def emitter(self, source: str) -> MetricsEmitter:
         return MetricsEmitter(self.endpoints.publish, source, send_hwm=self.cfg.send_hwm)
@@ -75,7 +71,7 @@ class MetricsService:
             return self._seen.wait_for(lambda: self._subscriber.seen(emitter.source) >= last, timeout_s)
 
     def close(self) -> None:
-        """Drain what was published into the sinks, close them, stop the forwarder and dashboard."""
+        """Drain what was published into the sinks, close them, stop the forwarder."""
         if self.reporter is not None:
             self.reporter.emitter.close()  # lingers until its last messages are out
         self._stop.set()
@@ -86,6 +82,4 @@ class MetricsService:
             print(f"asyncrl: the metrics sinks missed messages (per source: {dropped}); "
                   f"raise MetricsConfig.recv_hwm", file=sys.stderr, flush=True)
         self._subscriber.close()
-        if self.dashboard is not None:
-            self.dashboard.close()
         self.forwarder.close()
