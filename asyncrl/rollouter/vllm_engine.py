@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,6 +333,10 @@ class VLLMEngine:
     def __init__(self, model_path: str | Path | None = None, *, config: VLLMEngineConfig | None = None, **kwargs):
         self.config = config = engine_config(VLLMEngineConfig, model_path, config, kwargs)
         self._eos = config.eos_token_ids if config.eos_token_ids is not None else model_eos_token_ids(config.model_path)
+        # vLLM logs a line per weight load at INFO, from every worker; its warnings and errors are
+        # what a run's console needs (VLLM_LOGGING_LEVEL set by the user wins; vLLM's processes
+        # started below inherit it)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
