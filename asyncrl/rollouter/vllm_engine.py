@@ -497,7 +497,7 @@ class VLLMEngine:
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
         ids = [r for r in request_ids if r in self._live]
-        if ids:
+        if ids and not self._closed:  # a closed engine ended its requests already
             await self.llm.abort(ids)
 
     def param_meta(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -551,7 +551,11 @@ class VLLMEngine:
                 await asyncio.wait_for(self._abort_and_drain(live), self.config.close_timeout_s)
             except TimeoutError:
                 pass  # shut down anyway; callers still waiting then get EngineClosedError from vLLM
-        self.llm.shutdown()
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+        # vLLM's AsyncLLM shuts down again in __del__; let that happen now, not at interpreter exit,
+        # when the module globals it calls are already gone (a TypeError printed at every exit)
+        del llm
 
     async def _abort_and_drain(self, ids: list[str]) -> None:
         await self.llm.abort(ids)
