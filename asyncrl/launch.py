@@ -58,7 +58,7 @@ _FLAGS = {
         ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead "
                                        "(default 1: the next step's groups while the Trainer trains)"),
         ("max_tokens", int, "response budget (default: 6 for the built-in task, else 512)"),
-        ("lr", float, "learning rate (default: 3e-3 for the demo model, else 1e-5)"),
+        ("lr", float, "learning rate (default: 1e-3 for the demo model, else 1e-5)"),
         ("temperature", float, "sampling temperature (default 1.0)"),
         ("mode", str, "async (default): fully asynchronous; sync: generate a batch, train, sync, in lockstep "
                       "(on-policy: rollout.staleness_threshold 0, one step per sync)"),

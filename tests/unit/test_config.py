@@ -49,7 +49,7 @@ def test_later_yaml_files_win(tmp_path):
 
 def test_demo_defaults_apply_only_without_model_or_dataset():
     demo, _ = load_config([], [])
-    assert demo.trainer.optim.lr == 3e-3 and demo.rollout.max_tokens == 6
+    assert demo.trainer.optim.lr == 1e-3 and demo.rollout.max_tokens == 6
     real, _ = load_config([], ["model.path=/m", "data.train=/d.jsonl", "data.reward=m:f"])
     assert real.trainer.optim.lr == 1e-5 and real.rollout.max_tokens == 512
     given, _ = load_config([], ["trainer.optim.lr=5e-4"])
