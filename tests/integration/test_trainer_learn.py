@@ -67,7 +67,7 @@ async def test_sync_grpo_raises_mean_reward(rollout_batch):
     cfg = TrainerConfig(
         worker=WorkerConfig(model_path=model, micro_batch_size=32, pad_token_id=tok.pad_token_id,
                             algorithm=AlgorithmConfig(loss_agg_mode="token-mean", temperature=1.0),
-                            optim=OptimConfig(lr=3e-3, warmup_steps=2)),
+                            optim=OptimConfig(lr=1e-3, warmup_steps=2)),
         groups_per_batch=PROMPTS, cpus_per_rank=1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
@@ -92,7 +92,8 @@ async def test_sync_grpo_raises_mean_reward(rollout_batch):
     last = sum(m["reward_mean"] for m in history[-WINDOW:]) / WINDOW
     print(f"sync GRPO: mean reward first {WINDOW} steps {first:.3f} -> last {WINDOW} steps {last:.3f}; "
           f"held-out sampled reward {before:.3f} -> {after:.3f}")
-    # Measured 2026-11-23: 0.336 -> 0.510 (+0.17); held-out 0.326 -> 0.582 (+0.26).
+    # Measured 2026-11-24 (head-32 demo model, lr 1e-3): 0.323 -> 0.549 (+0.23); held-out 0.334 -> 0.531 (+0.20).
+    # At 3e-3, the former model's rate, held-out went 0.334 -> 0.414 only.
     assert last >= first + 0.1, f"mean reward first {WINDOW} steps {first:.3f}, last {WINDOW} steps {last:.3f}"
     # The same policy before and after, on prompts it never trained on, 512 samples each.
     assert after >= before + 0.1, f"held-out sampled reward {before:.3f} before, {after:.3f} after"
