@@ -341,7 +341,7 @@ async def test_vllm_nccl_weight_transfer_into_kept_request(tmp_path, gpu_model_d
     # vLLM's worker takes GPU 0; the trainer (this process) broadcasts from GPU 1.
     pytest.importorskip("vllm")
     new_dir = _gpu_model(tmp_path / "new", seed=1)
-    engine = _engine(gpu_model_dir, eos_token_ids=())
+    engine = _engine(gpu_model_dir, eos_token_ids=(), weight_transfer="nccl")  # vLLM's own NCCL engine
     torch.cuda.set_device(1)
     trainer = _hf(new_dir, device="cuda:1")
     sender = VLLMWeightSender(trainer, rank=0, workers_per_engine=[1], config=VLLMSyncConfig(bucket_mb=0.05))
