@@ -50,10 +50,12 @@ def test_later_yaml_files_win(tmp_path):
 def test_demo_defaults_apply_only_without_model_or_dataset():
     demo, _ = load_config([], [])
     assert demo.trainer.optim.lr == 1e-3 and demo.rollout.max_tokens == 6
+    assert demo.trainer.groups_per_batch == 16 and demo.rollout.groups_per_sync == 16  # derived from it
     real, _ = load_config([], ["model.path=/m", "data.train=/d.jsonl", "data.reward=m:f"])
     assert real.trainer.optim.lr == 1e-5 and real.rollout.max_tokens == 512
-    given, _ = load_config([], ["trainer.optim.lr=5e-4"])
-    assert given.trainer.optim.lr == 5e-4
+    assert real.trainer.groups_per_batch == 8
+    given, _ = load_config([], ["trainer.optim.lr=5e-4", "trainer.groups_per_batch=8"])
+    assert given.trainer.optim.lr == 5e-4 and given.trainer.groups_per_batch == 8
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -76,9 +78,9 @@ def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
 
 
 @pytest.mark.parametrize("overrides, both", [
-    (["rollout.groups_per_sync=5"], ("rollout.groups_per_sync=5", "trigger_parameter_sync_step = 8")),
+    (["rollout.groups_per_sync=5"], ("rollout.groups_per_sync=5", "trigger_parameter_sync_step = 16")),
     (["trainer.algorithm.temperature=0.5"], ("trainer.algorithm.temperature=0.5", "rollout.temperature")),
-    (["stream.window=20", "trainer.checkpoint_every=3"], ("stream.window=20", "checkpoint_every = 24")),
+    (["stream.window=20", "trainer.checkpoint_every=3"], ("stream.window=20", "checkpoint_every = 48")),
     (["placement.rollouter_gpus=2"], ("--rollouter-gpus", "--trainer-gpus")),
     (["placement.rollouter_gpus=6", "placement.trainer_gpus=2", "engine.tensor_parallel_size=4"],
      ("rollouter_gpus (--rollouter-gpus)=6", "tensor_parallel_size=4")),
@@ -125,7 +127,7 @@ def test_resolved_config_has_no_interpolations_left():
     _, resolved = load_config([], [])
     text = to_yaml(resolved)
     assert "${" not in text
-    assert OmegaConf.create(text).rollout.groups_per_sync == 8
+    assert OmegaConf.create(text).rollout.groups_per_sync == 16
 
 
 def test_weight_sync_backend_and_geometry_follow_the_engines():
