@@ -53,7 +53,7 @@ _FLAGS = {
     "algorithm": [
         ("steps", int, "train steps to run (default 100; 150 for the demo model)"),
         ("n", int, "responses per prompt, the group size (default 8)"),
-        ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8)"),
+        ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8; 16 in the demo)"),
         ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step, default 1)"),
         ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead "
                                        "(default 1: the next step's groups while the Trainer trains)"),
@@ -103,7 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             # Values stay text: OmegaConf coerces them and names the key when it cannot.
             group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=type_.__name__.upper(),
                                help=help_)
-    return p.parse_args(argv)
+    # Overrides may stand anywhere on the line, between flags too, as in Hydra-style tools
+    # (plain parse_args takes only the first run of positionals).
+    return p.parse_intermixed_args(argv)
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
