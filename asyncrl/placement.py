@@ -76,11 +76,18 @@ class Plan:
         return len({s.node.node_id for s in [self.rollouter, *self.engines, *self.ranks]}) == 1
 
     def describe(self) -> str:
-        lines = [f"plan: {len(self.engines)} engine replica(s), {len(self.ranks)} trainer rank(s) on "
-                 f"{len({s.node.node_id for s in [self.rollouter, *self.engines, *self.ranks]})} node(s)"]
-        for s in [self.rollouter, *self.engines, *self.ranks]:
-            lines.append(f"  {s.process:<18} node {s.node.address} ({s.node.node_id[:12]})  "
-                         f"GPUs {s.gpus}  CPUs {s.cpus:g}  placement group {s.group}[{s.bundle}]")
+        """The plan, one line per node (a 64-node plan stays 65 lines): what runs there, in which bundles."""
+        by_node: dict[str, list[Slot]] = {}
+        for s in [*self.ranks, self.rollouter, *self.engines]:  # trainer nodes first, as they are planned
+            by_node.setdefault(s.node.node_id, []).append(s)
+        tp = self.engines[0].gpus if self.engines else 0
+        lines = [f"plan: {len(self.engines)} engine replica(s)" + (f" of {tp} GPU(s)" if tp else "")
+                 + f", {len(self.ranks)} trainer rank(s) on {len(by_node)} node(s)"]
+        for slots in by_node.values():
+            node = slots[0].node
+            gpus, cpus = sum(s.gpus for s in slots), sum(s.cpus for s in slots)
+            lines.append(f"  node {node.address} ({node.node_id[:12]})  GPUs {gpus}/{node.gpus}  "
+                         f"CPUs {cpus:g}/{node.cpus:g}  " + "; ".join(_processes(slots)))
         return "\n".join(lines)
 
     # -------------------------------------------------------------------- reserve
@@ -129,6 +136,32 @@ class Plan:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
         self.groups = {}
+
+
+def _processes(slots: list[Slot]) -> list[str]:
+    """``rollouter (rollout 0)``, ``engines 0-3 (2 GPUs each, rollout 1-4)``, ``trainer rank 0 (1 GPU, trainer 0)``."""
+    out = []
+    for kind, many in (("rollouter", "rollouter"), ("engine", "engines"), ("trainer rank", "trainer ranks")):
+        mine = [s for s in slots if s.process == kind or s.process.startswith(kind + " ")]
+        if not mine:
+            continue
+        numbers = [int(s.process.rsplit(" ", 1)[1]) for s in mine if s.process != kind]
+        name = f"{many if len(numbers) > 1 else kind} {_ranges(numbers)}" if numbers else kind
+        gpus = mine[0].gpus  # every replica, every rank alike
+        each = f"{gpus} GPU{'s' if gpus > 1 else ''}{' each' if len(mine) > 1 else ''}, " if gpus else ""
+        out.append(f"{name} ({each}{mine[0].group} {_ranges([s.bundle for s in mine])})")
+    return out
+
+
+def _ranges(xs: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    runs: list[list[int]] = []
+    for x in sorted(xs):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # -------------------------------------------------------------------------- connect

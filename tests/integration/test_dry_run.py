@@ -20,11 +20,24 @@ def dry_run(address: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def planned(stdout: str) -> dict[str, list[tuple[str, int, str]]]:
-    """Process kind -> [(node id prefix, GPUs, placement group)] from the plan's lines."""
+    """Process kind -> [(node id prefix, GPUs, placement group)], one entry per process, from the
+    plan's node lines (``node ADDR (ID)  GPUs u/n  CPUs u/n  engines 0-1 (4 GPUs each, rollout 1-2); ...``)."""
     out: dict[str, list] = {"engine": [], "trainer": [], "rollouter": []}
-    for m in re.finditer(r"^\s+(engine \d+|trainer rank \d+|rollouter)\s+node \S+ \((\w+)\)\s+GPUs (\d+).*"
-                         r"placement group (\w+)\[\d+\]", stdout, re.M):
-        out[m.group(1).split()[0]].append((m.group(2), int(m.group(3)), m.group(4)))
+    for node in re.finditer(r"^\s+node \S+ \((\w+)\)\s+GPUs \d+/\d+\s+CPUs \S+\s+(.*)$", stdout, re.M):
+        for part in re.finditer(r"(rollouter|engines?|trainer ranks?)(?: ([\d,-]+))? \((?:(\d+) GPUs?(?: each)?, )?"
+                                r"(\w+) [\d,-]+\)", node.group(2)):
+            kind = part.group(1).split()[0].rstrip("s")
+            count = len(expand(part.group(2))) if part.group(2) else 1
+            out[kind] += [(node.group(1), int(part.group(3) or 0), part.group(4))] * count
+    return out
+
+
+def expand(ranges: str) -> list[int]:
+    """``0-2,5`` -> ``[0, 1, 2, 5]``."""
+    out = []
+    for r in ranges.split(","):
+        a, _, b = r.partition("-")
+        out += range(int(a), int(b or a) + 1)
     return out
 
 

@@ -60,3 +60,36 @@ def test_too_much_asked_fails_with_the_numbers(cluster, overrides, numbers):
         plan_of(cluster, *overrides)
     for n in numbers:
         assert n in str(e.value)
+
+
+def test_a_64_node_plan_keeps_replicas_whole_and_sides_apart_and_prints_a_line_per_node():
+    # 64 nodes x 8 GPUs, --rollouter-gpus 256 --trainer-gpus 256, TP 4: the planning alone (64
+    # raylets do not fit on a test machine; the dry run's reservation is tested on 1 and 2 nodes)
+    cluster = Cluster(nodes=[Node(node_id=f"{i:04d}" + "ab" * 14, address=f"10.1.{i // 250}.{i % 250}", cpus=96,
+                                  gpus=8, head=i == 0) for i in range(64)], started_here=False)
+    plan = plan_of(cluster, "placement.rollouter_gpus=256", "placement.trainer_gpus=256",
+                   "engine.tensor_parallel_size=4", "placement.nodes=64")
+    assert len(plan.engines) == 64 and {s.gpus for s in plan.engines} == {4}
+    assert len(plan.ranks) == 256 and {s.gpus for s in plan.ranks} == {1}
+    used: dict[str, int] = {}
+    for s in [plan.rollouter, *plan.engines, *plan.ranks]:
+        used[s.node.node_id] = used.get(s.node.node_id, 0) + s.gpus
+    assert len(used) == 64 and set(used.values()) == {8}  # every GPU used once, no node over its 8
+    trainer_nodes = {s.node.node_id for s in plan.ranks}
+    rollout_nodes = {s.node.node_id for s in [plan.rollouter, *plan.engines]}
+    assert len(trainer_nodes) == len(rollout_nodes) == 32 and not trainer_nodes & rollout_nodes
+    assert [s.bundle for s in plan.engines] == list(range(1, 65)) and [s.bundle for s in plan.ranks] == list(range(256))
+    lines = plan.describe().splitlines()
+    assert lines[0] == "plan: 64 engine replica(s) of 4 GPU(s), 256 trainer rank(s) on 64 node(s)"
+    assert len(lines) == 65
+    assert lines[1].startswith("  node 10.1.0.0 (0000abababab)  GPUs 8/8  CPUs 8/96  ")
+    assert lines[1].endswith("trainer ranks 0-7 (1 GPU each, trainer 0-7)")
+    (home,) = [line for line in lines if "rollouter" in line]
+    assert home.endswith("GPUs 8/8  CPUs 3/96  rollouter (rollout 0); engines 0-1 (4 GPUs each, rollout 1-2)")
+
+
+def test_the_plan_of_the_cpu_demo_is_one_line():
+    plan = plan_of(Cluster([Node("c" * 24, "127.0.0.1", cpus=8, gpus=0, head=True)], started_here=True))
+    assert plan.describe().splitlines()[1:] == [
+        "  node 127.0.0.1 (cccccccccccc)  GPUs 0/0  CPUs 3/8  rollouter (rollout 0); engine 0 (rollout 1); "
+        "trainer rank 0 (trainer 0)"]
