@@ -27,11 +27,12 @@ from collections.abc import Iterable
 from asyncrl.rollouter.engine import PauseMode
 from asyncrl.types import GenerateRequest, GenerateResult
 
-ENGINE_KINDS = ("torch", "vllm")
+ENGINE_KINDS = ("torch", "vllm", "sim")
 
 
 def make_engine(kind: str = "torch", **engine_kwargs):
-    """Build an engine by kind (``torch`` | ``vllm``) from its keyword settings."""
+    """Build an engine by kind (``torch`` | ``vllm`` | ``sim``, the simulated one for scale tests
+    and benchmarks) from its keyword settings."""
     if kind == "torch":
         from asyncrl.rollouter.torch_engine import TorchEngine
 
@@ -40,6 +41,10 @@ def make_engine(kind: str = "torch", **engine_kwargs):
         from asyncrl.rollouter.vllm_engine import VLLMEngine
 
         return VLLMEngine(**engine_kwargs)
+    if kind == "sim":
+        from asyncrl.rollouter.sim_engine import SimEngine
+
+        return SimEngine(**engine_kwargs)
     raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}")
 
 
