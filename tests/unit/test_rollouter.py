@@ -98,27 +98,57 @@ def test_config_errors_name_the_field():
         RolloutConfig(staleness_threshold=-1)
 
 
-async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_its_engine(model_path):
+class _HandClock:
+    """The Rollouter's clock (its module's ``time``), moved only by the test: the request deadline
+    then depends on what the test says happened, never on how busy the machine is."""
+
+    def __init__(self):
+        self.now, self.reads = 1000.0, 0
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+async def _until(predicate, timeout_s: float = 60.0) -> None:
+    async def poll():
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_its_engine(model_path, monkeypatch):
+    import asyncrl.rollouter.rollouter as rollouter_module
+
+    clock = _HandClock()
+    monkeypatch.setattr(rollouter_module, "time", clock)
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
         cfg = RolloutConfig(n=1, max_tokens=2, groups_per_sync=10, request_timeout_s=0.5)
-        # A weight sync the Rollouter was told about: 1.5 s paused, yet the group finishes.
+        # A weight sync the Rollouter was told about, 120 times the timeout: the group still finishes.
         producer = MemorySink()
         r = Rollouter(cfg, [engine], producer, make_prompts(1), length_reward)
         await engine.pause("keep")
         await r.on_pause()
         task = asyncio.create_task(r.run(num_groups=1))
-        await asyncio.sleep(1.5)
+        await _until(lambda: engine.stats()["queued"] == 1)  # the request waits on the paused engine
+        clock.now += 60.0
+        seen = clock.reads
+        await _until(lambda: clock.reads > seen)  # the request's deadline was checked after the minute
         await engine.resume()
         await r.on_sync(1)
         await asyncio.wait_for(task, 60)
-        assert producer.groups[0].complete
-        # A pause it was not told about is just a slow engine: the request times out and is
+        assert producer.groups[0].complete and r.stats.timed_out == 0
+        # A pause it was not told about is just a slow engine: past the timeout the request is
         # aborted on the engine, not left queued there.
         producer = MemorySink()
         r = Rollouter(cfg, [engine], producer, make_prompts(1), length_reward)
         await engine.pause("keep")
-        await asyncio.wait_for(r.run(num_groups=1), 60)
+        task = asyncio.create_task(r.run(num_groups=1))
+        await _until(lambda: engine.stats()["queued"] == 1)
+        clock.now += 1.0
+        await asyncio.wait_for(task, 60)
         g = producer.groups[0]
         assert g.status == "failed" and "request_timeout_s=0.5" in g.error and r.stats.timed_out == 1
         assert engine.stats()["queued"] == 0 and engine.stats()["running"] == 0
