@@ -127,6 +127,8 @@ class SimEngine:
         """(engine step, version live from that step on): the version of every token."""
         self._queued: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
+        self._in_flight: set[str] = set()
+        """Ids queued or running (a request id may be reused once its request has ended)."""
         self._due: list[tuple[float, int, _Request]] = []
         """Heap of (step the request ends at, tie-break, request); entries of finished ones are skipped."""
         self._paused: PauseMode | None = None
@@ -164,6 +166,7 @@ class SimEngine:
                 r.future.set_exception(error)
         self._queued.clear()
         self._running.clear()
+        self._in_flight.clear()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -181,11 +184,12 @@ class SimEngine:
         if self._paused in ("abort", "wait"):
             raise EnginePausedError(f"request {request.request_id} refused: the engine is paused with "
                                     f"mode={self._paused!r}; call resume() first")
-        if request.request_id in self._running or any(r.rid == request.request_id for r in self._queued):
+        if request.request_id in self._in_flight:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         r = self._draw(request)
         r.future.add_done_callback(lambda f: f.cancelled() and self._wake.set())  # a cancelled caller frees its slot
         self._queued.append(r)
+        self._in_flight.add(r.rid)
         self._counters["requests"] += 1
         self._start()
         # Cancelling the caller cancels the future; the scheduler then drops the request.
@@ -314,10 +318,12 @@ class SimEngine:
     def _admit(self) -> None:
         for r in [r for r in self._running.values() if r.future.done()]:  # callers that were cancelled
             del self._running[r.rid]
+            self._in_flight.discard(r.rid)
         now = self._clock.now()
         while self._queued and len(self._running) < self.config.max_running:
             r = self._queued.popleft()
             if r.future.done():  # a cancelled caller's request is dropped here
+                self._in_flight.discard(r.rid)
                 continue
             r.start = now
             self._running[r.rid] = r
@@ -339,6 +345,7 @@ class SimEngine:
     def _finish(self, r: _Request, n: int, reason: str) -> None:
         if self._running.get(r.rid) is r:
             del self._running[r.rid]
+        self._in_flight.discard(r.rid)
         self._counters["tokens_generated"] += n
         self._finished.set()
         if r.future.done():

@@ -179,3 +179,17 @@ async def test_a_cancelled_caller_frees_its_slot_and_the_actor_builds_the_kind()
         assert "hog" not in engine.progress(["hog"])
     finally:
         await actor.close()
+
+
+async def test_an_id_in_flight_is_refused_and_free_again_once_it_ended():
+    engine = SimEngine(tokens_per_s=2000, max_running=1, median_tokens=400, long_tail=1)
+    try:
+        first = asyncio.create_task(engine.generate(req("same")))
+        await until(lambda: engine.stats()["running"] == 1)
+        with pytest.raises(ValueError, match="already in flight"):
+            await engine.generate(req("same"))
+        await engine.abort(["same"])
+        assert (await first).finish_reason == "abort"
+        assert len((await engine.generate(req("same", max_tokens=3))).response_ids) == 3
+    finally:
+        await engine.close()
