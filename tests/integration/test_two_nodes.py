@@ -28,9 +28,11 @@ def test_two_node_run_with_curve_stream_and_weight_sync(tmp_path, two_ray_nodes)
                "--n", "2", "--groups-per-step", "2", "--max-tokens", "3", "--lr", "1e-3", "--run-dir", str(run_dir)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=ROOT, env=env)
         assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
-        nodes = {m.group(1): m.group(2) for m in
-                 re.finditer(r"^\s+(rollouter|engine 0|trainer rank 0)\s+node \S+ \((\w+)\)", out.stdout, re.M)}
-        assert nodes["rollouter"] == nodes["engine 0"] != nodes["trainer rank 0"], out.stdout
+        # the plan's line per node: "node ADDR (ID)  GPUs u/n  CPUs u/n  rollouter (...); engine 0 (...)"
+        lines = re.findall(r"^\s+node \S+ \((\w+)\)\s+GPUs \S+\s+CPUs \S+\s+(.*)$", out.stdout, re.M)
+        nodes = {who: node for node, what in lines for who in ("rollouter", "engine 0", "trainer rank 0")
+                 if re.search(rf"(^|; ){who} \(", what)}
+        assert len(lines) == 2 and nodes["rollouter"] == nodes["engine 0"] != nodes["trainer rank 0"], out.stdout
         stream = re.search(r"sample stream on tcp://([\d.]+):(\d+) \(CURVE", out.stdout)
         assert stream and stream.group(1) != "127.0.0.1", out.stdout
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
