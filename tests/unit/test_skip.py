@@ -345,3 +345,34 @@ async def test_sync_rollout_role_replays_a_train_steps_batch(model_path, tmp_pat
         await engine.close()
     assert [g.sample_id for g in b] == ["sample_0_2", "sample_0_3"]
     assert all(x.trajectories == y.trajectories for x, y in zip(a, b)) and all(map(is_replayed, b))
+
+
+@pytest.mark.parametrize("inline_bytes, on_the_loop", [(None, True), (0, False)], ids=["small-inline", "large-thread"])
+def test_an_async_caller_reads_a_small_dump_on_its_loop_and_a_large_one_in_a_thread(tmp_path, monkeypatch,
+                                                                                    inline_bytes, on_the_loop):
+    from asyncrl.skip import manager
+
+    if inline_bytes is not None:
+        monkeypatch.setattr(manager, "INLINE_READ_BYTES", inline_bytes)
+    threads = []
+    replay = manager._replay
+
+    def recording_replay(*args):
+        threads.append(threading.current_thread())
+        return replay(*args)
+
+    monkeypatch.setattr(manager, "_replay", recording_replay)
+
+    @SkipManager.annotate(role="async_rollout")
+    async def make(sample_id: str) -> Group:
+        return make_group(int(sample_id.rsplit("_", 1)[1]))
+
+    SkipManager.init(SkipConfig(async_rollout=SkipRoleConfig(enable=True, dump_dir=str(tmp_path))), shape={})
+
+    async def main():
+        first = await make("sample_0_5")  # no dump yet: generated, then dumped
+        return first, await make("sample_0_5")
+
+    first, again = asyncio.run(main())
+    assert is_replayed(again) and again.trajectories == first.trajectories
+    assert (threads[-1] is threading.main_thread()) == on_the_loop
