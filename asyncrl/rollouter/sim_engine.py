@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import heapq
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -224,13 +225,12 @@ class SimEngine:
     def progress(self, request_ids: Iterable[str]) -> dict[str, int]:
         """Tokens generated so far by each named request in flight (0 while queued)."""
         now = self._clock.now()
-        queued = {r.rid for r in self._queued}
         out = {}
         for rid in request_ids:
             r = self._running.get(rid)
             if r is not None:
                 out[rid] = r.generated(now)
-            elif rid in queued:
+            elif rid in self._in_flight:  # in flight and not running: queued
                 out[rid] = 0
         return out
 
@@ -308,8 +308,8 @@ class SimEngine:
             self._wake.clear()
             wait = None
             if self._paused in (None, "wait"):  # keep and abort: the clock stands still
-                self._admit()
                 self._complete_due()
+                self._admit()  # into the slots the finished ones freed
                 if self._due:
                     wait = self._clock.seconds_until(self._due[0][0])
             with contextlib.suppress(TimeoutError):
@@ -331,16 +331,12 @@ class SimEngine:
             self._tie += 1
             heapq.heappush(self._due, (now + len(r.ids), self._tie, r))
 
-    def _complete_due(self) -> int:
-        now, done = self._clock.now(), 0
+    def _complete_due(self) -> None:
+        now = self._clock.now()
         while self._due and self._due[0][0] <= now + 1e-9:
             _, _, r = heapq.heappop(self._due)
             if self._running.get(r.rid) is r:
                 self._finish(r, len(r.ids), "stop" if r.stops else "length")
-                done += 1
-        if done and self._queued:
-            self._admit()
-        return done
 
     def _finish(self, r: _Request, n: int, reason: str) -> None:
         if self._running.get(r.rid) is r:
@@ -360,6 +356,4 @@ class SimEngine:
 
 def _stable_hash(text: str) -> int:
     """A seed from a request id that is the same in every process (``hash`` is salted per process)."""
-    import zlib
-
     return zlib.crc32(text.encode())
