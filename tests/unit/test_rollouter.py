@@ -110,15 +110,8 @@ class _HandClock:
         return self.now
 
 
-async def _until(predicate, timeout_s: float = 60.0) -> None:
-    async def poll():
-        while not predicate():
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), timeout_s)
-
-
-async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_its_engine(model_path, monkeypatch):
+async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_its_engine(model_path, monkeypatch,
+                                                                                                until):
     import asyncrl.rollouter.rollouter as rollouter_module
 
     clock = _HandClock()
@@ -132,10 +125,10 @@ async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_i
         await engine.pause("keep")
         await r.on_pause()
         task = asyncio.create_task(r.run(num_groups=1))
-        await _until(lambda: engine.stats()["queued"] == 1)  # the request waits on the paused engine
+        await until(lambda: engine.stats()["queued"] == 1)  # the request waits on the paused engine
         clock.now += 60.0
         seen = clock.reads
-        await _until(lambda: clock.reads > seen)  # the request's deadline was checked after the minute
+        await until(lambda: clock.reads > seen)  # the request's deadline was checked after the minute
         await engine.resume()
         await r.on_sync(1)
         await asyncio.wait_for(task, 60)
@@ -146,7 +139,7 @@ async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_i
         r = Rollouter(cfg, [engine], producer, make_prompts(1), length_reward)
         await engine.pause("keep")
         task = asyncio.create_task(r.run(num_groups=1))
-        await _until(lambda: engine.stats()["queued"] == 1)
+        await until(lambda: engine.stats()["queued"] == 1)
         clock.now += 1.0
         await asyncio.wait_for(task, 60)
         g = producer.groups[0]

@@ -1,7 +1,7 @@
 """`SimEngine`: the engine semantics with simulated tokens and time (for control-plane scale runs).
 
 Time is only ever bounded from below here (a request cannot end before its steps have passed);
-every other check waits on the engine's own state.
+every other check waits on the engine's own state (the `until` fixture of conftest.py).
 """
 
 from __future__ import annotations
@@ -19,14 +19,6 @@ from asyncrl.types import GenerateRequest, SamplingParams
 
 def req(rid: str, max_tokens: int = 400, seed: int | None = None) -> GenerateRequest:
     return GenerateRequest(rid, np.array([1, 5, 6]), max_tokens=max_tokens, sampling=SamplingParams(seed=seed))
-
-
-async def until(predicate, timeout_s: float = 30.0) -> None:
-    """Wait on a condition of the engine's state, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.002)
 
 
 def test_config_errors_name_the_field():
@@ -72,7 +64,7 @@ async def test_tokens_come_on_the_clock_in_batches_of_max_running():
     assert engine.stats()["tokens_generated"] == 80 and engine.stats()["prefill_tokens"] == 8 * 3
 
 
-async def test_keep_freezes_requests_and_tokens_after_the_update_carry_the_new_version():
+async def test_keep_freezes_requests_and_tokens_after_the_update_carry_the_new_version(until):
     engine = SimEngine(tokens_per_s=2000, max_running=4, median_tokens=200, long_tail=1)
     try:
         tasks = [asyncio.create_task(engine.generate(req(f"k{i}"))) for i in range(4)]
@@ -100,7 +92,7 @@ async def test_keep_freezes_requests_and_tokens_after_the_update_carry_the_new_v
         await engine.close()
 
 
-async def test_abort_and_pause_abort_return_partial_output_and_refuse_until_resume():
+async def test_abort_and_pause_abort_return_partial_output_and_refuse_until_resume(until):
     engine = SimEngine(tokens_per_s=2000, max_running=2, median_tokens=400, long_tail=1)
     try:
         a = asyncio.create_task(engine.generate(req("a")))
@@ -123,11 +115,13 @@ async def test_abort_and_pause_abort_return_partial_output_and_refuse_until_resu
         await engine.close()
 
 
-async def test_wait_drains_clear_cache_counts_the_reprefill_and_close_fails_what_is_left():
-    engine = SimEngine(tokens_per_s=4000, max_running=4, median_tokens=8, long_tail=1)
+async def test_wait_drains_clear_cache_counts_the_reprefill_and_close_fails_what_is_left(until):
+    # 4 slots, 10 ms steps: each wave of requests takes 80 ms, so all 6 are still in flight here
+    engine = SimEngine(tokens_per_s=400, max_running=4, median_tokens=8, long_tail=1)
     try:
         tasks = [asyncio.create_task(engine.generate(req(f"w{i}"))) for i in range(6)]
-        await until(lambda: engine.stats()["running"] == 4)
+        await asyncio.sleep(0)  # each task has queued its request
+        assert engine.stats()["requests"] == 6 and engine.stats()["running"] + engine.stats()["queued"] == 6
         await engine.pause("wait")
         assert engine.stats()["running"] == engine.stats()["queued"] == 0
         assert [len(r.response_ids) for r in await asyncio.gather(*tasks)] == [8] * 6
@@ -164,7 +158,7 @@ async def test_the_rollouter_completes_groups_over_many_simulated_replicas():
     assert sum(served) == 64 * 4 and sum(s > 0 for s in served) >= 16  # spread over the replicas
 
 
-async def test_a_cancelled_caller_frees_its_slot_and_the_actor_builds_the_kind():
+async def test_a_cancelled_caller_frees_its_slot_and_the_actor_builds_the_kind(until):
     from asyncrl.rollouter.actor import EngineActor
 
     actor = EngineActor(kind="sim", tokens_per_s=1000, max_running=1, median_tokens=10_000, long_tail=1)
@@ -181,7 +175,7 @@ async def test_a_cancelled_caller_frees_its_slot_and_the_actor_builds_the_kind()
         await actor.close()
 
 
-async def test_an_id_in_flight_is_refused_and_free_again_once_it_ended():
+async def test_an_id_in_flight_is_refused_and_free_again_once_it_ended(until):
     engine = SimEngine(tokens_per_s=2000, max_running=1, median_tokens=400, long_tail=1)
     try:
         first = asyncio.create_task(engine.generate(req("same")))
