@@ -68,8 +68,9 @@ async def main(args) -> dict:
     from transformers import AutoTokenizer
 
     from asyncrl.models import default_model_path
-    from asyncrl.rollouter.rollouter import Prompt, RolloutConfig
+    from asyncrl.rollouter.rollouter import RolloutConfig
     from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.worker import builtin_task_prompts
     from asyncrl.skip import SkipConfig, SkipManager, SkipRoleConfig, is_replayed, model_fingerprint, rollout_shape
     from asyncrl.tasks import arithmetic
 
@@ -77,9 +78,7 @@ async def main(args) -> dict:
     model = str(args.model or default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(model)
     task = arithmetic.ArithmeticTaskConfig(long_tail_factor=args.long_tail)
-    rows = arithmetic.generate_dataset(args.groups, seed=0, config=task)
-    prompts = [Prompt(text=r["prompt"], prompt_ids=arithmetic.encode_prompt(tokenizer, r["prompt"]),
-                      max_tokens=r.get("max_tokens")) for r in rows]
+    prompts = builtin_task_prompts(tokenizer, arithmetic.generate_dataset(args.groups, seed=0, config=task))
 
     def reward(prompt, response_ids):
         return arithmetic.reward(prompt.text, arithmetic.decode_response(tokenizer, response_ids))

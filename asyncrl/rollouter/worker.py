@@ -55,9 +55,7 @@ def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Pro
 
         task = arithmetic.ArithmeticTaskConfig(long_tail_factor=spec.long_tail)
         rows = arithmetic.generate_dataset(BUILTIN_TASK_ROWS, seed=spec.seed, config=task)
-        return [Prompt(text=r["prompt"], prompt_ids=arithmetic.encode_prompt(tokenizer, r["prompt"]),
-                       meta={"data_source": r["data_source"], "ground_truth": r["reward_model"]["ground_truth"],
-                             "extra_info": {}}, max_tokens=r.get("max_tokens")) for r in rows]
+        return builtin_task_prompts(tokenizer, rows)
     rows = data.read_rows(path)
     data.check_renderable(tokenizer, rows, path)
     prompts = []
@@ -65,6 +63,16 @@ def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Pro
         text, ids = data.prompt_text_and_ids(tokenizer, row)
         prompts.append(Prompt(text=text, prompt_ids=ids, meta=row.reward_meta))
     return prompts
+
+
+def builtin_task_prompts(tokenizer, rows: list[dict]) -> list[Prompt]:
+    """Rows of the built-in task (`asyncrl.tasks.arithmetic.generate_dataset`) as `Prompt`s, each
+    with its reward meta and, on the long-tail variant, its own response budget."""
+    from asyncrl.tasks import arithmetic
+
+    return [Prompt(text=r["prompt"], prompt_ids=arithmetic.encode_prompt(tokenizer, r["prompt"]),
+                   meta={"data_source": r["data_source"], "ground_truth": r["reward_model"]["ground_truth"],
+                         "extra_info": {}}, max_tokens=r.get("max_tokens")) for r in rows]
 
 
 def make_reward_fn(tokenizer, spec: DataSpec):
