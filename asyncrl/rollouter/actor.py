@@ -16,13 +16,18 @@ Partial rollout: ``generate(request, truncatable=True)`` registers the request f
 aggregator's ``truncate(version)`` signal, which stops every registered request that has
 generated tokens in round ``version`` (the engine's abort hands back the partial output);
 such a result comes back with ``finish_reason="truncated"``. A registered request still
-queued for a slot is left to run.
+queued for a slot (or not yet at its first token) is left to run, unless the signal asks for
+those too (``queued=True``: the synchronous workflow, where the engines idle until the next
+round); it then comes back truncated with no tokens, and so does every truncatable request
+that arrives after such a signal, until the engine serves a later version or `reopen`.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
+
+import numpy as np
 
 from asyncrl.rollouter.engine import PauseMode
 from asyncrl.types import GenerateRequest, GenerateResult
@@ -62,6 +67,8 @@ class EngineActor:
         self._receiver = None
         self._truncatable: set[str] = set()
         self._truncated: set[str] = set()
+        self._closed_round: int | None = None
+        """The round a ``queued`` truncation closed: truncatable requests of it are not started."""
 
     async def ready(self) -> dict:
         """Returns once the engine is built: ``{"kind", "version"}``."""
@@ -72,6 +79,10 @@ class EngineActor:
         if not truncatable:
             return await self.engine.generate(request)
         rid = request.request_id
+        if self._closed_round is not None and self._closed_round == self.engine.version:
+            # On its way while the round ended: it waits for the next round like the others.
+            return GenerateResult(rid, np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64),
+                                  finish_reason="truncated")
         self._truncatable.add(rid)
         try:
             result = await self.engine.generate(request)
@@ -83,22 +94,33 @@ class EngineActor:
                 result.finish_reason = "truncated"
         return result
 
-    async def truncate(self, version: int) -> int:
+    async def truncate(self, version: int, queued: bool = False) -> int:
         """End round ``version``: stop every truncatable request that has generated tokens, with
         its partial output.
 
         A request still queued for a slot has nothing to hand back: it keeps its place and runs
         when a stopped one frees its slot (stopping it would only leave it, and the engine, waiting
-        for the next round). Ignored (returns 0) once the engine serves a later version: that
-        round is over. Returns how many requests were stopped.
+        for the next round), unless ``queued``: then it stops too, with no tokens. Ignored
+        (returns 0) once the engine serves a later version: that round is over. Returns how many
+        requests were stopped.
         """
-        if self.engine.version != version or not self._truncatable:
+        if self.engine.version != version:
             return 0
-        ids = [rid for rid, n in self.engine.progress(self._truncatable).items() if n > 0]
+        if queued:
+            self._closed_round = version
+        if not self._truncatable:
+            return 0
+        ids = [rid for rid, n in self.engine.progress(self._truncatable).items() if n > 0 or queued]
         if ids:
             self._truncated.update(ids)
             await self.engine.abort(ids)
         return len(ids)
+
+    async def reopen(self, version: int) -> None:
+        """Round ``version`` goes on after a ``queued`` truncation (the step lacks groups again):
+        truncatable requests start again."""
+        if self._closed_round == version:
+            self._closed_round = None
 
     async def pause(self, mode: PauseMode = "keep", clear_cache: bool = False) -> None:
         await self.engine.pause(mode, clear_cache=clear_cache)

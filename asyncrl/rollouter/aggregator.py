@@ -1,18 +1,25 @@
 """``AggregatorActor``: counts finished trajectories across every engine replica and ends a round.
 
-A round is the span between two weight syncs; its number is the weight version. Rollouters
-report each finished group here (`report`), split by the replica that finished each
-trajectory. When the round's count reaches ``threshold`` the aggregator signals every
-replica (``truncate(version)`` on each `asyncrl.rollouter.actor.EngineActor`) to stop the
-round's unfinished, truncatable requests that have generated tokens (queued ones run on in
-the freed slots); each returns its partial output with ``finish_reason="truncated"`` and
-the Rollouter parks it in its partial buffer.
+A round is the span between two weight syncs; its number is the weight version. It ends in
+one of two ways, by mode (`asyncrl.rollouter.partial`):
+
+- by count (``mode=sync``, the RFC's workflow): the Rollouter reports each finished group
+  here (`report`), split by the replica that finished each trajectory; when the round's count
+  reaches its threshold the aggregator signals every replica (``truncate(version)`` on each
+  `asyncrl.rollouter.actor.EngineActor`) to stop the round's unfinished, truncatable requests
+  that have generated tokens (queued ones run on in the freed slots). The threshold is set per
+  round (`start_round`): what the Trainer's step still lacks, so a round ends exactly when the
+  step has its groups;
+- at the weight sync (``mode=async``): `end_round` signals the replicas just before they
+  pause, so nothing waits for a count.
+
+Each stopped request returns its partial output with ``finish_reason="truncated"`` and the
+Rollouter parks it in its partial buffer.
 
 What is counted: the trajectories of *complete* groups, ``n`` per group. A finished
 trajectory whose siblings are still running gives the Trainer nothing, so counting it could
-end a round before the Trainer has ``groups_per_sync`` groups; the truncated responses would
-then wait for a weight sync that never comes. Counted this way, the default threshold
-(``groups_per_sync * n``) ends a round exactly when the Trainer has what it needs.
+end a round before the Trainer has its groups; the truncated responses would then wait for
+a weight sync that never comes.
 
 The class is plain Python (usable in-process); `remote_aggregator_actor` makes the Ray actor.
 """
@@ -29,27 +36,46 @@ log = logging.getLogger("asyncrl.rollouter.aggregator")
 
 
 class AggregatorActor:
-    """Counts completions per round across ``engines`` and truncates at ``threshold``."""
+    """Counts completions per round across ``engines`` and truncates at the round's threshold.
 
-    def __init__(self, engines: Sequence[Any], threshold: int, *, signal_timeout_s: float = 60.0):
-        if threshold < 1:
-            raise ValueError(f"AggregatorActor threshold must be >= 1, got {threshold}")
+    ``threshold``: trajectories that end a round unless `start_round` sets the round's own;
+    None: no round ends by count (only `end_round` ends one).
+    """
+
+    def __init__(self, engines: Sequence[Any], threshold: int | None, *, signal_timeout_s: float = 60.0):
+        if threshold is not None and threshold < 1:
+            raise ValueError(f"AggregatorActor threshold must be >= 1 (or None), got {threshold}")
         if not engines:
             raise ValueError("AggregatorActor needs the engine replicas it signals")
         self.engines = list(engines)
         self.threshold = threshold
         self.signal_timeout_s = signal_timeout_s
         self.round = 0
+        self.round_threshold = threshold
+        """The count that ends the current round (None: none does)."""
         self.count = 0
         self.per_replica: dict[int, int] = {}
         self.truncated_rounds: dict[int, int] = {}
-        """round -> requests stopped by its truncation signal."""
+        """round -> requests stopped by its truncation signals."""
         self.signalled = False
+        self._armed = False
+        """A round has been given its ``need`` since this aggregator began."""
 
-    async def start_round(self, version: int) -> None:
-        """Weight version ``version`` is live: a new round with a fresh count."""
+    async def start_round(self, version: int, need: int | None = None) -> None:
+        """Weight version ``version`` is live: a new round with a fresh count. ``need``: the
+        round ends once ``need`` more trajectories are counted from now (given again for the
+        current round, it moves that round's end and re-arms its signal: the Trainer dropped
+        groups it had counted on)."""
         if version > self.round:
             self.round, self.count, self.per_replica, self.signalled = version, 0, {}, False
+            self.round_threshold = self.threshold
+        if version == self.round and need is not None:
+            self.round_threshold = self.count + need
+            # Re-armed (or armed first by a Rollouter that resumes on replicas a former one
+            # closed this round on): the replicas start this round's requests again.
+            if (self.signalled or not self._armed) and need > 0:
+                self.signalled, self._armed = False, True
+                await self._each("reopen", version)
 
     async def report(self, version: int, per_replica: Mapping[int, int]) -> bool:
         """A group finished in round ``version``; ``per_replica``: replica -> trajectories it
@@ -60,25 +86,39 @@ class AggregatorActor:
         for replica, k in per_replica.items():
             self.per_replica[int(replica)] = self.per_replica.get(int(replica), 0) + int(k)
             self.count += int(k)
-        if self.signalled or self.count < self.threshold:
+        if self.signalled or self.round_threshold is None or self.count < self.round_threshold:
             return False
-        self.signalled = True
-        self.truncated_rounds[version] = await self._signal(version)
+        await self.end_round(version, queued=True)  # by count: the engines idle until the next round
         return True
 
-    async def _signal(self, version: int) -> int:
-        """``truncate(version)`` on every replica; a dead or stuck replica is logged, not waited for."""
-        calls = [asyncio.wait_for(_invoke(e, "truncate", version), self.signal_timeout_s) for e in self.engines]
-        stopped = 0
-        for i, out in enumerate(await asyncio.gather(*calls, return_exceptions=True)):
-            if isinstance(out, BaseException):
-                log.warning("aggregator: replica %d did not take the truncation of round %d: %r", i, version, out)
-            else:
-                stopped += int(out)
+    async def end_round(self, version: int, queued: bool = False) -> int:
+        """Signal ``truncate(version, queued)`` to every replica now (async mode calls this just
+        before a weight sync pauses them; ``queued``: requests not yet at their first token stop
+        too). Returns how many requests were stopped; a round already over stops nothing."""
+        await self.start_round(version)
+        if version < self.round:
+            return 0
+        self.signalled = True
+        stopped = await self._signal(version, queued)
+        self.truncated_rounds[version] = self.truncated_rounds.get(version, 0) + stopped
         return stopped
 
+    async def _signal(self, version: int, queued: bool) -> int:
+        """``truncate(version, queued)`` on every replica: how many requests they stopped."""
+        return sum(int(out) for out in await self._each("truncate", version, queued) if out is not None)
+
+    async def _each(self, method: str, version: int, *args: Any) -> list:
+        """``method(version, *args)`` on every replica; a dead or stuck replica is logged (its
+        answer None), not waited for."""
+        calls = [asyncio.wait_for(_invoke(e, method, version, *args), self.signal_timeout_s) for e in self.engines]
+        outs = await asyncio.gather(*calls, return_exceptions=True)
+        for i, out in enumerate(outs):
+            if isinstance(out, BaseException):
+                log.warning("aggregator: replica %d did not take %s of round %d: %r", i, method, version, out)
+        return [None if isinstance(out, BaseException) else out for out in outs]
+
     async def stats(self) -> dict:
-        return {"round": self.round, "count": self.count, "threshold": self.threshold,
+        return {"round": self.round, "count": self.count, "threshold": self.round_threshold,
                 "per_replica": dict(self.per_replica), "truncated_rounds": dict(self.truncated_rounds)}
 
 

@@ -1,18 +1,31 @@
 """Partial rollout: the settings, and the buffer where truncated responses wait for the next round.
 
-A *round* is the span between two weight syncs (the weight version). When the
-`asyncrl.rollouter.aggregator.AggregatorActor` ends a round early, every unfinished request
-of that round that has generated tokens stops with what it generated so far (one still
-queued for a KV slot has nothing to keep: it stays queued and runs in the freed slots).
-Such a response keeps its tokens (``raw_response_ids``), their behaviour log-probs and
-per-token versions in `PartialResponse`, its ``age`` grows by one, and it waits in the `PartialBuffer` until the next round begins:
-resuming on the same weights would only churn. When the round advances, the buffer releases
-its waiting responses highest age first, and the Rollouter dispatches them before it admits
-any new prompt. A resumed request continues from prompt + partial response with the
-remaining token budget; its new tokens carry the new version, so the finished trajectory
-concatenates parts of several versions, each token with its own version and log-prob.
+A *round* is the span between two weight syncs (the weight version). When a round ends early
+(`asyncrl.rollouter.aggregator.AggregatorActor` signals every replica), every unfinished request
+of that round that has generated tokens stops with what it generated so far (one still queued
+for a KV slot has nothing to keep: it stays queued and runs in the freed slots). Such a
+response keeps its tokens (``raw_response_ids``), their behaviour log-probs and per-token
+versions in `PartialResponse`, its ``age`` grows by one, and it waits in the `PartialBuffer`
+until the next round begins: resuming on the same weights would only churn. When the round
+advances, the buffer releases its waiting responses highest age first, and the Rollouter
+dispatches them before it admits any new prompt. A resumed request continues from prompt +
+partial response with the remaining token budget; its new tokens carry the new version, so the
+finished trajectory concatenates parts of several versions, each token with its own version
+and behaviour log-prob (the Trainer's importance weights use them token by token).
 
-A response of age ``max_age`` is no longer truncated: it runs to its end in its round.
+When a round ends (``truncate_at``):
+
+- ``threshold``, the RFC's synchronous workflow (``mode=sync``): a round admits prompts, up
+  to ``rollout.max_concurrent`` in flight (more than the step's groups: the over-provisioned
+  batch), and ends once the step has its complete groups; the rest is truncated and the
+  engines idle while the Trainer trains. A step then waits for its fastest groups, not its
+  longest response;
+- ``sync`` (``mode=async``): just before each weight sync pauses the engines. A truncated
+  response waits for nothing (the sync is happening anyway) and its remaining tokens are
+  generated from a prefix re-read under the new weights, where keeping it would continue on
+  a KV cache computed by the old ones.
+
+A response of age ``max_age`` is no longer truncated: it runs to its end (kept through syncs).
 """
 
 from __future__ import annotations
@@ -26,21 +39,28 @@ import numpy as np
 
 from asyncrl.types import GenerateResult
 
+TRUNCATE_AT = ("sync", "threshold")
+
 
 @dataclass(kw_only=True)
 class PartialRolloutConfig:
     """Long-tail truncation across every engine replica (partial rollout)."""
 
     enable: bool = False
-    """Truncate the round's unfinished requests at ``threshold``; off: requests are paused and
-    kept through each weight sync instead."""
+    """Truncate each round's unfinished requests when the round ends (``truncate_at``); off:
+    requests are paused and kept through each weight sync instead."""
     threshold: int | None = None
-    """Finished trajectories (of complete groups) in a round that end it; None: what the Trainer
-    consumes per weight sync, ``groups_per_sync * n``."""
+    """``truncate_at=threshold``: trajectories (of complete groups) a round counts at least before
+    it ends; None: what the Trainer's step still lacks, ``groups_per_sync * n`` at most."""
     max_age: int = 4
     """Truncations a response may survive; one of this age runs to its end."""
+    truncate_at: str = "sync"
+    """``sync``: at each weight sync (``mode=async``); ``threshold``: once the round has the
+    step's groups, the RFC's workflow (``mode=sync`` sets it)."""
 
     def __post_init__(self) -> None:
+        if self.truncate_at not in TRUNCATE_AT:
+            raise ValueError(f"PartialRolloutConfig.truncate_at must be one of {TRUNCATE_AT}, got {self.truncate_at!r}")
         if self.threshold is not None and self.threshold < 1:
             raise ValueError(f"PartialRolloutConfig.threshold must be >= 1 (or None for the default), "
                              f"got {self.threshold}")

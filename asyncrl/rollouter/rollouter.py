@@ -29,9 +29,16 @@ One asyncio loop, one task group::
   batch, train, sync, in lockstep. The Rollouter learns of a sync through `on_pause` (before)
   and `on_sync` (after), called by whoever runs the weight sync.
 - Partial rollout (`asyncrl.rollouter.partial`): with an `AggregatorActor`, a round's
-  unfinished requests are stopped once the round has enough finished trajectories; each waits
-  in the partial buffer for the next round and resumes from prompt + partial response.
-  Without it, in-flight requests are paused and kept through each sync by the engines.
+  unfinished requests are stopped when the round ends; each waits in the partial buffer for
+  the next round and resumes from prompt + partial response. ``truncate_at="sync"`` (async
+  mode): the round ends at the weight sync (`on_pause` has the aggregator signal the
+  replicas), and the staleness gate admits as above. ``truncate_at="threshold"`` (sync mode,
+  the RFC's workflow): the gate admits no count of prompts but keeps ``max_concurrent``
+  prompts in flight while the round is open; the round ends once the aggregator has counted
+  the complete groups the Trainer's step still lacks (``(version + 1) * groups_per_sync``
+  less the usable groups finished so far, set at each `on_sync`), and no prompt is admitted
+  after that until the next sync. Without partial rollout, in-flight requests are paused and
+  kept through each sync by the engines.
 - ``request_timeout_s`` counts only time outside weight-sync pauses; a request past it is
   aborted on its engine, and fails its group.
 - A response that fails (engine error, dead engine, timeout) fails its whole group, which is
@@ -223,6 +230,12 @@ class Rollouter:
             sid: dict(responses) for sid, responses in self.state.partials.items()}
         """Truncated responses not yet finished, of groups not yet sent: what `snapshot` saves."""
         self._stopping = False
+        self._lockstep = self.aggregator is not None and self.partial.truncate_at == "threshold"
+        """The RFC's synchronous workflow: rounds end by count and admit until they do."""
+        self._round_closed = False
+        self._round_opened = False
+        self._finished = 0
+        """Groups this run generated or replayed (complete or failed), counted before their send."""
         self._where(self.state.next_index)  # the state must fit the dataset
         for index in self.state.pending:
             if not 0 <= index < self.state.next_index:
@@ -240,6 +253,10 @@ class Rollouter:
         """A weight sync is about to pause the engines: stop the request clocks."""
         if self._paused_at is None:
             self._paused_at = time.monotonic()
+        if self.aggregator is not None and not self._lockstep:
+            # Async mode's round ends at the sync: what runs now stops with its parts and goes on
+            # first, at the new weights, instead of being kept on a KV cache of the old ones.
+            await _invoke(self.aggregator, "end_round", self.version)
 
     async def on_sync(self, version: int) -> None:
         """The engines now serve ``version``: restart the clocks, release truncated responses
@@ -250,7 +267,9 @@ class Rollouter:
         async with self._gate:
             if version > self.version:
                 self.version = version
-                if self.aggregator is not None:
+                if self._lockstep:
+                    await self._open_round()
+                elif self.aggregator is not None:
                     await _invoke(self.aggregator, "start_round", version)
                 self.partials.release(version)
             self._gate.notify_all()
@@ -258,8 +277,24 @@ class Rollouter:
     async def on_dropped(self, sample_ids: Iterable[str]) -> None:
         """The Trainer dropped these groups by policy: their budget goes back to the gate."""
         async with self._gate:
+            before = len(self.given_back)
             self.given_back.update(sample_ids)
+            if self._lockstep and self._round_opened and len(self.given_back) > before:
+                await self._open_round(at_least_one=False)  # the step lacks them now: the round goes on
             self._gate.notify_all()
+
+    async def _open_round(self, at_least_one: bool = True) -> None:
+        """(Re)open the lockstep round of ``version``: it ends once it counts the complete groups
+        the Trainer's step still lacks (and ``partial.threshold`` trajectories, when set)."""
+        usable = self.state.done - self.state.dropped + self._finished - len(self.given_back)
+        lacking = (self.version + 1) * self.cfg.groups_per_sync - usable
+        if lacking <= 0 and not at_least_one:
+            return
+        # A new round counts at least one group, so what resumes in it makes progress before
+        # the next truncation (surplus groups from a race at the last round's end go first).
+        need = max(lacking, 1) * self.cfg.n
+        await _invoke(self.aggregator, "start_round", self.version, max(need, self.partial.threshold or 0))
+        self._round_closed, self._round_opened = False, True
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Drain: admit nothing more, cancel in-flight groups, abort their requests on the engines.
@@ -292,6 +327,9 @@ class Rollouter:
         }
 
     def _admissible(self) -> bool:
+        if self._lockstep:  # the round, not a count, bounds what is admitted
+            return (not self._round_closed and self.admitted - self.sent < self.cfg.max_concurrent
+                    and self.partials.undispatched == 0)
         budget = (self.version + 1 + self.cfg.staleness_threshold) * self.cfg.groups_per_sync
         # Groups dropped before a resume gave their budget back too.
         return (self.admitted - len(self.given_back) - self.state.dropped < budget
@@ -330,6 +368,9 @@ class Rollouter:
             self._reward_pool = concurrent.futures.ThreadPoolExecutor(self.cfg.reward_workers,
                                                                       thread_name_prefix="asyncrl-reward")
         stop_at = None if num_groups is None else self.admitted + num_groups
+        if self._lockstep and not self._round_opened:
+            async with self._gate:
+                await self._open_round()
         try:
             async with asyncio.TaskGroup() as tg:
                 while stop_at is None or self.admitted < stop_at:
@@ -352,6 +393,7 @@ class Rollouter:
     async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
         try:
             group = await self.generate_group(sample_id, prompt)
+            self._finished += 1
             t0 = time.monotonic()
             await self.producer.send(group)
             self._truncated.pop(sample_id, None)  # its parts are in the group now (or it failed)
@@ -387,11 +429,13 @@ class Rollouter:
             return Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, status="failed",
                          error="; ".join(errors), meta=meta)
         group = Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, meta=meta)
-        if self.aggregator is not None and group.complete:
+        if self._lockstep and group.complete:
             per_replica: dict[int, int] = {}
             for _, replica in outcomes:
                 per_replica[replica] = per_replica.get(replica, 0) + 1
-            await _invoke(self.aggregator, "report", self.version, per_replica)
+            version = self.version
+            if await _invoke(self.aggregator, "report", version, per_replica) and version == self.version:
+                self._round_closed = True  # the step has its groups: admit nothing until the sync
         return group
 
     async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt) -> tuple[Trajectory, int]:
@@ -399,10 +443,18 @@ class Rollouter:
         cfg = self.cfg
         budget = prompt.max_tokens or cfg.max_tokens
         parts = self._truncated.get(sample_id, {}).get(k)
-        from_checkpoint = parts is not None  # only a resume puts parts there before this call
+        resuming = parts is not None  # only a resume puts parts there before this call
         parts = parts or PartialResponse()
+        owed = False  # released by the partial buffer (counted undispatched there) and not yet dispatched
         while True:
             truncatable = self.aggregator is not None and parts.age < self.partial.max_age
+            if truncatable and self._lockstep and self._round_closed:
+                # The round ended before this went out (its engines idle until the sync): wait for the next.
+                if owed:
+                    self.partials.dispatched()
+                await self.partials.wait(parts.age, self.version)
+                owed = True
+                continue
             ids, _, _ = parts.joined()
             request = GenerateRequest(
                 request_id=f"{sample_id}/{k}" + (f"/{parts.age}" if parts.age else ""),
@@ -411,26 +463,32 @@ class Rollouter:
                 sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                         seed=cfg.seed + 1000 * index + k + 7919 * parts.age),
             )
-            if parts.age:
-                if not from_checkpoint:  # a restored response was never in this run's buffer
-                    self.partials.dispatched()
-                from_checkpoint = False
+            if owed:
+                self.partials.dispatched()
+                owed = False
+            if resuming:
                 self.stats.resumed += 1
+                resuming = False
             dispatched_in = self.version
             result, replica = await self._generate(request, truncatable)
             parts.add(result)
             if result.finish_reason != "truncated" or parts.n_tokens >= budget:
                 break
-            parts.age += 1
-            self.stats.truncated += 1
-            self._truncated.setdefault(sample_id, {})[k] = parts
-            # The round it was stopped in: never later than its last token's version or the
-            # round it was sent in (a later guess could wait for a sync that needs this group).
+            if len(result.response_ids):  # stopped with tokens: one more truncation survived
+                parts.age += 1
+                self.stats.truncated += 1
+                self._truncated.setdefault(sample_id, {})[k] = parts
+                resuming = True
+            # (Stopped before its first token, by the synchronous workflow's round end: it waits
+            # for the next round as it was.) The round it was stopped in: never later than its
+            # last token's version or the round it was sent in (a later guess could wait for a
+            # sync that needs this group).
             stopped_in = int(result.versions[-1]) if len(result.versions) else dispatched_in
             if stopped_in >= self.version:
                 await self.partials.wait(parts.age, stopped_in)
             else:
                 self.partials.undispatched += 1  # its next round has begun already: go now
+            owed = True
         self._truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
         response_ids, logprobs, versions = parts.joined()
         finish = result.finish_reason if result.finish_reason != "truncated" else "length"

@@ -1,6 +1,9 @@
-"""Partial rollout in-process: the aggregator truncates a long-tail round at its threshold,
-truncated responses resume next round highest age first, ``max_age`` is honoured, and a
-resumed response's tokens keep the version and behaviour log-prob they were sampled with."""
+"""Partial rollout in-process, both ways a round ends: by count in the RFC's synchronous
+workflow (a round keeps more prompts in flight than the step needs and ends once the step has
+its complete groups; no prompt is admitted after that until the sync) and at the weight sync
+in async mode. Truncated responses resume next round highest age first, ``max_age`` is
+honoured, and every token of a resumed response keeps the version and the behaviour log-prob
+it was sampled with, across a checkpoint too."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.rollouter.actor import EngineActor
 from asyncrl.rollouter.aggregator import AggregatorActor
-from asyncrl.rollouter.partial import PartialBuffer, PartialRolloutConfig
+from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
 from asyncrl.queue.memory import MemorySink
 
@@ -71,63 +74,147 @@ async def run_with_syncs(r: Rollouter, engines, producer, num_groups: int, snaps
 
 
 @torch.no_grad()
-def recompute(model_path, state: dict, prompt_ids, response_ids, positions) -> np.ndarray:
+def worst_logprob_error(model_path, snapshots: dict, trajectories) -> tuple[float, int]:
+    """Largest gap between a token's behaviour log-prob and a recompute under the weights of
+    its own version, over every token of ``trajectories``; and how many tokens were checked."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    model.load_state_dict(state, strict=False)
-    ids = torch.as_tensor(np.concatenate([prompt_ids, response_ids]))[None]
-    logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-    p = len(prompt_ids)
-    return np.array([logp[p + i - 1, int(response_ids[i])].item() for i in positions])
+    worst, checked = 0.0, 0
+    for v in sorted({int(v) for t in trajectories for v in t.versions}):
+        model.load_state_dict(snapshots[v], strict=False)
+        for t in trajectories:
+            positions = np.nonzero(t.versions == v)[0]
+            if not len(positions):
+                continue
+            ids = torch.as_tensor(np.concatenate([t.prompt_ids, t.response_ids]))[None]
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            p = len(t.prompt_ids)
+            ref = np.array([logp[p + i - 1, int(t.response_ids[i])].item() for i in positions])
+            worst = max(worst, float(np.abs(ref - t.logprobs[positions]).max()))
+            checked += len(positions)
+    return worst, checked
 
 
-@pytest.mark.parametrize("max_age", [1, 3])
-async def test_long_tail_truncated_at_threshold_and_resumed_across_versions(model_path, max_age):
-    engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(2)]
-    snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
-    cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=1.0,
-                        max_concurrent=8)
-    partial = PartialRolloutConfig(enable=True, max_age=max_age)
-    aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(GROUPS_PER_SYNC, N))
-    producer = MemorySink()
-    r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda prompt, ids: float(len(ids)),
-                  partial=partial, aggregator=aggregator)
-    try:
-        await run_with_syncs(r, engines, producer, 12, snapshots)
-    finally:
-        for e in engines:
-            await e.close()
-
-    # Rounds ended at the threshold: G * n = 4 trajectories of complete groups, and the signal
-    # stopped requests that were still running.
-    assert aggregator.threshold == GROUPS_PER_SYNC * N
-    assert aggregator.truncated_rounds and sum(aggregator.truncated_rounds.values()) >= 1
-    assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
-
-    # Only complete groups were sent; every response ran to its own budget in the end.
-    assert len(producer.groups) == 12 and all(g.complete for g in producer.groups)
+def check_trajectories(producer, max_age: int) -> list:
+    """Every sent group complete, every response at its own budget with versions that never go
+    back; returns the resumed trajectories (age >= 1)."""
+    assert all(g.complete for g in producer.groups)
     trajectories = [t for g in producer.groups for t in g.trajectories]
     for t in trajectories:
         assert t.finish_reason == "length"
         assert len(t.response_ids) == (LONG if int(t.sample_id.split("_")[-1]) % 4 == 0 else SHORT)
         assert t.reward == float(len(t.response_ids))
         assert np.all(np.diff(t.versions) >= 0)  # later parts carry later versions
-    ages = [t.age for t in trajectories]
+        assert t.age <= max_age
+    return [t for t in trajectories if t.age >= 1]
+
+
+@pytest.mark.parametrize("max_age", [1, 3])
+async def test_sync_workflow_ends_each_round_at_the_steps_groups_and_resumes_the_long_tail(model_path, max_age):
+    engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(2)]
+    snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
+    # mode=sync: no run-ahead by count; a round keeps 4 prompts in flight for a step of 2.
+    cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=0.0,
+                        max_concurrent=4)
+    partial = PartialRolloutConfig(enable=True, max_age=max_age, truncate_at="threshold")
+    aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(GROUPS_PER_SYNC, N))
+    producer = MemorySink()
+    r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda prompt, ids: float(len(ids)),
+                  partial=partial, aggregator=aggregator)
+    try:
+        versions = await run_with_syncs(r, engines, producer, 12, snapshots)
+    finally:
+        for e in engines:
+            await e.close()
+
+    # Rounds ended by count, at the step's G * n = 4 trajectories of complete groups (the
+    # Rollouter sets each round's), and the signal stopped requests that were still running.
+    assert aggregator.truncated_rounds and sum(aggregator.truncated_rounds.values()) >= 1
+    assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
+    assert len(producer.groups) == 12 and versions >= 12 // GROUPS_PER_SYNC - 1
+    resumed = check_trajectories(producer, max_age)
     # Ages grow across rounds (a long response is stopped in several), never beyond max_age.
-    assert min(2, max_age) <= max(ages) <= max_age
-    resumed = [t for t in trajectories if t.age >= 1]
-    assert resumed and all(len(set(t.versions.tolist())) >= 2 for t in resumed if len(t.response_ids) == LONG)
+    assert resumed and min(2, max_age) <= max(t.age for t in resumed)
+    assert all(len(set(t.versions.tolist())) >= 2 for t in resumed if len(t.response_ids) == LONG)
+    # Behaviour log-probs: every token of every resumed response equals a recompute under its
+    # own version's weights.
+    worst, checked = worst_logprob_error(model_path, snapshots, resumed)
+    assert checked >= sum(len(t.response_ids) for t in resumed) and worst <= 1e-4, worst
 
-    # Behaviour log-probs: each token's equals a recompute under its own version's weights.
-    worst = 0.0
-    for t in resumed[:4]:
-        for v in sorted(set(t.versions.tolist())):
-            positions = np.nonzero(t.versions == v)[0]
-            ref = recompute(model_path, snapshots[v], t.prompt_ids, t.response_ids, positions)
-            worst = max(worst, float(np.abs(ref - t.logprobs[positions]).max()))
-    assert worst <= 1e-4, worst
 
+async def test_sync_workflow_admits_nothing_once_the_round_has_its_groups_until_the_sync(model_path, until):
+    engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0)]
+    cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=0.0,
+                        max_concurrent=4)
+    partial = PartialRolloutConfig(enable=True, truncate_at="threshold")
+    aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(GROUPS_PER_SYNC, N))
+    producer = MemorySink()
+    r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda prompt, ids: float(len(ids)),
+                  partial=partial, aggregator=aggregator)
+    task = asyncio.create_task(r.run())
+    try:
+        # Round 0 keeps 4 prompts in flight (index 0 is long; a finished group's slot is refilled
+        # while the round is open): once two groups are complete it ends, what runs is truncated
+        # with its tokens (sample 0 among them), and nothing more is admitted.
+        # (A short group may finish in the same decode step as the second: it is sent too.)
+        await until(lambda: r._round_closed and len(r.partials) >= N and len(producer.groups) >= GROUPS_PER_SYNC,
+                    what="round 0 ended, sample 0 truncated")
+        admitted = r.admitted
+        await asyncio.sleep(0.3)  # the engine idles now; a gate that admitted would have done it by then
+        assert r.admitted == admitted <= 4 + len(producer.groups) and r.admitted - r.sent <= 4
+        assert aggregator.truncated_rounds[0] >= N and aggregator.round_threshold == 2 * N
+        assert "sample_0_0" in r._truncated
+        assert all(len(g.trajectories[0].response_ids) == SHORT for g in producer.groups), [
+            (g.sample_id, g.status, g.error, [len(t.response_ids) for t in g.trajectories]) for g in producer.groups]
+
+        # The Trainer drops all sent groups but one by policy: the step lacks one, the round goes on.
+        count = aggregator.count
+        await r.on_dropped([g.sample_id for g in producer.groups[1:]])
+        assert not r._round_closed and aggregator.round_threshold == count + N and not aggregator.signalled
+        await until(lambda: r.admitted > admitted, what="a replacement admitted")
+
+        # The sync: the truncated responses go first, then the new round admits again, and ends
+        # at the step's groups: sample 0 (48 tokens) is stopped again, with tokens of both versions.
+        await r.on_pause()
+        await sync_engines(engines, 1, {})
+        await r.on_sync(1)
+        await until(lambda: r._round_closed and r._truncated.get("sample_0_0", {}).get(0, PartialResponse()).age == 2,
+                    what="round 1 ended, sample 0 truncated again")
+        assert r.stats.resumed >= N and aggregator.truncated_rounds[1] >= N
+        for parts in r._truncated["sample_0_0"].values():
+            ids, _, versions = parts.joined()
+            assert parts.age == 2 and set(versions.tolist()) == {0, 1} and len(ids) < LONG
+    finally:
+        await r.stop()
+        await task
+        await engines[0].close()
+
+
+async def test_async_mode_truncates_at_the_weight_sync_and_resumes_at_once(model_path):
+    engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(2)]
+    snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
+    cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=1.0,
+                        max_concurrent=8)
+    partial = PartialRolloutConfig(enable=True, max_age=3)  # truncate_at="sync", async mode's
+    aggregator = AggregatorActor(engines, threshold=None)
+    producer = MemorySink()
+    r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda prompt, ids: float(len(ids)),
+                  partial=partial, aggregator=aggregator)
+    try:
+        versions = await run_with_syncs(r, engines, producer, 12, snapshots)
+    finally:
+        for e in engines:
+            await e.close()
+    # No round ended by count; each sync stopped what ran (the long responses at least once),
+    # and what it stopped went on in the next round without waiting for another.
+    assert aggregator.count == 0 and set(aggregator.truncated_rounds) <= set(range(versions))
+    assert 1 <= r.stats.truncated <= sum(aggregator.truncated_rounds.values())
+    assert r.stats.resumed == r.stats.truncated and len(r.partials) == 0
+    assert len(producer.groups) == 12
+    resumed = check_trajectories(producer, max_age=3)
+    worst, checked = worst_logprob_error(model_path, snapshots, resumed)
+    assert resumed and checked >= sum(len(t.response_ids) for t in resumed) and worst <= 1e-4, worst
 
 async def test_truncation_stops_requests_with_tokens_and_leaves_queued_ones_to_run(model_path):
     # Two KV slots, four truncatable requests: two run, two wait for a slot.
@@ -191,9 +278,11 @@ async def test_a_checkpoint_keeps_the_partial_buffer_and_a_resume_continues_each
     from asyncrl.types import CommittedSet
 
     engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(2)]
-    cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=1.0,
-                        max_concurrent=8)
-    partial = PartialRolloutConfig(enable=True, max_age=3)
+    weights = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
+    cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=0.0,
+                        max_concurrent=4)
+    # The synchronous workflow, its rounds ending at 3 complete groups (not the step's 2).
+    partial = PartialRolloutConfig(enable=True, max_age=3, truncate_at="threshold", threshold=3 * N)
     prompts = long_tail_prompts(40)
 
     def rollouter(state=None) -> Rollouter:
@@ -205,7 +294,7 @@ async def test_a_checkpoint_keeps_the_partial_buffer_and_a_resume_continues_each
         # Round 0 admits 4 prompts; the three short groups end it, so the long one (index 0)
         # is truncated and waits in the buffer for a round that never comes: the run stops there.
         first = rollouter()
-        task = asyncio.create_task(first.run())
+        task = asyncio.create_task(first.run(num_groups=4))
         await until(lambda: len(first.partials) == N and len(first.producer.groups) == 3, what="truncated responses")
         await first.stop()
         await task
@@ -236,3 +325,7 @@ async def test_a_checkpoint_keeps_the_partial_buffer_and_a_resume_continues_each
         assert t.response_ids[:k].tolist() == p["response_ids"] and t.versions[:k].tolist() == p["versions"]
         assert np.array_equal(t.logprobs[:k], np.asarray(p["logprobs"], dtype=np.float32))
     assert second.snapshot()["partials"] == {}
+    # Every token, before the checkpoint and after the resume, has the behaviour log-prob of the
+    # weights that sampled it (no sync here: version 0 throughout).
+    worst, checked = worst_logprob_error(model_path, weights, group.trajectories)
+    assert checked == N * LONG and worst <= 1e-4, worst
