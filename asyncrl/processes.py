@@ -211,7 +211,9 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
 
         partial = cfg.partial_rollout
         if partial.enable:
-            threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
+            # Sync mode's rounds end by count (the Rollouter sets each round's); async mode's at the sync.
+            threshold = (partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
+                         if partial.truncate_at == "threshold" else None)
             procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
         data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
                         long_tail=cfg.data.long_tail)

@@ -258,19 +258,23 @@ async def test_a_killed_engine_core_fails_its_requests_and_groups_closed(tiny_mo
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("partial", [False, True], ids=["async-keep", "async-partial"])
-def test_the_launcher_runs_on_vllm_engines(tmp_path, tiny_model, run_launch, partial):
+@pytest.mark.parametrize("mode, partial", [("async", False), ("async", True), ("sync", True)],
+                         ids=["async-keep", "async-partial", "sync-partial"])
+def test_the_launcher_runs_on_vllm_engines(tmp_path, tiny_model, run_launch, mode, partial):
     import json
 
     run_dir = tmp_path / "run"
     extra = ["--partial-rollout", "true"] if partial else []
+    if mode == "async":
+        extra += ["--staleness-threshold", "1"]
     out = run_launch("engine.kind=vllm", "engine.kv_cache_mb=64", "--model", _model_dir(tiny_model), "--steps", "6",
-                     "--n", "4", "--groups-per-step", "4", "--long-tail", "16", "--staleness-threshold", "1",
+                     "--n", "4", "--groups-per-step", "4", "--long-tail", "16", "--mode", mode,
                      "--lr", "1e-3", "--run-dir", run_dir, *extra, timeout=360)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7)) and [r["version"] for r in rows] == list(range(1, 7))
     assert all(r["groups"] == 4 and r["dropped_incomplete"] == 0 for r in rows)
-    # a response spans weight versions: kept through a sync (async) or truncated and resumed (partial)
+    # a response spans weight versions: kept through a sync (async) or truncated and resumed (partial;
+    # in sync mode, stopped once the step had its groups)
     assert max(r["fully_async/partial/max_partial_span"] for r in rows) >= 1, rows
     if partial:
         assert sum(r["fully_async/partial/truncated"] for r in rows) >= 1

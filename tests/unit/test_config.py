@@ -58,6 +58,28 @@ def test_demo_defaults_apply_only_without_model_or_dataset():
     assert given.trainer.optim.lr == 5e-4 and given.trainer.groups_per_batch == 8
 
 
+def test_partial_rollout_ends_rounds_at_the_sync_in_async_mode_and_at_the_steps_groups_in_sync_mode():
+    asynchronous, _ = load_config([], ["partial_rollout.enable=true"])
+    assert asynchronous.partial_rollout.truncate_at == "sync"
+    assert asynchronous.rollout.max_concurrent == load_config([], [])[0].rollout.max_concurrent
+    sync, _ = load_config([], ["mode=sync", "partial_rollout.enable=true", "trainer.groups_per_batch=8"])
+    assert sync.partial_rollout.truncate_at == "threshold" and sync.rollout.staleness_threshold == 0
+    assert sync.rollout.max_concurrent == 16  # the over-provisioned round: twice the step's prompts
+    given, _ = load_config([], ["mode=sync", "partial_rollout.enable=true", "rollout.max_concurrent=5"])
+    assert given.rollout.max_concurrent == 5
+    assert load_config([], ["mode=sync"])[0].rollout.max_concurrent == load_config([], [])[0].rollout.max_concurrent
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["partial_rollout.enable=true", "partial_rollout.truncate_at=threshold"], "use mode 'sync'"),
+    (["mode=sync", "partial_rollout.enable=true", "partial_rollout.truncate_at=sync"], "must be 'threshold'"),
+    (["partial_rollout.truncate_at=end"], "truncate_at"),
+])
+def test_a_truncation_point_that_does_not_fit_the_mode_is_refused(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config([], overrides)
+
+
 @pytest.mark.parametrize("override, expected", [
     ("trainer.optim.lrr=1", "unknown key trainer.optim.lrr"),
     ("nosuchsection.x=1", "unknown key nosuchsection"),
@@ -86,7 +108,9 @@ def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
      ("rollouter_gpus (--rollouter-gpus)=6", "tensor_parallel_size=4")),
     (["engine.tensor_parallel_size=2"], ("tensor_parallel_size=2", "engine.kind=torch")),
     (["data.train=/d.jsonl"], ("data.train (--dataset)", "data.reward (--reward)")),
-    (["partial_rollout.enable=true", "partial_rollout.threshold=1000"], ("threshold=1000", "rollout.n")),
+    (["partial_rollout.enable=true", "partial_rollout.threshold=12"], ("threshold=12", "mode (--mode)=sync")),
+    (["mode=sync", "partial_rollout.enable=true", "partial_rollout.threshold=1000"],
+     ("threshold=1000", "rollout.max_concurrent", "rollout.n")),
     (["metrics.sinks=[jsonl,graphite]"], ("metrics.sinks", "graphite")),
     (["stream.endpoint=tcp://0.0.0.0:1"], ("stream.endpoint",)),
     (["skip.rollout.enable=true"], ("skip.rollout.enable", "skip.async_rollout")),
