@@ -1,4 +1,5 @@
-"""End to end: time to N train steps, on-policy lockstep vs fully async vs fully async + partial rollout.
+"""End to end: time to N train steps, on-policy lockstep (with and without partial rollout) vs fully async
+(with and without partial rollout).
 
 Each configuration is one ``python -m asyncrl.launch`` run with the same model (the
 warm-started tiny model), seed, ``--n`` and ``--groups-per-step``, on a long-tail response
@@ -9,10 +10,14 @@ the dataset seed), and the engines do not stop at EOS, so every response really 
 to its budget (the reward reads the answer before the first EOS). The modes:
 
 - ``sync``: ``--mode sync`` (generate a batch, train, sync; the reference);
+- ``sync_partial``: ``--mode sync --partial-rollout true`` (the RFC's workflow: each round keeps
+  ``rollout.max_concurrent`` prompts in flight, by default twice the step's, and ends once the
+  step has its complete groups; the long tail is truncated and goes on first next step);
+  ``--overprovision F`` sets ``max_concurrent = F x groups-per-step`` instead;
 - ``async``: ``--mode async --staleness-threshold S`` (in-flight requests paused and kept
   through each weight sync);
-- ``async_partial``: the same plus ``--partial-rollout`` (each round's long tail is truncated
-  when the Trainer has its groups, and resumes next round).
+- ``async_partial``: the same plus ``--partial-rollout`` (what runs at each weight sync is
+  truncated and goes on first at the new weights).
 
 Time is from the end of step 1 to the end of step N + 1 (the launcher's ``time_s``): Ray,
 model start-up and the first step (the Rollouter's own start, tens of seconds on a loaded
@@ -22,11 +27,16 @@ over the repeats. Each run also prints where its time went: the Trainer's idle r
 for groups) and the engines' (no request in flight), means over the run's metric stream.
 With ``--json`` the last line is one JSON object::
 
-    {"sync_s", "async_s", "async_partial_s", "speedup_async", "speedup_partial",
-     "reward_sync", "reward_async", "reward_async_partial"}
+    {"sync_s", "sync_partial_s", "async_s", "async_partial_s", "speedup_async",
+     "speedup_sync_partial", "partial_vs_async", "reward_sync", "reward_sync_partial",
+     "reward_async", "reward_async_partial"}
+
+(``speedup_async`` = sync / async, ``speedup_sync_partial`` = sync / sync_partial,
+``partial_vs_async`` = async / async_partial; times are medians over seeds and repeats.)
 
     python scripts/bench_e2e.py --steps 30 --json
     python scripts/bench_e2e.py --steps 30 --seeds 0 1 2    # rewards over several seeds
+    python scripts/bench_e2e.py --modes sync sync_partial --overprovision 3
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "sync": ["--mode", "sync"],
+    "sync_partial": ["--mode", "sync", "--partial-rollout", "true"],
     "async": ["--mode", "async"],
     "async_partial": ["--mode", "async", "--partial-rollout", "true"],
 }
@@ -60,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one set of runs per seed")
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode per seed (median time)")
     p.add_argument("--window", type=int, default=5, help="last steps averaged for the end reward")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="modes to run")
+    p.add_argument("--overprovision", type=float, default=None,
+                   help="sync_partial: prompts in flight per round as a multiple of groups-per-step (default: the preset, 2)")
     p.add_argument("--model", default=None, help="HF model dir (default: the warm-started tiny model)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     return p.parse_args()
@@ -69,7 +83,9 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int, run_dir: Path) -> d
     cmd = [sys.executable, "-m", "asyncrl.launch", *MODES[mode], "--steps", str(args.steps + 1), "--n", str(args.n),
            "--groups-per-step", str(args.groups_per_step), "--long-tail", str(args.long_tail),
            "--lr", str(args.lr), "--seed", str(seed), "--run-dir", str(run_dir)]
-    if mode != "sync":
+    if mode == "sync_partial" and args.overprovision is not None:
+        cmd += [f"rollout.max_concurrent={max(1, round(args.overprovision * args.groups_per_step))}"]
+    if mode.startswith("async"):
         # Room for the run-ahead: as many prompts in flight as the gate may admit.
         ahead = int((1 + args.staleness_threshold) * args.groups_per_step)
         cmd += ["--staleness-threshold", str(args.staleness_threshold), f"rollout.max_concurrent={ahead}"]
@@ -113,11 +129,11 @@ def main() -> None:
     print(f"bench_e2e: {args.steps} steps x {args.groups_per_step} prompts x n={args.n}, long tail x{args.long_tail}, "
           f"seeds {args.seeds}, repeats {args.repeats}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
           f"on {os.cpu_count()} cores", flush=True)
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    results: dict[str, list[dict]] = {m: [] for m in args.modes}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for rep in range(args.repeats):
-                order = list(MODES) if rep % 2 == 0 else list(reversed(MODES))  # alternate against drift
+                order = list(args.modes) if rep % 2 == 0 else list(reversed(args.modes))  # alternate against drift
                 for mode in order:
                     t0 = time.perf_counter()
                     r = run_mode(args, mode, seed, Path(tmp) / f"{mode}-{seed}-{rep}")
@@ -129,20 +145,21 @@ def main() -> None:
                           f"{r['engine_idle']:.2f}  (wall {time.perf_counter() - t0:.0f} s)", flush=True)
     med = {m: statistics.median(r["time_s"] for r in rs) for m, rs in results.items()}
     reward = {m: statistics.mean(r["reward_end"] for r in rs) for m, rs in results.items()}
-    out = {
-        "sync_s": med["sync"], "async_s": med["async"], "async_partial_s": med["async_partial"],
-        "speedup_async": med["sync"] / med["async"], "speedup_partial": med["async"] / med["async_partial"],
-        "reward_sync": reward["sync"], "reward_async": reward["async"], "reward_async_partial": reward["async_partial"],
-    }
+    out = {f"{m}_s": t for m, t in med.items()}
+    ratios = {"speedup_async": ("sync", "async", 1.5), "speedup_sync_partial": ("sync", "sync_partial", 1.25),
+              "partial_vs_async": ("async", "async_partial", 0.95)}
+    for name, (num, den, _) in ratios.items():
+        if num in med and den in med:
+            out[name] = med[num] / med[den]
+    out.update({f"reward_{m}": r for m, r in reward.items()})
     load = os.getloadavg()
-    print(f"time to {args.steps} steps (median): sync {med['sync']:.1f} s, async {med['async']:.1f} s, "
-          f"async+partial {med['async_partial']:.1f} s; speedup async {out['speedup_async']:.2f}x (target 1.5), "
-          f"partial {out['speedup_partial']:.2f}x (target 1.25); end reward sync {reward['sync']:.3f}, "
-          f"async {reward['async']:.3f}, async+partial {reward['async_partial']:.3f}; "
-          f"load average now {load[0]:.1f}", flush=True)
+    print(f"time to {args.steps} steps (median): " + ", ".join(f"{m} {t:.1f} s" for m, t in med.items()) + "; "
+          + ", ".join(f"{name} {out[name]:.2f}x (target {target})" for name, (_, _, target) in ratios.items()
+                      if name in out)
+          + "; end reward " + ", ".join(f"{m} {r:.3f}" for m, r in reward.items())
+          + f"; load average now {load[0]:.1f}", flush=True)
     if args.json:
         print(json.dumps({k: round(v, 4) for k, v in out.items()}))
-
 
 if __name__ == "__main__":
     main()
