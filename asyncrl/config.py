@@ -331,8 +331,9 @@ SYNC_MODE_DEFAULTS = {"rollout.staleness_threshold": 0.0, "partial_rollout.trunc
 with partial rollout, rounds end at the step's groups (the RFC's workflow)."""
 SYNC_PARTIAL_DEFAULTS = {"rollout.max_concurrent": "${asyncrl.mul:2,${rollout.groups_per_sync}}"}
 """``mode=sync`` with partial rollout: a round keeps twice the step's prompts in flight (the
-RFC's over-provisioned batch), so the step's groups are its fastest ones. Measured against 1.5x
-and 3x in docs/partial_rollout.md."""
+RFC's over-provisioned batch), so the step's groups are its fastest ones. Measured against 1x,
+1.5x and 3x where decode steps cost the same at any batch (GPUs), and on CPU, where no setting
+pays: docs/partial_rollout.md."""
 DEMO_DEFAULTS = {"trainer.optim.lr": 1e-3, "steps": 150, "trainer.groups_per_batch": 16}
 """Defaults when no model is given: the tiny demo model learns fast at a high rate, and 16 groups
 of 8 responses per step (not a run's 8) give each step a gradient steady enough that every
