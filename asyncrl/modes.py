@@ -6,8 +6,8 @@ only in how far the Rollouter may run ahead of the Trainer, which the staleness 
 
 - ``async``: the gate admits up to ``(version + 1 + staleness_threshold) * groups_per_sync``
   prompts, so generation of the next groups overlaps training and weight syncs; with partial
-  rollout on, what runs at each weight sync is truncated and goes on first after it
-  (``partial_rollout.truncate_at=sync``).
+  rollout on, what runs at each weight sync is truncated there, in the engines, and goes on
+  after it from its prefix re-read under the new weights (``partial_rollout.truncate_at=sync``).
 - ``sync`` (``mode=sync``, ``--mode sync``): ``staleness_threshold = 0``, one train step per
   sync. The gate then admits exactly one step's prompts per weight version, so each step is
 

@@ -210,10 +210,10 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
                                      curve=net.curve.for_producer() if net.curve else None)
 
         partial = cfg.partial_rollout
-        if partial.enable:
-            # Sync mode's rounds end by count (the Rollouter sets each round's); async mode's at the sync.
-            threshold = (partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
-                         if partial.truncate_at == "threshold" else None)
+        if partial.enable and partial.truncate_at == "threshold":
+            # Sync mode's rounds end by count (the Rollouter sets each round's threshold). Async
+            # mode's end at the sync, inside the engines (the coordinator's clear_cache below).
+            threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
             procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
         data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
                         long_tail=cfg.data.long_tail)
@@ -225,7 +225,8 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
 
         coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
-                                            version=trainer.version)
+                                            version=trainer.version,
+                                            clear_cache=partial.enable and partial.truncate_at == "sync")
         # The engines serve the restored weights before they generate: the sync the restored run
         # stopped in (its version counts), else the restored version again.
         if resume is not None and not await trainer.catch_up_sync(coordinator):

@@ -60,6 +60,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine/{i}/queued": (R, "requests queued on replica i"),
     "engine/{i}/kv_tokens": (R, "tokens in replica i's KV cache"),
     "engine/reprefill_tokens": (R, "tokens prefilled again after a pause, all engines, so far"),
+    "engine/preempted": (R, "requests vLLM preempted (and so prefilled again, e.g. at a sync that drops the KV cache), all engines, so far"),
     # the step's samples
     "staleness/mean": (T, "mean per-token version gap of the step (train version - token version)"),
     "staleness/max": (T, "largest per-token version gap of the step"),

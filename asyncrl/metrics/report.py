@@ -100,7 +100,7 @@ class RolloutReporter:
         for i, s in enumerate(stats):
             for key in ("running", "queued", "kv_tokens"):
                 out[f"engine/{i}/{key}"] = s.get(key, 0)
-        for key in ("running", "queued", "kv_tokens", "reprefill_tokens"):
+        for key in ("running", "queued", "kv_tokens", "reprefill_tokens", "preempted"):
             out[f"engine/{key}"] = sum(s.get(key, 0) for s in stats)
         tokens = sum(s.get("tokens_generated", 0) for s in stats)
         if self._last_tokens is not None and now > self._last_t:

@@ -1,17 +1,14 @@
 """``AggregatorActor``: counts finished trajectories across every engine replica and ends a round.
 
-A round is the span between two weight syncs; its number is the weight version. It ends in
-one of two ways, by mode (`asyncrl.rollouter.partial`):
-
-- by count (``mode=sync``, the RFC's workflow): the Rollouter reports each finished group
-  here (`report`), split by the replica that finished each trajectory; when the round's count
-  reaches its threshold the aggregator signals every replica (``truncate(version)`` on each
-  `asyncrl.rollouter.actor.EngineActor`) to stop the round's unfinished, truncatable requests
-  that have generated tokens (queued ones run on in the freed slots). The threshold is set per
-  round (`start_round`): what the Trainer's step still lacks, so a round ends exactly when the
-  step has its groups;
-- at the weight sync (``mode=async``): `end_round` signals the replicas just before they
-  pause, so nothing waits for a count.
+A round is the span between two weight syncs; its number is the weight version. In the RFC's
+synchronous workflow (``mode=sync``, `asyncrl.rollouter.partial`) the Rollouter reports each
+finished group here (`report`), split by the replica that finished each trajectory; when the
+round's count reaches its threshold the aggregator signals every replica
+(``truncate(version)`` on each `asyncrl.rollouter.actor.EngineActor`) to stop the round's
+unfinished, truncatable requests. The threshold is set per round (`start_round`): what the
+Trainer's step still lacks, so a round ends exactly when the step has its groups. `end_round`
+ends a round now, whatever its count. (Async mode's rounds end at the weight sync inside the
+engines, with no aggregator.)
 
 Each stopped request returns its partial output with ``finish_reason="truncated"`` and the
 Rollouter parks it in its partial buffer.
@@ -92,9 +89,9 @@ class AggregatorActor:
         return True
 
     async def end_round(self, version: int, queued: bool = False) -> int:
-        """Signal ``truncate(version, queued)`` to every replica now (async mode calls this just
-        before a weight sync pauses them; ``queued``: requests not yet at their first token stop
-        too). Returns how many requests were stopped; a round already over stops nothing."""
+        """Signal ``truncate(version, queued)`` to every replica now (``queued``: requests not yet
+        at their first token stop too). Returns how many requests were stopped; a round already
+        over stops nothing."""
         await self.start_round(version)
         if version < self.round:
             return 0

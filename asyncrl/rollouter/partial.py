@@ -20,12 +20,15 @@ When a round ends (``truncate_at``):
   batch), and ends once the step has its complete groups; the rest is truncated and the
   engines idle while the Trainer trains. A step then waits for its fastest groups, not its
   longest response;
-- ``sync`` (``mode=async``): just before each weight sync pauses the engines. A truncated
-  response waits for nothing (the sync is happening anyway) and its remaining tokens are
-  generated from a prefix re-read under the new weights, where keeping it would continue on
-  a KV cache computed by the old ones.
+- ``sync`` (``mode=async``): at each weight sync, inside the engines. They pause with
+  ``keep`` and drop the KV cache of what they keep (`asyncrl.sync.coordinator`'s
+  ``clear_cache``): every in-flight response stops there with its tokens, log-probs and
+  versions, and after the sync goes on first, from prompt + partial response re-read under the
+  new weights, where plain async mode continues on a KV cache computed by the old ones. Nothing
+  goes back to the Rollouter or waits, so this costs only the re-read prefixes; the staleness
+  gate, not ``max_age``, bounds how many versions such a response spans.
 
-A response of age ``max_age`` is no longer truncated: it runs to its end (kept through syncs).
+In sync mode a response of age ``max_age`` is no longer truncated: it runs to its end.
 """
 
 from __future__ import annotations
@@ -53,10 +56,10 @@ class PartialRolloutConfig:
     """``truncate_at=threshold``: trajectories (of complete groups) a round counts at least before
     it ends; None: what the Trainer's step still lacks, ``groups_per_sync * n`` at most."""
     max_age: int = 4
-    """Truncations a response may survive; one of this age runs to its end."""
+    """``truncate_at=threshold``: truncations a response may survive; one of this age runs to its end."""
     truncate_at: str = "sync"
-    """``sync``: at each weight sync (``mode=async``); ``threshold``: once the round has the
-    step's groups, the RFC's workflow (``mode=sync`` sets it)."""
+    """``sync``: at each weight sync, inside the engines (``mode=async``); ``threshold``: once
+    the round has the step's groups, the RFC's workflow (``mode=sync`` sets it)."""
 
     def __post_init__(self) -> None:
         if self.truncate_at not in TRUNCATE_AT:

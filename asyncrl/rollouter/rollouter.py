@@ -30,15 +30,16 @@ One asyncio loop, one task group::
   and `on_sync` (after), called by whoever runs the weight sync.
 - Partial rollout (`asyncrl.rollouter.partial`): with an `AggregatorActor`, a round's
   unfinished requests are stopped when the round ends; each waits in the partial buffer for
-  the next round and resumes from prompt + partial response. ``truncate_at="sync"`` (async
-  mode): the round ends at the weight sync (`on_pause` has the aggregator signal the
-  replicas), and the staleness gate admits as above. ``truncate_at="threshold"`` (sync mode,
-  the RFC's workflow): the gate admits no count of prompts but keeps ``max_concurrent``
+  the next round and resumes from prompt + partial response. ``truncate_at="threshold"``
+  (sync mode, the RFC's workflow): the gate admits no count of prompts but keeps ``max_concurrent``
   prompts in flight while the round is open; the round ends once the aggregator has counted
   the complete groups the Trainer's step still lacks (``(version + 1) * groups_per_sync``
   less the usable groups finished so far, set at each `on_sync`), and no prompt is admitted
-  after that until the next sync. Without partial rollout, in-flight requests are paused and
-  kept through each sync by the engines.
+  after that until the next sync. ``truncate_at="sync"`` (async mode): the engines truncate
+  in place at each weight sync (they drop the KV cache of what they keep, and re-read prompt +
+  partial response under the new weights when they resume); the Rollouter sees nothing of it.
+  Without partial rollout, in-flight requests are paused and kept through each sync by the
+  engines, KV cache and all.
 - ``request_timeout_s`` counts only time outside weight-sync pauses; a request past it is
   aborted on its engine, and fails its group.
 - A response that fails (engine error, dead engine, timeout) fails its whole group, which is
@@ -192,7 +193,10 @@ class Rollouter:
     (awaitable ``generate``); ``reward_fn(prompt, response_ids) -> float`` (or an awaitable of
     one) gets the `Prompt` (its text and row meta) and the response's token ids; a synchronous
     one runs on the Rollouter's reward threads, off its event loop.
-    ``partial`` turns partial rollout on; it needs ``aggregator`` (an `AggregatorActor` handle or instance).
+    ``partial`` turns partial rollout on; with ``truncate_at="threshold"`` it needs ``aggregator``
+    (an `AggregatorActor` handle or instance); with ``truncate_at="sync"`` the engines truncate
+    at each weight sync themselves (the coordinator's ``clear_cache``) and the Rollouter does
+    nothing of its own.
     """
 
     def __init__(self, cfg: RolloutConfig, engines: Sequence[Any], producer: Any, prompts: Sequence[Prompt],
@@ -203,14 +207,15 @@ class Rollouter:
         if not prompts:
             raise ValueError("Rollouter needs a non-empty dataset")
         self.partial = partial or PartialRolloutConfig()
-        if self.partial.enable and aggregator is None:
-            raise ValueError("partial_rollout.enable needs an aggregator (AggregatorActor over the engines)")
+        by_count = self.partial.enable and self.partial.truncate_at == "threshold"
+        if by_count and aggregator is None:
+            raise ValueError("partial_rollout.truncate_at='threshold' needs an aggregator (AggregatorActor over the engines)")
         self.cfg = cfg
         self.engines = list(engines)
         self.producer = producer
         self.prompts = list(prompts)
         self.reward_fn = reward_fn
-        self.aggregator = aggregator if self.partial.enable else None
+        self.aggregator = aggregator if by_count else None
         self.state = state or RolloutState()
         self.version = 0
         self.admitted = self.sent = self.state.done
@@ -230,7 +235,7 @@ class Rollouter:
             sid: dict(responses) for sid, responses in self.state.partials.items()}
         """Truncated responses not yet finished, of groups not yet sent: what `snapshot` saves."""
         self._stopping = False
-        self._lockstep = self.aggregator is not None and self.partial.truncate_at == "threshold"
+        self._lockstep = self.aggregator is not None
         """The RFC's synchronous workflow: rounds end by count and admit until they do."""
         self._round_closed = False
         self._round_opened = False
@@ -253,10 +258,6 @@ class Rollouter:
         """A weight sync is about to pause the engines: stop the request clocks."""
         if self._paused_at is None:
             self._paused_at = time.monotonic()
-        if self.aggregator is not None and not self._lockstep:
-            # Async mode's round ends at the sync: what runs now stops with its parts and goes on
-            # first, at the new weights, instead of being kept on a KV cache of the old ones.
-            await _invoke(self.aggregator, "end_round", self.version)
 
     async def on_sync(self, version: int) -> None:
         """The engines now serve ``version``: restart the clocks, release truncated responses
@@ -269,8 +270,6 @@ class Rollouter:
                 self.version = version
                 if self._lockstep:
                     await self._open_round()
-                elif self.aggregator is not None:
-                    await _invoke(self.aggregator, "start_round", version)
                 self.partials.release(version)
             self._gate.notify_all()
 

@@ -1,7 +1,7 @@
 """`RolloutWorker`: the Rollouter process (a Ray actor): tokenizer, prompts, reward, stream producer, `Rollouter`.
 
 The launcher builds it with plain values (configs, engine handles, the stream's settings, the
-`AggregatorActor` when partial rollout is on) and calls `run`; the Trainer's side calls
+`AggregatorActor` with partial rollout in sync mode) and calls `run`; the Trainer's side calls
 `on_pause` / `on_sync` around every weight sync, `on_dropped` when it drops groups by policy,
 `feed_state` for its checkpoints and `stats` for each step's metrics. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
 the built-in arithmetic task. Data and reward were checked by the launcher before Ray

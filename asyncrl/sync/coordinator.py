@@ -1,10 +1,12 @@
 """`WeightSyncCoordinator`: one weight sync across every engine, each step under a deadline.
 
-For every engine: ``pause(mode="keep", clear_cache=False)`` -> broadcast (every trainer
-rank's ``send_weights`` with every engine's ``receive_weights``, concurrently) -> the
-receiver loads each bucket and calls ``finish_weight_update(version)`` -> ``resume()`` ->
-``version += 1``. Frozen requests keep their KV cache and continue after resume; their
-later tokens carry the new version.
+For every engine: ``pause(mode="keep", clear_cache)`` -> broadcast (every trainer rank's
+``send_weights`` with every engine's ``receive_weights``, concurrently) -> the receiver loads
+each bucket and calls ``finish_weight_update(version)`` -> ``resume()`` -> ``version += 1``.
+Frozen requests continue after resume; their later tokens carry the new version. By default
+they keep their KV cache; with ``clear_cache=True`` (async mode's partial rollout) the engines
+drop it, so each in-flight response is truncated at the sync in place and goes on from its
+prompt + partial response re-read under the new weights.
 
 The coordinator drives Ray actor handles (the interface and the init records are in
 `asyncrl.sync.base`); the backend is ``WeightSyncConfig.method``, named once here:
@@ -61,7 +63,7 @@ class WeightSyncCoordinator:
     """Drive weight syncs from the trainer ranks to every engine (see module doc)."""
 
     def __init__(self, trainer_workers: Sequence[Any], engine_actors: Sequence[Any] | Mapping[str, Any],
-                 config: WeightSyncConfig | None = None, *, version: int = 0) -> None:
+                 config: WeightSyncConfig | None = None, *, version: int = 0, clear_cache: bool = False) -> None:
         if not trainer_workers:
             raise ValueError("trainer_workers is empty: pass every trainer rank's actor, rank 0 first")
         if isinstance(engine_actors, Mapping):
@@ -75,6 +77,8 @@ class WeightSyncCoordinator:
         """Live engines by name (dead ones are dropped and listed in ``dead``)."""
         self.dead: dict[str, str] = {}
         self.config = config or WeightSyncConfig()
+        self.clear_cache = clear_cache
+        """Engines drop the KV cache of their frozen requests at each sync (they re-read it after)."""
         self._version = version
         self._members: tuple[str, ...] | None = None  # engines in the current group, in rank order
         self._epoch = 0
@@ -133,7 +137,7 @@ class WeightSyncCoordinator:
 
     async def _pause_all(self) -> tuple[list[str], dict[str, str]]:
         """``pause(keep)`` every engine: (paused names, failures); dead engines are dropped."""
-        paused, errors = await self._each(list(self.engines), lambda h: h.pause.remote("keep", False),
+        paused, errors = await self._each(list(self.engines), lambda h: h.pause.remote("keep", self.clear_cache),
                                           self.config.pause_timeout_s, "pause_timeout_s", "pause")
         if errors:
             _, dead = await self._ping(list(errors))

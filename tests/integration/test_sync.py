@@ -132,10 +132,10 @@ async def test_republish_after_a_resume_loads_the_weights_and_keeps_the_version(
     assert await coord.sync() == version + 1  # the next sync counts on from the restored version
 
 
-async def _coordinator(trainer, engines, cfg=CFG):
+async def _coordinator(trainer, engines, cfg=CFG, clear_cache=False):
     versions = {await h.version.remote() for h in engines}
     assert len(versions) == 1
-    return WeightSyncCoordinator(trainer.workers, engines, cfg, version=versions.pop())
+    return WeightSyncCoordinator(trainer.workers, engines, cfg, version=versions.pop(), clear_cache=clear_cache)
 
 
 async def _mid_flight(h, request_id: str, n: int) -> int:
@@ -148,8 +148,11 @@ async def _mid_flight(h, request_id: str, n: int) -> int:
     raise AssertionError(f"{request_id} never showed up in flight")
 
 
-async def test_sync_with_requests_in_flight_freezes_and_continues_on_new_version(trainer, engines):
-    coord = await _coordinator(trainer, engines)
+@pytest.mark.parametrize("clear_cache", [False, True], ids=["keep-kv", "reread-prefix"])
+async def test_sync_with_requests_in_flight_freezes_and_continues_on_new_version(trainer, engines, clear_cache):
+    # clear_cache: async mode's partial rollout, each in-flight response truncated at the sync
+    # in place and its prefix re-read under the new weights.
+    coord = await _coordinator(trainer, engines, clear_cache=clear_cache)
     v1 = await coord.sync()  # the group is up before requests start
     rng = np.random.default_rng(0)
     reqs = [GenerateRequest(f"r{i}", rng.integers(3, 40, size=6), max_tokens=240,
@@ -160,7 +163,7 @@ async def test_sync_with_requests_in_flight_freezes_and_continues_on_new_version
         # pause as soon as it is mid-flight, so it cannot finish before the sync (the
         # coordinator's own pause then finds the engine already frozen, which keep allows)
         assert await _mid_flight(h, r.request_id, 3) >= 3
-        await h.pause.remote("keep", False)
+        await h.pause.remote("keep", clear_cache)
     await trainer.call("__ray_call__", [(_perturb, 7), (_perturb, 7)], timeout=60)
     v2 = await coord.sync()
     assert v2 == v1 + 1
@@ -172,9 +175,10 @@ async def test_sync_with_requests_in_flight_freezes_and_continues_on_new_version
         assert v == sorted(v) and set(v) <= {v1, v2} and v[-1] == v2, f"{r.request_id}: versions {v}"
         if r.request_id in {w.request_id for w in watched}:
             assert v.count(v1) >= 3
-    for h in engines:
+    for h, r in zip(engines, watched):
         stats = await h.stats.remote()
-        assert stats["reprefill_tokens"] == 0
+        # kept: never prefilled again; re-read: at least the watched request's prompt + 3 tokens
+        assert (stats["reprefill_tokens"] >= len(r.prompt_ids) + 3) if clear_cache else stats["reprefill_tokens"] == 0
         assert stats["version"] == v2
     await _assert_equal(trainer, engines)
 

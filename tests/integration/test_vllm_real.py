@@ -276,9 +276,16 @@ def test_the_launcher_runs_on_vllm_engines(tmp_path, tiny_model, run_launch, mod
     # a response spans weight versions: kept through a sync (async) or truncated and resumed (partial;
     # in sync mode, stopped once the step had its groups)
     assert max(r["fully_async/partial/max_partial_span"] for r in rows) >= 1, rows
-    if partial:
-        assert sum(r["fully_async/partial/truncated"] for r in rows) >= 1
-        assert sum(r["fully_async/partial/total_partial_num"] for r in rows) >= 1
+    truncated = sum(r["fully_async/partial/truncated"] for r in rows)
+    if mode == "sync":  # rounds ended at the step's groups: the Rollouter truncated and resumed
+        assert truncated >= 1 and sum(r["fully_async/partial/total_partial_num"] for r in rows) >= 1
+    else:  # async: nothing goes back to the Rollouter; with partial rollout vLLM re-reads at each sync
+        from asyncrl.metrics.sinks.jsonl import read_events
+
+        assert truncated == 0
+        preempted = max([e.value for e in read_events(run_dir / "events.jsonl") if e.name == "engine/preempted"],
+                        default=0)
+        assert preempted > 0 if partial else preempted == 0, preempted
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     ids = [r["sample_id"] for r in records if r["status"] == "trained"]
     assert len(ids) == 24 == len(set(ids))

@@ -1,9 +1,10 @@
 """Partial rollout in-process, both ways a round ends: by count in the RFC's synchronous
 workflow (a round keeps more prompts in flight than the step needs and ends once the step has
 its complete groups; no prompt is admitted after that until the sync) and at the weight sync
-in async mode. Truncated responses resume next round highest age first, ``max_age`` is
-honoured, and every token of a resumed response keeps the version and the behaviour log-prob
-it was sampled with, across a checkpoint too."""
+in async mode (in the engines, which re-read the prefix under the new weights). Truncated
+responses resume next round highest age first, ``max_age`` is honoured, and every token of a
+resumed response keeps the version and the behaviour log-prob it was sampled with, across a
+checkpoint too."""
 
 from __future__ import annotations
 
@@ -191,30 +192,33 @@ async def test_sync_workflow_admits_nothing_once_the_round_has_its_groups_until_
         await engines[0].close()
 
 
-async def test_async_mode_truncates_at_the_weight_sync_and_resumes_at_once(model_path):
+async def test_async_mode_truncates_in_the_engines_at_each_sync_and_rereads_the_prefix(model_path):
     engines = [EngineActor(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(2)]
     snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
     cfg = RolloutConfig(n=N, max_tokens=SHORT, groups_per_sync=GROUPS_PER_SYNC, staleness_threshold=1.0,
                         max_concurrent=8)
-    partial = PartialRolloutConfig(enable=True, max_age=3)  # truncate_at="sync", async mode's
-    aggregator = AggregatorActor(engines, threshold=None)
     producer = MemorySink()
+    # truncate_at="sync", async mode's: no aggregator; the syncs below pause with keep and drop
+    # the KV cache, as the launcher's coordinator does with partial rollout on in async mode.
     r = Rollouter(cfg, engines, producer, long_tail_prompts(40), lambda prompt, ids: float(len(ids)),
-                  partial=partial, aggregator=aggregator)
+                  partial=PartialRolloutConfig(enable=True))
     try:
-        versions = await run_with_syncs(r, engines, producer, 12, snapshots)
+        await run_with_syncs(r, engines, producer, 12, snapshots)
+        reread = sum([(await e.stats())["reprefill_tokens"] for e in engines])
     finally:
         for e in engines:
             await e.close()
-    # No round ended by count; each sync stopped what ran (the long responses at least once),
-    # and what it stopped went on in the next round without waiting for another.
-    assert aggregator.count == 0 and set(aggregator.truncated_rounds) <= set(range(versions))
-    assert 1 <= r.stats.truncated <= sum(aggregator.truncated_rounds.values())
-    assert r.stats.resumed == r.stats.truncated and len(r.partials) == 0
-    assert len(producer.groups) == 12
-    resumed = check_trajectories(producer, max_age=3)
-    worst, checked = worst_logprob_error(model_path, snapshots, resumed)
-    assert resumed and checked >= sum(len(t.response_ids) for t in resumed) and worst <= 1e-4, worst
+    # Nothing went back to the Rollouter or waited: the engines stopped what ran at each sync
+    # and went on with it after, from prompt + partial response re-read under the new weights.
+    assert r.aggregator is None and r.stats.truncated == 0 and len(r.partials) == 0
+    assert check_trajectories(producer, max_age=0) == [] and len(producer.groups) == 12
+    spanning = [t for g in producer.groups for t in g.trajectories if len(set(t.versions.tolist())) > 1]
+    assert spanning and reread >= sum(len(t.prompt_ids) + 1 for t in spanning)
+    # So every token, before and after a sync, has the log-prob of its own version's weights
+    # given the whole prefix (a kept KV cache of the old weights would not give that).
+    worst, checked = worst_logprob_error(model_path, snapshots, spanning)
+    assert checked == sum(len(t.response_ids) for t in spanning) and worst <= 1e-4, worst
+
 
 async def test_truncation_stops_requests_with_tokens_and_leaves_queued_ones_to_run(model_path):
     # Two KV slots, four truncatable requests: two run, two wait for a slot.
@@ -265,9 +269,11 @@ def test_partial_config_errors_name_the_field():
     with pytest.raises(ValueError, match="max_age"):
         PartialRolloutConfig(max_age=-1)
     assert PartialRolloutConfig().resolved_threshold(3, 8) == 24
-    with pytest.raises(ValueError, match="aggregator"):
+    with pytest.raises(ValueError, match="truncate_at='threshold' needs an aggregator"):
         Rollouter(RolloutConfig(), [object()], MemorySink(), long_tail_prompts(1), lambda p, i: 0.0,
-                  partial=PartialRolloutConfig(enable=True))
+                  partial=PartialRolloutConfig(enable=True, truncate_at="threshold"))
+    with pytest.raises(ValueError, match="truncate_at must be one of"):
+        PartialRolloutConfig(truncate_at="end")
 
 
 async def test_a_checkpoint_keeps_the_partial_buffer_and_a_resume_continues_each_response_from_its_parts(
