@@ -1,6 +1,7 @@
-"""An engine actor killed mid-round (partial rollout on, Ray actors): its requests go again to
-the live replica (same seed), so no group fails and none is sent half-finished, the aggregator's
-signal does not wait on the dead replica, and the run does not hang. (With every replica dead
+"""An engine actor killed mid-round (partial rollout, sync mode's workflow, Ray actors): its
+requests go again to the live replica (same seed), so no group fails and none is sent
+half-finished, the aggregator's signal does not wait on the dead replica, and the run does
+not hang. (With every replica dead
 the requests fail their groups, which the Trainer fails closed on: tests/unit/test_batch.py.)"""
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ async def test_engine_killed_mid_round_its_requests_go_to_the_live_replica_and_t
                       max_tokens=64 if i % 2 == 0 else 4) for i in range(8)]
     producer = MemorySink()
     r = Rollouter(cfg, engines, producer, prompts, lambda prompt, ids: 1.0,
-                  partial=PartialRolloutConfig(enable=True, max_age=2), aggregator=aggregator)
+                  partial=PartialRolloutConfig(enable=True, max_age=2, truncate_at="threshold"), aggregator=aggregator)
     run = asyncio.create_task(r.run(num_groups=10))
     victim_pid = await engines[1].__ray_call__.remote(lambda self: os.getpid())
     # Kill replica 1 once it is generating (a long request is in flight on it).
