@@ -210,7 +210,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
                                      curve=net.curve.for_producer() if net.curve else None)
 
         partial = cfg.partial_rollout
-        if partial.enable and partial.truncate_at == "threshold":
+        if partial.by_count:
             # Sync mode's rounds end by count (the Rollouter sets each round's threshold). Async
             # mode's end at the sync, inside the engines (the coordinator's clear_cache below).
             threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
@@ -226,7 +226,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
 
         coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
                                             version=trainer.version,
-                                            clear_cache=partial.enable and partial.truncate_at == "sync")
+                                            clear_cache=partial.at_sync)
         # The engines serve the restored weights before they generate: the sync the restored run
         # stopped in (its version counts), else the restored version again.
         if resume is not None and not await trainer.catch_up_sync(coordinator):

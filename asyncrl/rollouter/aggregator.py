@@ -6,9 +6,8 @@ finished group here (`report`), split by the replica that finished each trajecto
 round's count reaches its threshold the aggregator signals every replica
 (``truncate(version)`` on each `asyncrl.rollouter.actor.EngineActor`) to stop the round's
 unfinished, truncatable requests. The threshold is set per round (`start_round`): what the
-Trainer's step still lacks, so a round ends exactly when the step has its groups. `end_round`
-ends a round now, whatever its count. (Async mode's rounds end at the weight sync inside the
-engines, with no aggregator.)
+Trainer's step still lacks, so a round ends exactly when the step has its groups. (Async
+mode's rounds end at the weight sync inside the engines, with no aggregator.)
 
 Each stopped request returns its partial output with ``finish_reason="truncated"`` and the
 Rollouter parks it in its partial buffer.
@@ -36,7 +35,7 @@ class AggregatorActor:
     """Counts completions per round across ``engines`` and truncates at the round's threshold.
 
     ``threshold``: trajectories that end a round unless `start_round` sets the round's own;
-    None: no round ends by count (only `end_round` ends one).
+    None: no round ends until `start_round` gives it a ``need``.
     """
 
     def __init__(self, engines: Sequence[Any], threshold: int | None, *, signal_timeout_s: float = 60.0):
@@ -85,24 +84,11 @@ class AggregatorActor:
             self.count += int(k)
         if self.signalled or self.round_threshold is None or self.count < self.round_threshold:
             return False
-        await self.end_round(version, queued=True)  # by count: the engines idle until the next round
-        return True
-
-    async def end_round(self, version: int, queued: bool = False) -> int:
-        """Signal ``truncate(version, queued)`` to every replica now (``queued``: requests not yet
-        at their first token stop too). Returns how many requests were stopped; a round already
-        over stops nothing."""
-        await self.start_round(version)
-        if version < self.round:
-            return 0
         self.signalled = True
-        stopped = await self._signal(version, queued)
+        # By count: queued requests stop too (queued=True), the engines idle until the next round.
+        stopped = sum(int(out) for out in await self._each("truncate", version, True) if out is not None)
         self.truncated_rounds[version] = self.truncated_rounds.get(version, 0) + stopped
-        return stopped
-
-    async def _signal(self, version: int, queued: bool) -> int:
-        """``truncate(version, queued)`` on every replica: how many requests they stopped."""
-        return sum(int(out) for out in await self._each("truncate", version, queued) if out is not None)
+        return True
 
     async def _each(self, method: str, version: int, *args: Any) -> list:
         """``method(version, *args)`` on every replica; a dead or stuck replica is logged (its

@@ -61,6 +61,16 @@ class PartialRolloutConfig:
     """``sync``: at each weight sync, inside the engines (``mode=async``); ``threshold``: once
     the round has the step's groups, the RFC's workflow (``mode=sync`` sets it)."""
 
+    @property
+    def by_count(self) -> bool:
+        """On, with rounds ended by the aggregator's count (the Rollouter's lockstep)."""
+        return self.enable and self.truncate_at == "threshold"
+
+    @property
+    def at_sync(self) -> bool:
+        """On, with rounds ended at each weight sync inside the engines (the coordinator's ``clear_cache``)."""
+        return self.enable and self.truncate_at == "sync"
+
     def __post_init__(self) -> None:
         if self.truncate_at not in TRUNCATE_AT:
             raise ValueError(f"PartialRolloutConfig.truncate_at must be one of {TRUNCATE_AT}, got {self.truncate_at!r}")

@@ -207,15 +207,14 @@ class Rollouter:
         if not prompts:
             raise ValueError("Rollouter needs a non-empty dataset")
         self.partial = partial or PartialRolloutConfig()
-        by_count = self.partial.enable and self.partial.truncate_at == "threshold"
-        if by_count and aggregator is None:
+        if self.partial.by_count and aggregator is None:
             raise ValueError("partial_rollout.truncate_at='threshold' needs an aggregator (AggregatorActor over the engines)")
         self.cfg = cfg
         self.engines = list(engines)
         self.producer = producer
         self.prompts = list(prompts)
         self.reward_fn = reward_fn
-        self.aggregator = aggregator if by_count else None
+        self.aggregator = aggregator if self.partial.by_count else None
         self.state = state or RolloutState()
         self.version = 0
         self.admitted = self.sent = self.state.done
@@ -447,7 +446,7 @@ class Rollouter:
         owed = False  # released by the partial buffer (counted undispatched there) and not yet dispatched
         while True:
             truncatable = self.aggregator is not None and parts.age < self.partial.max_age
-            if truncatable and self._lockstep and self._round_closed:
+            if truncatable and self._round_closed:
                 # The round ended before this went out (its engines idle until the sync): wait for the next.
                 if owed:
                     self.partials.dispatched()
