@@ -5,7 +5,8 @@ What is real: requests, continuous batching over ``max_running`` slots, the paus
 (``abort`` ends in-flight requests with their partial output, ``wait`` drains, ``keep`` freezes
 them and ``clear_cache`` counts their re-prefill), ``abort`` with partial output, ``progress``,
 weight loads only while paused, and the weight version of every token. What is simulated: the
-tokens (ids and log-probs drawn from the request's seed) and the time they take. Each request's
+tokens (a window of the engine's seeded token and log-prob tables, picked with the length by one
+hash of the request's seed: O(1), no generator per request) and the time they take. Each request's
 length is drawn from the long-tail distribution of the built-in task's benchmark workload
 (`asyncrl.tasks.arithmetic.long_tail_budget`: 0.7 at the median, the rest at 2x..``long_tail``x),
 capped at its ``max_tokens`` (then ``finish_reason="length"``, else ``"stop"``).
@@ -21,6 +22,7 @@ hundred of them fit in one event loop beside the Rollouter.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import heapq
 import time
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from asyncrl.rollouter.engine import PAUSE_MODES, EngineClosedError, EngineError, EnginePausedError, PauseMode
-from asyncrl.tasks.arithmetic import long_tail_budget
+from asyncrl.tasks.arithmetic import long_tail_probs
 from asyncrl.types import GenerateRequest, GenerateResult
 
 
@@ -141,6 +143,13 @@ class SimEngine:
         self._finished = asyncio.Event()
         """Set whenever a request ends (``pause("wait")`` watches it)."""
         self._tie = 0
+        # What `_draw` takes responses from: the length distribution's CDF over k (a response of
+        # ``median * 2**k`` tokens) and token / log-prob tables long enough for the longest one.
+        self._length_cdf = np.cumsum(long_tail_probs(self.config.long_tail))[:-1].tolist()
+        longest = self.config.median_tokens * self.config.long_tail
+        rng = np.random.default_rng(self.config.seed)
+        self._ids_table = rng.integers(3, self.config.vocab_size, size=longest + _TABLE_OFFSETS, dtype=np.int64)
+        self._logprob_table = -rng.exponential(1.0, size=longest + _TABLE_OFFSETS).astype(np.float32)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -197,16 +206,19 @@ class SimEngine:
         return await r.future
 
     def _draw(self, request: GenerateRequest) -> _Request:
+        # O(1) per request, no generator to seed: one 64-bit mix of (engine seed, request seed)
+        # picks the length from the long-tail distribution and a window of the engine's token table.
         cfg = self.config
         own = request.sampling.seed if request.sampling.seed is not None else _stable_hash(request.request_id)
-        rng = np.random.default_rng([cfg.seed, own])
-        drawn = long_tail_budget(rng, cfg.median_tokens, cfg.long_tail)
+        h = _mix64(cfg.seed * 0x9E3779B97F4A7C15 + own)
+        drawn = cfg.median_tokens << bisect.bisect_right(self._length_cdf, (h >> 11) * 2.0**-53)
         n = min(drawn, request.max_tokens)
-        ids = rng.integers(3, cfg.vocab_size, size=n, dtype=np.int64)
+        start = _mix64(h) % _TABLE_OFFSETS
+        ids = self._ids_table[start:start + n].copy()
         stops = drawn < request.max_tokens
         if stops:
             ids[-1] = cfg.eos_token_id
-        logprobs = -rng.exponential(1.0, size=n).astype(np.float32)
+        logprobs = self._logprob_table[start:start + n].copy()
         return _Request(request, asyncio.get_running_loop().create_future(), ids, logprobs, stops)
 
     async def abort(self, request_ids: Iterable[str]) -> None:
@@ -352,6 +364,18 @@ class SimEngine:
         at = np.searchsorted(np.asarray(steps), r.start + np.arange(1, n + 1) - 1e-9, side="left") - 1
         versions = np.asarray(versions, dtype=np.int64)[at]
         r.future.set_result(GenerateResult(r.rid, r.ids[:n], r.logprobs[:n], versions, reason))
+
+
+_TABLE_OFFSETS = 4096
+"""Distinct windows of an engine's token table a response can start at."""
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a well-mixed 64-bit value from any integer."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
 
 
 def _stable_hash(text: str) -> int:

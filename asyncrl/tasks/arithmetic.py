@@ -58,12 +58,17 @@ def long_tail_budget(rng: np.random.Generator, median: int, factor: int) -> int:
     """A response budget ``median * 2**k``: ``k = 0`` with probability 0.7, the other 0.3 over
     ``k = 1..log2(factor)`` in falling weights ``top, top-1, .., 1`` (factor 16: 0.70, 0.12, 0.09,
     0.06, 0.03 for 1x, 2x, 4x, 8x, 16x the median; mean 2.25x the median)."""
-    top = factor.bit_length() - 1
-    if top == 0:
+    probs = long_tail_probs(factor)
+    if len(probs) == 1:
         return median
+    return median * 2 ** int(rng.choice(len(probs), p=probs))
+
+
+def long_tail_probs(factor: int) -> np.ndarray:
+    """``P(k)`` for ``k = 0..log2(factor)`` of `long_tail_budget`."""
+    top = factor.bit_length() - 1
     tail = np.arange(top, 0, -1, dtype=float)  # k=1 most likely, k=top least
-    probs = np.concatenate([[0.7], 0.3 * tail / tail.sum()])
-    return median * 2 ** int(rng.choice(top + 1, p=probs))
+    return np.concatenate([[0.7], 0.3 * tail / tail.sum()]) if top else np.ones(1)
 
 
 def make_problem(rng: np.random.Generator, config: ArithmeticTaskConfig) -> tuple[str, str]:
