@@ -183,6 +183,33 @@ class RolloutStats:
     dead_engines: int = 0
 
 
+GC_YOUNG_THRESHOLD = 20_000
+"""Allocations between collections of Python's youngest generation in the Rollouter's process (`settle_gc`)."""
+
+
+def settle_gc() -> None:
+    """Keep the garbage collector from pausing a busy Rollouter's event loop.
+
+    Each request allocates futures, tasks and arrays that live for its lifetime. Under Python's
+    default thresholds (700 allocations) they outlive several young collections, reach the
+    oldest generation, and make full collections of the whole heap (modules, tokenizer, dataset
+    included) run about once a second: at 128 simulated replicas 1.5 s of 7 s went to them, up to
+    190 ms at once (``scripts/bench_scale.py``). Call once the process is set up: what exists now
+    is frozen out of every later collection (`gc.freeze`), and the youngest generation is
+    collected every ``GC_YOUNG_THRESHOLD`` allocations, so most per-request objects die before
+    a collection sees them. Reference cycles are still collected.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 100)
+
+
+_ADMIT_BURST = 64
+"""Groups the feed admits in one turn of the event loop before it lets other work run."""
+
+
 class _EngineDied(RuntimeError):
     """The engine replica's actor is gone."""
 
@@ -226,7 +253,8 @@ class Rollouter:
         self.replayed = 0
         """Groups the ``async_rollout`` skip role answered from dumps (no engine request)."""
         self._load = [0] * len(self.engines)
-        self._dead: set[int] = set()
+        self._live = list(range(len(self.engines)))
+        """Replicas not known dead, in index order (dispatch takes the least loaded, lowest index first)."""
         self._gate = asyncio.Condition()
         self._groups: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
         self._requests: dict[str, int] = {}  # request_id in flight -> engine index
@@ -369,6 +397,7 @@ class Rollouter:
         if self._lockstep and not self._round_opened:
             async with self._gate:
                 await self._open_round()
+        burst = 0
         try:
             async with asyncio.TaskGroup() as tg:
                 while stop_at is None or self.admitted < stop_at:
@@ -382,6 +411,11 @@ class Rollouter:
                         self.admitted += 1
                         self._groups[sample_id] = tg.create_task(self._one_group(sample_id, prompt))
                     self.stats.gate_blocked_s += time.monotonic() - t0
+                    # A sync opens the gate for a whole step at once: start its groups a few at a time,
+                    # one event-loop turn apart, so a pause or resume waits behind a few groups' start.
+                    burst += 1
+                    if burst % _ADMIT_BURST == 0:
+                        await asyncio.sleep(0)
         finally:
             self._reward_pool.shutdown(wait=False, cancel_futures=True)
             self._reward_pool = None
@@ -420,6 +454,12 @@ class Rollouter:
             *(self._one_response(sample_id, index, k, prompt) for k in range(self.cfg.n)),
             return_exceptions=True,
         )
+        for k, o in enumerate(outcomes):  # the rewards, started as each response ended; most are done by now
+            if isinstance(o, tuple):
+                try:
+                    o[0].reward = await _reward_of(o[2])
+                except Exception as exc:
+                    outcomes[k] = exc
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
         trajectories = [o[0] for o in outcomes if isinstance(o, tuple)]
         meta = {"prompt": prompt.text, **prompt.meta}
@@ -429,15 +469,16 @@ class Rollouter:
         group = Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, meta=meta)
         if self._lockstep and group.complete:
             per_replica: dict[int, int] = {}
-            for _, replica in outcomes:
+            for _, replica, _ in outcomes:
                 per_replica[replica] = per_replica.get(replica, 0) + 1
             version = self.version
             if await _invoke(self.aggregator, "report", version, per_replica) and version == self.version:
                 self._round_closed = True  # the step has its groups: admit nothing until the sync
         return group
 
-    async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt) -> tuple[Trajectory, int]:
-        """One response, resumed across truncations; returns it with the replica that finished it."""
+    async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt) -> tuple[Trajectory, int, Any]:
+        """One response, resumed across truncations; returns it with the replica that finished it
+        and its reward under way (`_start_reward`)."""
         cfg = self.cfg
         budget = prompt.max_tokens or cfg.max_tokens
         parts = self._truncated.get(sample_id, {}).get(k)
@@ -493,26 +534,24 @@ class Rollouter:
         trajectory = Trajectory(
             sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=response_ids,
             logprobs=logprobs, versions=versions, finish_reason=finish, age=parts.age,
-            reward=await self._reward(prompt, response_ids),
         )
-        return trajectory, replica
+        return trajectory, replica, self._start_reward(prompt, response_ids)
 
-    async def _reward(self, prompt: Prompt, response_ids: np.ndarray) -> float:
-        """Run the reward off the event loop: awaited when async, else on the reward threads."""
+    def _start_reward(self, prompt: Prompt, response_ids: np.ndarray) -> asyncio.Task | concurrent.futures.Future:
+        """Start the response's reward off the event loop: a coroutine function as a task, a plain
+        one on the reward threads. The group reads it once its last response ends (`_reward_of`),
+        so a plain reward costs the event loop no wake-up of its own."""
         if inspect.iscoroutinefunction(self.reward_fn):
-            return float(await self.reward_fn(prompt, response_ids))
-        loop = asyncio.get_running_loop()
-        reward = await loop.run_in_executor(self._reward_pool, self.reward_fn, prompt, response_ids)
-        return float(await reward if inspect.isawaitable(reward) else reward)
+            return asyncio.ensure_future(self.reward_fn(prompt, response_ids))
+        return self._reward_pool.submit(self.reward_fn, prompt, response_ids)
 
     async def _generate(self, request: GenerateRequest, truncatable: bool) -> tuple[GenerateResult, int]:
         """Run ``request`` on the least-loaded live engine under the (pause-aware) deadline; if that
         engine's actor or engine process dies, again (same seed) on another live one."""
         while True:
-            live = [e for e in range(len(self.engines)) if e not in self._dead]
-            if not live:
+            if not self._live:
                 raise _EngineDied(f"{request.request_id}: every engine replica is dead")
-            e = min(live, key=self._load.__getitem__)
+            e = min(self._live, key=self._load.__getitem__)
             self._load[e] += 1
             self._busy(+1)
             self._requests[request.request_id] = e
@@ -528,8 +567,8 @@ class Rollouter:
             except Exception as exc:
                 if not _actor_died(exc):
                     raise
-                if e not in self._dead:
-                    self._dead.add(e)
+                if e in self._live:
+                    self._live.remove(e)
                     self.stats.dead_engines += 1
                     log.error("engine replica %d died (%r); no further requests go to it", e, exc)
             finally:
@@ -565,6 +604,15 @@ class Rollouter:
         self._in_flight += delta
         if self._in_flight == 0:
             self._idle_since = now
+
+
+async def _reward_of(pending: asyncio.Task | concurrent.futures.Future) -> float:
+    """The value of a reward `Rollouter._start_reward` started (awaited only if not done yet)."""
+    if isinstance(pending, concurrent.futures.Future):
+        value = pending.result() if pending.done() else await asyncio.wrap_future(pending)
+    else:
+        value = await pending
+    return float(await value if inspect.isawaitable(value) else value)
 
 
 async def _call(engine: Any, request: GenerateRequest, truncatable: bool = False) -> GenerateResult:

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialRolloutConfig
-from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState, settle_gc
 from asyncrl.rollouter.rollouter import _call as call_engine
 from asyncrl.types import GenerateRequest, SamplingParams
 from asyncrl.skip import SkipConfig, SkipManager, model_fingerprint, prompts_fingerprint, rollout_shape
@@ -146,6 +146,7 @@ class RolloutWorker:
                 self.metrics_interval_s))
         self.rollouter = Rollouter(self.cfg, engines, producer, self.prompts, self.reward_fn, state=self.state,
                                    partial=self.partial, aggregator=self.aggregator)
+        settle_gc()  # the process is set up: freeze its heap out of the collections of the run
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
         await self.rollouter.on_dropped(self.dropped)
         if self._stopped:
