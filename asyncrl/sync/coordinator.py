@@ -106,12 +106,21 @@ class WeightSyncCoordinator:
     async def _sync(self, target: int) -> int:
         cfg, t0 = self.config, time.perf_counter()
         report = SyncReport(version=target)
-        paused, failed = await self._pause_all()
-        report.pause_s = time.perf_counter() - t0
+        # With the group formed, rank 0's per-sync metadata does not depend on the engines: ask for
+        # it while they pause (one round trip less in every sync).
+        extra = asyncio.ensure_future(self._update_kwargs(target)) if self._members is not None else None
+        try:
+            paused, failed = await self._pause_all()
+            report.pause_s = time.perf_counter() - t0
 
-        t1 = time.perf_counter()
-        landed, trainer_error = await self._transfer(paused, target, failed, report)
-        report.transfer_s = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            landed, trainer_error = await self._transfer(paused, target, failed, report, extra)
+            report.transfer_s = time.perf_counter() - t1
+        finally:
+            if extra is not None and not extra.done():
+                extra.cancel()
+            elif extra is not None and not extra.cancelled():
+                extra.exception()  # retrieved (no engine was left to send to): not logged as lost
 
         t2 = time.perf_counter()
         resumed, errors = await self._each(
@@ -146,14 +155,14 @@ class WeightSyncCoordinator:
         return paused, dict(errors)
 
     async def _transfer(self, names: list[str], target: int, failed: dict[str, str],
-                        report: SyncReport) -> tuple[list[str], str | None]:
+                        report: SyncReport, extra: asyncio.Future | None) -> tuple[list[str], str | None]:
         """Broadcast + load, re-sending to the live engines after a failure: (landed, trainer error)."""
         landed, todo, trainer_error = [], names, None
         for attempt in range(1 + self.config.retries):
             if not todo:
                 break
             report.attempts = attempt + 1
-            landed, errors, trainer_error = await self._attempt(todo, target)
+            landed, errors, trainer_error = await self._attempt(todo, target, extra)
             report.attempt_errors.append({**errors, **({"trainer": trainer_error} if trainer_error else {})})
             if not errors:
                 break
@@ -168,17 +177,23 @@ class WeightSyncCoordinator:
             failed.pop(name, None)
         return landed, trainer_error
 
-    async def _attempt(self, names: list[str], target: int) -> tuple[list[str], dict[str, str], str | None]:
-        """Connect if the group is not exactly ``names``, then one transfer: (landed, errors, trainer error)."""
+    async def _update_kwargs(self, target: int) -> dict:
+        """Per-sync metadata the engines' ``receive_weights`` takes from the caller ({} for broadcast)."""
+        return await self._one(self.trainers[0].weight_update_kwargs.remote(version=target),
+                               self.config.transfer_timeout_s, "transfer_timeout_s", "weight_update_kwargs")
+
+    async def _attempt(self, names: list[str], target: int,
+                       extra: asyncio.Future | None) -> tuple[list[str], dict[str, str], str | None]:
+        """Connect if the group is not exactly ``names``, then one transfer: (landed, errors, trainer error).
+        ``extra``: rank 0's metadata asked for before the pause, used unless the group is formed anew."""
         cfg = self.config
         if self._members != tuple(names):
             errors = await self._connect(names)
             if errors:
                 return [], errors, None
-        # per-sync metadata the engines' receive_weights takes from the caller ({} for broadcast)
-        extra = await self._one(self.trainers[0].weight_update_kwargs.remote(version=target),
-                                cfg.transfer_timeout_s, "transfer_timeout_s", "weight_update_kwargs")
-        refs = {n: self.engines[n].receive_weights.remote(**{"version": target, **extra}) for n in names}
+            extra = None  # a new group: rank 0's metadata is asked for afresh
+        kwargs = await extra if extra is not None else await self._update_kwargs(target)
+        refs = {n: self.engines[n].receive_weights.remote(**{"version": target, **kwargs}) for n in names}
         trainer_refs = [w.send_weights.remote(version=target) for w in self.trainers]
         (ok, errors), (_, trainer_errors) = await asyncio.gather(
             self._wait(refs, cfg.transfer_timeout_s, "transfer_timeout_s", "receive"),
