@@ -167,6 +167,11 @@ def _ranges(xs: list[int]) -> str:
 # -------------------------------------------------------------------------- connect
 
 
+RAY_TASK_EVENTS = 10_000
+"""Actor-call events the GCS of a Ray the launcher starts keeps (Ray's default: 100,000). A joined
+cluster keeps its own setting (``RAY_task_events_max_num_task_in_gcs`` when it is started)."""
+
+
 def connect(placement, cpu_actors: int) -> Cluster:
     """Join ``placement.address`` or ``RAY_ADDRESS`` (set by ``ray job submit``), else start a local Ray."""
     import logging
@@ -180,8 +185,12 @@ def connect(placement, cpu_actors: int) -> Cluster:
     else:
         # Every actor reserves one CPU; on a laptop they share the cores (torch uses 1 thread each).
         # address="local": a new instance even where another local one runs (a bare init would join it).
+        # Ray's GCS keeps the events of the last 100,000 actor calls by default: a run makes one
+        # call per request, so over 1000 demo steps the GCS grew 91 -> 361 MB (scripts/soak.py)
+        # before it stopped. Keep RAY_TASK_EVENTS of them (Ray's own dashboard shows those).
         ray.init(address="local", num_cpus=max(cpu_actors, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                 _system_config={"task_events_max_num_task_in_gcs": RAY_TASK_EVENTS})
     return Cluster(nodes=alive_nodes(), started_here=not address)
 
 

@@ -45,6 +45,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "stream/depth": (T, "groups received by the Trainer's consumer and not yet taken"),
     "stream/received": (T, "groups the consumer received so far (duplicates included)"),
     "stream/acked": (T, "groups the consumer acked so far"),
+    "stream/committed_kept": (T, "ids the committed set keeps one by one (above its watermark): stays small however long the run"),
     "stream/credit": (R, "groups the Rollouter's producer may send now"),
     "stream/unacked": (R, "groups sent and not yet acked (bounded by the window)"),
     # rollouter

@@ -236,7 +236,7 @@ def trainer_step_metrics(metrics: dict, samples: StepSamples, *, trained_version
                     "timing_s/param_sync_transfer": sync.transfer_s, "timing_s/param_sync_resume": sync.resume_s})
     if consumer is not None:
         out.update({"stream/depth": consumer.depth, "stream/received": consumer.stats.received,
-                    "stream/acked": consumer.stats.acked})
+                    "stream/acked": consumer.stats.acked, "stream/committed_kept": consumer.committed.exceptions})
     if not s:
         return out
     out["throughput/trained_tokens_per_s"] = float(lengths.sum()) / step_s if step_s > 0 else 0.0
