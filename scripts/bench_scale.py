@@ -1,0 +1,484 @@
+"""The control plane at cluster size: the Rollouter driven at 1, 8, 32 and 128 engine replicas.
+
+On a cluster run the GPUs are not what breaks first; the single processes that coordinate them
+are. This benchmark drives the real coordinating code with simulated engines
+(`asyncrl.rollouter.sim_engine.SimEngine`: no model, tokens on a clock, the real pause / abort /
+weight-version semantics) so that 128 replicas fit on a 2-core machine:
+
+- one process per size plays the Rollouter's: the real `Rollouter` (staleness gate, reward
+  threads, least-loaded dispatch), its `StreamProducer`, and a `WeightSyncCoordinator` that
+  pauses every replica (``keep``), makes an empty update (``finish_weight_update`` of the next
+  version, no tensors) and resumes them all, every ``--groups-per-sync`` groups the trainer acks;
+- the replicas live in that same process, each an `EngineActor(kind="sim")` with its own
+  scheduler task (``--max-running`` slots, ``--tokens-per-s`` with every slot busy, the
+  long-tail lengths of ``bench_e2e.py``: median 6 tokens, up to 96). The coordinator reaches
+  them through handles with ``.remote`` methods, as it reaches Ray actors; the Rollouter calls
+  them in-process. So the figures leave out Ray's per-call cost (``--ray-calls`` measures it
+  on the side) and include the replicas' own bookkeeping, which a real run spreads over other
+  processes: the process's CPU per request is an upper bound of the Rollouter's own;
+- a second process plays the trainer: a `StreamConsumer` that takes ``--groups-per-sync``
+  groups, "trains" for ``groups / --train-groups-s`` seconds, acks them, and goes on.
+
+Async mode (``staleness_threshold`` 1), groups of ``--n`` responses, ``max_concurrent`` enough
+prompts to fill every slot. After ``--warmup-s`` the clock runs ``--seconds``. Reported per size:
+
+- ``req_s``: responses completed (in groups sent) per second; ``cpu_ms_per_req``: CPU seconds of
+  the Rollouter's process (every thread) per response;
+- ``sync_fanout_p50_ms`` / ``p99``: pause-all -> (empty) update -> resume-all over every replica;
+- ``gate_lag_p99_ms``: after a sync opens the gate, until the Rollouter has admitted every group
+  the new budget allows;
+- ``agg_lag_p99_ms``: a separate ``--agg-seconds`` run of ``--mode sync --partial-rollout true``
+  (the AggregatorActor's rounds): from the group report that reaches a round's count until
+  every replica has been told to truncate; ``agg_report_p50_ms`` of every report;
+- ``rss_mb``: the Rollouter process's resident memory at the end.
+
+    python scripts/bench_scale.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import numpy as np
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+TARGET_REQ_S = 2000.0
+TARGET_FANOUT_P99_MS = 100.0
+TARGET_CPU_RATIO = 1.5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 8, 32, 128], help="engine replicas, one run each")
+    p.add_argument("--n", type=int, default=8, help="responses per prompt")
+    p.add_argument("--groups-per-sync", type=int, default=0,
+                   help="groups per train step and weight sync (0: 2 per replica, at least 8)")
+    p.add_argument("--max-running", type=int, default=32, help="slots per replica")
+    p.add_argument("--tokens-per-s", type=float, default=32000.0, help="tokens a second of one replica with every slot busy")
+    p.add_argument("--train-groups-s", type=float, default=2000.0, help="groups a second the trainer consumes")
+    p.add_argument("--paced-req-s", type=float, default=2000.0,
+                   help="the paced run: responses a second the trainer takes (latencies are measured there)")
+    p.add_argument("--probe-s", type=float, default=0.1,
+                   help="the paced run: an extra pause-all -> update -> resume-all every this many seconds")
+    p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--seconds", type=float, default=8.0, help="measured time per size")
+    p.add_argument("--agg-seconds", type=float, default=4.0, help="the aggregator's run per size (0: leave it out)")
+    p.add_argument("--ray-calls", type=int, default=0, help="also time this many Ray actor calls (0: leave out)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- the trainer's side
+
+
+def _trainer(endpoint: str, groups_per_step: int, train_groups_s: float, ready, stop) -> None:
+    """Take a step's groups, 'train' on them for a set time, ack them; until ``stop`` is set."""
+    from asyncrl.queue import StreamConfig, StreamConsumer
+
+    async def run() -> None:
+        async with StreamConsumer(StreamConfig(endpoint=endpoint, window=4 * groups_per_step)) as consumer:
+            ready.set()
+            while not stop.is_set():
+                step = []
+                while len(step) < groups_per_step and not stop.is_set():
+                    try:
+                        step.append(await consumer.recv(timeout=0.5))
+                    except TimeoutError:
+                        pass
+                await asyncio.sleep(len(step) / train_groups_s)
+                consumer.ack([g.sample_id for g in step])
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------- the Rollouter's side
+
+
+class _Remote:
+    """``handle.method.remote(*args)`` on an in-process object, as the coordinator calls Ray actors."""
+
+    def __init__(self, target) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._target, name)
+
+        class _Method:
+            @staticmethod
+            def remote(*args, **kwargs):
+                return fn(*args, **kwargs)
+
+        return _Method
+
+
+class _EmptyUpdate:
+    """An engine's side of an empty weight update: joining is a no-op, receiving makes the next
+    version live with no tensors; pause, resume and version are the `EngineActor`'s."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    async def init_weight_sync(self, init) -> None:
+        return None
+
+    async def receive_weights(self, version: int, **_) -> None:
+        await self.actor.finish_weight_update(version)
+
+    def __getattr__(self, name: str):
+        return getattr(self.actor, name)
+
+
+class _EmptyTrainer:
+    """Trainer rank 0 of an empty update: one `ReceiverInit` per engine, nothing sent."""
+
+    async def init_weight_sync(self, init):
+        from asyncrl.sync.base import ReceiverInit
+
+        return [ReceiverInit(method=init.method) for _ in range(init.group.world_size - 1)]
+
+    async def weight_update_kwargs(self, version: int) -> dict:
+        return {}
+
+    async def send_weights(self, version: int) -> None:
+        return None
+
+
+class _Counted:
+    """The producer as the Rollouter sees it, counting the groups it is given."""
+
+    def __init__(self, producer) -> None:
+        self.producer = producer
+        self.groups = 0
+
+    async def send(self, group) -> None:
+        await self.producer.send(group)
+        self.groups += 1
+
+    @property
+    def unacked(self):
+        return self.producer.unacked
+
+
+def _prompts(count: int = 4096) -> list:
+    from asyncrl.rollouter.rollouter import Prompt
+
+    return [Prompt(text=f"{i % 90 + 10}+{i % 7}=", prompt_ids=np.array([1, 4 + i % 50, 5, 6], dtype=np.int64))
+            for i in range(count)]
+
+
+def _reward(prompt, response_ids) -> float:
+    return float(len(response_ids) % 2)  # a synchronous reward, as the built-in task's: on the reward threads
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, probe_s: float | None) -> dict:
+    """One async-mode run; with ``probe_s`` the bench also times an extra pause-all -> update ->
+    resume-all (`WeightSyncCoordinator.republish`: the current version again) every ``probe_s``."""
+    import psutil
+
+    from asyncrl.queue import StreamConfig, StreamProducer
+    from asyncrl.rollouter.actor import EngineActor
+    from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter, settle_gc
+    from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
+
+    g = _groups_per_sync(args, replicas)
+    engines = [EngineActor(kind="sim", max_running=args.max_running, tokens_per_s=args.tokens_per_s,
+                           seed=args.seed * 1000 + r) for r in range(replicas)]
+    cfg = RolloutConfig(n=args.n, max_tokens=96, groups_per_sync=g, staleness_threshold=1.0, seed=args.seed,
+                        max_concurrent=max(g, replicas * args.max_running // args.n), request_timeout_s=600.0)
+    admissions: list[float] = []
+    syncs: list[tuple[float, int]] = []  # (time the sync opened the gate, admissions it allows)
+
+    class Timed(Rollouter):
+        def _draw(self):
+            admissions.append(time.perf_counter())
+            return super()._draw()
+
+        async def on_sync(self, version: int) -> None:
+            t0 = time.perf_counter()
+            await super().on_sync(version)
+            budget = (self.version + 1 + self.cfg.staleness_threshold) * self.cfg.groups_per_sync
+            allowed = min(budget - (self.admitted - len(self.given_back) - self.state.dropped),
+                          self.cfg.max_concurrent - (self.admitted - self.sent))
+            if allowed >= 1:
+                syncs.append((t0, len(admissions) + int(allowed)))
+
+    producer = StreamProducer(StreamConfig(endpoint=endpoint, window=4 * g), producer_id="bench-scale")
+    await producer.start()
+    counted = _Counted(producer)
+    rollouter = Timed(cfg, engines, counted, _prompts(), _reward)
+    coordinator = WeightSyncCoordinator([_Remote(_EmptyTrainer())],
+                                        {f"engine[{i}]": _Remote(_EmptyUpdate(e)) for i, e in enumerate(engines)},
+                                        WeightSyncConfig(retries=0))
+    fanout: list[float] = []
+    phases: list[tuple[float, float, float]] = []  # (pause, update, resume) of each sync
+    measuring = False
+    stop = asyncio.Event()
+
+    async def trainer_loop() -> None:
+        # The trainer's sync: after each step's groups are acked, pause-all -> update -> resume-all.
+        version = 0
+        while not stop.is_set():
+            while producer.stats.acked < (version + 1) * g and not stop.is_set():
+                await asyncio.sleep(0.001)
+            if stop.is_set():
+                return
+            await rollouter.on_pause()
+            t0 = time.perf_counter()
+            version = await coordinator.sync()
+            if measuring:
+                fanout.append(time.perf_counter() - t0)
+                last = coordinator.last
+                phases.append((last.pause_s, last.transfer_s, last.resume_s))
+            await rollouter.on_sync(version)
+
+    async def probe_loop() -> None:
+        while probe_s and not stop.is_set():
+            await asyncio.sleep(probe_s)
+            await rollouter.on_pause()
+            t0 = time.perf_counter()
+            await coordinator.republish()
+            if measuring:
+                fanout.append(time.perf_counter() - t0)
+                last = coordinator.last
+                phases.append((last.pause_s, last.transfer_s, last.resume_s))
+            await rollouter.on_sync(coordinator.version)
+
+    settle_gc()  # as the Rollouter's process does once set up
+    task = asyncio.create_task(rollouter.run())
+    syncer = asyncio.create_task(trainer_loop())
+    prober = asyncio.create_task(probe_loop())
+    proc = psutil.Process()
+    try:
+        await asyncio.sleep(args.warmup_s)
+        measuring = True
+        t0, c0, n0, s0 = time.perf_counter(), time.process_time(), counted.groups, len(syncs)
+        await asyncio.sleep(args.seconds)
+        t1, c1, n1 = time.perf_counter(), time.process_time(), counted.groups
+        measuring = False
+        gate = [admissions[k - 1] - t for t, k in syncs[s0:] if k <= len(admissions)]
+        rss = proc.memory_info().rss
+        for t in (task, syncer, prober):
+            if t.done():
+                await t  # a failure inside either is the run's error
+    finally:
+        stop.set()
+        await rollouter.stop()
+        await asyncio.gather(task, syncer, prober, return_exceptions=True)
+        for e in engines:
+            await e.close()
+        await producer.close()
+    requests = (n1 - n0) * args.n
+    return {"req_s": requests / (t1 - t0), "cpu_ms_per_req": 1e3 * (c1 - c0) / max(requests, 1),
+            "cpu_util": (c1 - c0) / (t1 - t0), "syncs": len(fanout),
+            "sync_fanout_p50_ms": 1e3 * _pct(fanout, 50), "sync_fanout_p99_ms": 1e3 * _pct(fanout, 99),
+            "gate_lag_p50_ms": 1e3 * _pct(gate, 50), "gate_lag_p99_ms": 1e3 * _pct(gate, 99),
+            "rss_mb": rss / 2**20, "groups_per_sync": g,
+            "sync_phases_p50_ms": [round(1e3 * _pct([p[i] for p in phases], 50), 2) for i in range(3)]}
+
+
+async def _aggregator_run(args: argparse.Namespace, replicas: int) -> dict:
+    """``--mode sync --partial-rollout true`` for ``--agg-seconds``: the AggregatorActor's rounds."""
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.actor import EngineActor
+    from asyncrl.rollouter.aggregator import AggregatorActor
+    from asyncrl.rollouter.partial import PartialRolloutConfig
+    from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter
+
+    g = _groups_per_sync(args, replicas)
+    reports: list[float] = []
+    ended_at: dict[int, float] = {}  # round -> when the report that reached its count began
+    signalled_at: dict[int, float] = {}  # round -> when the last replica had stopped its requests
+
+    class Signalled(EngineActor):
+        async def truncate(self, version: int, queued: bool = False) -> int:
+            stopped = await super().truncate(version, queued)
+            signalled_at[version] = time.perf_counter()
+            return stopped
+
+    class Timed(AggregatorActor):
+        async def report(self, version, per_replica):
+            t0 = time.perf_counter()
+            ended = await super().report(version, per_replica)
+            if ended:
+                ended_at[version] = t0
+            else:
+                reports.append(time.perf_counter() - t0)
+            return ended
+
+    engines = [Signalled(kind="sim", max_running=args.max_running, tokens_per_s=args.tokens_per_s,
+                         seed=args.seed * 1000 + r) for r in range(replicas)]
+
+    sink = MemorySink()
+    cfg = RolloutConfig(n=args.n, max_tokens=96, groups_per_sync=g, staleness_threshold=0.0, seed=args.seed,
+                        max_concurrent=2 * g, request_timeout_s=600.0)
+    rollouter = Rollouter(cfg, engines, sink, _prompts(), _reward,
+                          partial=PartialRolloutConfig(enable=True, truncate_at="threshold", max_age=4),
+                          aggregator=Timed(engines, None))
+    task = asyncio.create_task(rollouter.run())
+    deadline = time.perf_counter() + args.agg_seconds
+    try:
+        version = 0
+        while time.perf_counter() < deadline:
+            while len([x for x in sink.groups if x.complete]) < (version + 1) * g:
+                if task.done():
+                    await task
+                await asyncio.sleep(0.001)
+            await rollouter.on_pause()
+            version += 1
+            for e in engines:
+                await e.pause("keep")
+                await e.finish_weight_update(version)
+                await e.resume()
+            await rollouter.on_sync(version)
+    finally:
+        await rollouter.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        for e in engines:
+            await e.close()
+    lags = [signalled_at[v] - t for v, t in ended_at.items() if v in signalled_at]
+    return {"rounds": len(lags), "agg_lag_p50_ms": 1e3 * _pct(lags, 50), "agg_lag_p99_ms": 1e3 * _pct(lags, 99),
+            "agg_report_p50_ms": 1e3 * _pct(reports, 50)}
+
+
+def _groups_per_sync(args: argparse.Namespace, replicas: int) -> int:
+    return args.groups_per_sync or max(8, 2 * replicas)
+
+
+def _with_trainer(args: argparse.Namespace, replicas: int, groups_s: float, probe_s: float | None) -> dict:
+    """`_async_run` against a trainer process that consumes ``groups_s`` groups a second."""
+    from asyncrl.net import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    trainer = ctx.Process(target=_trainer, args=(endpoint, _groups_per_sync(args, replicas), groups_s, ready, stop),
+                          daemon=True)
+    trainer.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the trainer's consumer did not start within 60 s")
+        return asyncio.run(_async_run(args, replicas, endpoint, probe_s))
+    finally:
+        stop.set()
+        trainer.join(10)
+        if trainer.is_alive():
+            trainer.kill()
+
+
+def _one_size(args: argparse.Namespace, replicas: int, out) -> None:
+    """One size, in a process of its own (so its CPU time and memory are its own)."""
+    # Saturated: the trainer takes groups as fast as they come, so the Rollouter is the bound.
+    result = _with_trainer(args, replicas, args.train_groups_s, None)
+    # Paced at --paced-req-s: the latencies of a Rollouter at work but not saturated.
+    paced = _with_trainer(args, replicas, args.paced_req_s / args.n, args.probe_s)
+    result.update({f"{k}": paced[k] for k in ("sync_fanout_p50_ms", "sync_fanout_p99_ms", "gate_lag_p50_ms",
+                                              "gate_lag_p99_ms", "sync_phases_p50_ms", "syncs")},
+                  paced_req_s=paced["req_s"], paced_cpu_util=paced["cpu_util"],
+                  saturated_fanout_p99_ms=result["sync_fanout_p99_ms"], saturated_gate_lag_p99_ms=result["gate_lag_p99_ms"])
+    if args.agg_seconds > 0:
+        result.update(asyncio.run(_aggregator_run(args, replicas)))
+    out.put(result)
+
+
+def _ray_call_cost(calls: int) -> dict:
+    """Ray's own cost of one actor call, from a driver to an async actor (what the figures leave out)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        async def ping(self, x):
+            return x
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = Echo.remote()
+        ray.get(actor.ping.remote(0))
+
+        async def burst():
+            await asyncio.gather(*(actor.ping.remote(i) for i in range(calls)))
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        asyncio.run(burst())
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        ray.shutdown()
+    return {"ray_calls_s": calls / wall, "ray_driver_cpu_us_per_call": 1e6 * cpu / calls}
+
+
+def _plan_64_nodes() -> tuple[float, str]:
+    """The launcher's placement for 64 nodes x 8 GPUs, ``--rollouter-gpus 256 --trainer-gpus 256``,
+    TP 4 (the planning function the dry run calls; 64 raylets do not fit here): seconds, and the plan."""
+    t0 = time.perf_counter()
+    from asyncrl.config import load_config
+    from asyncrl.placement import Cluster, Node, make_plan
+
+    cluster = Cluster(nodes=[Node(node_id=f"{i:04d}" + "ab" * 14, address=f"10.1.0.{i}", cpus=96, gpus=8, head=i == 0)
+                             for i in range(64)], started_here=False)
+    cfg, _ = load_config([], ["placement.rollouter_gpus=256", "placement.trainer_gpus=256",
+                              "engine.tensor_parallel_size=4", "placement.nodes=64"])
+    text = make_plan(cfg, cluster).describe()
+    return time.perf_counter() - t0, text
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    load = os.getloadavg()
+    print(f"bench_scale: replicas {args.replicas}, {args.max_running} slots x {args.tokens_per_s:g} tokens/s each, "
+          f"n={args.n}, trainer {args.train_groups_s:g} groups/s, {args.seconds:g} s per size after "
+          f"{args.warmup_s:g} s; load average {load[0]:.2f} {load[1]:.2f}", flush=True)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for replicas in args.replicas:
+        out = ctx.Queue()
+        proc = ctx.Process(target=_one_size, args=(args, replicas, out))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0 or out.empty():
+            raise SystemExit(f"bench_scale: the run at {replicas} replicas failed (exit code {proc.exitcode})")
+        r = out.get()
+        rows.append({"replicas": replicas, **r})
+        print(f"  {replicas:4d} replicas: {r['req_s']:7.0f} req/s  {r['cpu_ms_per_req']:.3f} ms CPU/req "
+              f"(CPU {r['cpu_util']:.2f})  sync fan-out p50 {r['sync_fanout_p50_ms']:.1f} p99 "
+              f"{r['sync_fanout_p99_ms']:.1f} ms ({r['syncs']} syncs at {r['paced_req_s']:.0f} req/s, CPU {r['paced_cpu_util']:.2f}; p50 pause/update/resume {r['sync_phases_p50_ms']} ms)  gate lag p99 {r['gate_lag_p99_ms']:.1f} ms  "
+              f"aggregator lag p99 {r.get('agg_lag_p99_ms', float('nan')):.1f} ms ({r.get('rounds', 0)} rounds)  "
+              f"RSS {r['rss_mb']:.0f} MB", flush=True)
+    keys = ["req_s", "cpu_ms_per_req", "sync_fanout_p50_ms", "sync_fanout_p99_ms", "gate_lag_p50_ms",
+            "gate_lag_p99_ms", "agg_lag_p99_ms", "agg_report_p50_ms", "rss_mb", "groups_per_sync"]
+    result: dict = {"replicas": [r["replicas"] for r in rows]}
+    for k in keys:
+        result[k] = [round(r[k], 3) if k in r and r[k] == r[k] else None for r in rows]  # NaN -> null
+    largest = rows[-1]
+    at8 = next((r for r in rows if r["replicas"] == 8), None)
+    result["cpu_ratio_vs_8"] = round(largest["cpu_ms_per_req"] / at8["cpu_ms_per_req"], 3) if at8 else None
+    plan_s, plan = _plan_64_nodes()
+    result["plan_64_nodes_s"] = round(plan_s, 3)
+    lines = plan.splitlines()
+    print(f"the plan for 64 nodes x 8 GPUs (256 + 256 GPUs, TP 4): {len(lines)} lines in {plan_s:.2f} s (config "
+          f"loading included); first and last:\n  {lines[0]}\n  {lines[1]}\n  ...\n  {lines[-1]}", flush=True)
+    if args.ray_calls:
+        result.update({k: round(v, 3) for k, v in _ray_call_cost(args.ray_calls).items()})
+        print(f"  Ray actor calls (left out above): {result['ray_calls_s']:.0f} calls/s, "
+              f"{result['ray_driver_cpu_us_per_call']:.0f} us of the caller's CPU each", flush=True)
+    print(f"at {largest['replicas']} replicas: {largest['req_s']:.0f} req/s (target >= {TARGET_REQ_S:g}), sync fan-out "
+          f"p99 {largest['sync_fanout_p99_ms']:.1f} ms (target <= {TARGET_FANOUT_P99_MS:g}), CPU per request "
+          f"{result['cpu_ratio_vs_8']}x of at 8 (target <= {TARGET_CPU_RATIO}); load average now "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

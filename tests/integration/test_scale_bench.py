@@ -1,0 +1,44 @@
+"""``scripts/bench_scale.py`` (the control plane over simulated replicas) runs end to end and
+measures what it says, small; ``scripts/soak.py`` reads a growing events file as the run writes it."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_scale  # noqa: E402
+import soak  # noqa: E402
+
+
+@pytest.mark.timeout(300)
+def test_bench_scale_drives_the_rollouter_syncs_and_aggregator_at_two_sizes(capsys):
+    result = bench_scale.main(["--replicas", "1", "8", "--warmup-s", "0.5", "--seconds", "1.5",
+                               "--agg-seconds", "1.5", "--probe-s", "0.05", "--json"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
+    assert result["replicas"] == [1, 8]
+    for i in range(2):
+        assert result["req_s"][i] > 50 and 0 < result["cpu_ms_per_req"][i] < 50
+        assert 0 < result["sync_fanout_p50_ms"][i] <= result["sync_fanout_p99_ms"][i]
+        assert result["agg_lag_p99_ms"][i] is not None and result["agg_lag_p99_ms"][i] > 0  # rounds ended
+        assert result["rss_mb"][i] > 50
+    assert result["cpu_ratio_vs_8"] == 1.0  # the largest size is 8 itself
+    assert "plan: 64 engine replica(s) of 4 GPU(s), 256 trainer rank(s) on 64 node(s)" in out
+    assert result["plan_64_nodes_s"] > 0
+
+
+def test_soak_reads_events_as_they_are_written_and_gives_stepless_ones_to_the_latest_step(tmp_path):
+    path = tmp_path / "events.jsonl"
+    tail = soak.MetricsTail(path)
+    assert tail.poll() == {}
+    event = {"name": "timing_s/step", "value": 0.5, "step": 1, "version": 1, "time": 0.0, "source": "trainer"}
+    line = json.dumps(event) + "\n"
+    credit = json.dumps({**event, "name": "stream/credit", "value": 7.0, "step": -1, "source": "rollouter"})
+    path.write_text(line + credit[:20])  # the Rollouter's event half written
+    assert tail.poll() == {1: {"timing_s/step": 0.5}}
+    with path.open("a") as f:
+        f.write(credit[20:] + "\n" + json.dumps({**event, "step": 2, "value": 0.7}) + "\n")
+    assert tail.poll() == {1: {"timing_s/step": 0.5, "stream/credit": 7.0}, 2: {"timing_s/step": 0.7}}
+    assert tail.latest == {"timing_s/step": 0.7, "stream/credit": 7.0}
