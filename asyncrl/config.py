@@ -212,6 +212,13 @@ class RunConfig:
     """Where config.yaml, metrics.jsonl, the log and checkpoints go; None: runs/<time>."""
     mode: Literal["async", "sync"] = "async"
     """``async``: fully asynchronous; ``sync``: generate a batch, train, sync, in lockstep (`asyncrl.modes`)."""
+    max_restarts: int = 2
+    """Times the launcher starts the whole run again from its last checkpoint, in the same command,
+    after a process of the run dies (a trainer rank, the Rollouter): exactly once, as ``--resume``.
+    Each restart is printed and logged with its cause in ``<run_dir>/restarts.jsonl``. 0: the run
+    stops at the first death (continue by hand with ``--resume``)."""
+    restart_backoff_s: float = 5.0
+    """Wait before restart k: ``k`` times this (a failing cluster gets time to settle)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -227,6 +234,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.restart_backoff_s < 0:
+            raise ValueError(f"restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
 
     # What the parts need, built from the sections.
 
@@ -365,6 +376,7 @@ ALIASES: dict[str, str] = {
     "temperature": "rollout.temperature",
     "run_dir": "run_dir",
     "seed": "seed",
+    "max_restarts": "max_restarts",
     "mode": "mode",
     "partial_rollout": "partial_rollout.enable",
     "long_tail": "data.long_tail",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,8 @@ _FLAGS = {
     "output": [
         ("run_dir", str, "where config.yaml, metrics, the log and checkpoints go (default: runs/<time>)"),
         ("seed", int, "seed (default 0)"),
+        ("max_restarts", int, "restart the run from its last checkpoint when a trainer rank or the Rollouter dies, "
+                              "up to this many times (default 2; 0: stop, continue with --resume)"),
     ],
 }
 
@@ -146,9 +149,37 @@ def main(argv: list[str] | None = None) -> int:
         except PlacementError as e:
             return _usage_error(e)
         _make_run_dir(run_dir, resolved)
-        return asyncio.run(run(cfg, plan, run_dir))                      # start, run, close
+        return run_restarting(cfg, plan, cluster, run_dir)              # start, run, close (again)
     finally:
         placement.disconnect(cluster)
+
+
+def run_restarting(cfg, plan, cluster, run_dir: Path) -> int:
+    """`run`; when it fails (a process of the run died), start it again from its last checkpoint,
+    up to ``cfg.max_restarts`` times, each logged with its cause in ``<run_dir>/restarts.jsonl``.
+    The restarted run restores as ``--resume`` does, so every sample is trained once."""
+    from asyncrl import placement
+
+    restarts = 0
+    while True:
+        try:
+            return asyncio.run(run(cfg, plan, run_dir))
+        except Exception as e:
+            if restarts >= cfg.max_restarts:
+                if cfg.max_restarts:
+                    print(f"asyncrl: no restart left (max_restarts={cfg.max_restarts} used)", file=sys.stderr, flush=True)
+                raise
+            restarts += 1
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+            with open(run_dir / "restarts.jsonl", "a") as f:
+                f.write(json.dumps({"restart": restarts, "time": time.time(), "cause": cause}) + "\n")
+            wait = cfg.restart_backoff_s * restarts
+            print(f"asyncrl: restart {restarts}/{cfg.max_restarts} of the run from its last checkpoint in {wait:g} s, "
+                  f"after {cause}", file=sys.stderr, flush=True)
+            time.sleep(wait)
+            # Plan again: a node may have gone with the process.
+            plan = placement.make_plan(cfg, placement.Cluster(nodes=placement.alive_nodes(),
+                                                              started_here=cluster.started_here))
 
 
 def config_layers(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -124,6 +124,8 @@ class Trainer:
         """
         found = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
         if found is None:
+            if self._log is not None:  # a run started again before its first checkpoint: nothing is durable
+                self._log.repair(CommittedSet(), ())
             return False
         path, state = found
         await self.ranks.call("load_checkpoint", timeout=self.cfg.step_timeout_s, path=str(path))

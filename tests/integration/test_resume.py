@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS, GROUPS = 14, 2
 COMMON = ["--steps", str(STEPS), "--n", "2", "--groups-per-step", str(GROUPS), "--max-tokens", "3",
           "--lr", "1e-3", "--sync-every", "1", "--staleness-threshold", "0", "--engines", "2", "--seed", "3",
-          "trainer.checkpoint_every=2"]
+          "trainer.checkpoint_every=2", "--max-restarts", "0"]  # each death stops the run (restarts: below)
 T = 600.0  # deadline of any one wait (the shared CI machine starts Ray slowly)
 
 
@@ -203,6 +203,44 @@ def test_every_process_killed_then_resumed_trains_each_sample_once_and_matches_a
         for r in runs:
             r.kill_all()
 
+    _check_exactly_once(run_dir)
+
+    # On-policy, every id is generated from the same weights with the same seeds, interrupted or not.
+    assert (run_dir / "samples.jsonl").read_text() == (ref_dir / "samples.jsonl").read_text()
+    got, want = _final_params(run_dir), _final_params(ref_dir)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert (got[k] - want[k]).abs().max().item() <= 1e-6, k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_dead_rollouter_and_trainer_rank_restart_the_run_in_the_same_command(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON, "--max-restarts", "2",
+                 "restart_backoff_s=0.5")
+    try:
+        run.wait_step(3)
+        os.kill(run.actor_pids("RolloutWorker")[0], signal.SIGKILL)
+        first = run.restored_step()  # the same command starts the run again from its checkpoint
+        run.wait_step(first + 2)
+        os.kill(run.actor_pids("TrainerWorker")[0], signal.SIGKILL)
+        second = run.restored_step()
+        assert second >= first
+        assert run.finish() == 0, run.output[-3000:]
+    finally:
+        run.kill_all()
+    assert run.output.count("asyncrl: restart ") == 2, run.output[-3000:]
+    causes = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert [c["restart"] for c in causes] == [1, 2] and all(c["cause"] for c in causes)
+    assert "RayActorError" in causes[0]["cause"] or "died" in causes[0]["cause"], causes
+    _check_exactly_once(run_dir)
+
+
+def _check_exactly_once(run_dir: Path) -> None:
+    """samples.jsonl names each id once, exactly the final checkpoint's committed set, every step
+    trained; every feed index below ``next_index`` trained, dropped with a reason, or pending."""
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     ids = [r["sample_id"] for r in records]
     assert len(ids) == len(set(ids)), "a sample_id is listed twice"
@@ -218,10 +256,3 @@ def test_every_process_killed_then_resumed_trains_each_sample_once_and_matches_a
     pending = {parse_sample_id(sid)[1] for sid in feed["in_flight"] + feed["unacked"]}
     assert set(range(feed["next_index"])) <= done | pending  # trained, dropped, or still pending
     assert max(done | pending) < feed["next_index"]
-
-    # On-policy, every id is generated from the same weights with the same seeds, interrupted or not.
-    assert (run_dir / "samples.jsonl").read_text() == (ref_dir / "samples.jsonl").read_text()
-    got, want = _final_params(run_dir), _final_params(ref_dir)
-    assert got.keys() == want.keys()
-    for k in want:
-        assert (got[k] - want[k]).abs().max().item() <= 1e-6, k

@@ -176,3 +176,11 @@ def test_vllm_engines_need_vllm_installed_not_gpus(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
     cfg, _ = load_config([], ["engine.kind=vllm"])  # a CPU run: vLLM's CPU build serves it
     assert cfg.engine_kind == "vllm" and not cfg.gpu and cfg.weight_sync_config().method == "broadcast"
+
+
+@pytest.mark.parametrize("override, expected", [("max_restarts=-1", r"max_restarts \(--max-restarts\) must be >= 0"),
+                                                ("restart_backoff_s=-2", "restart_backoff_s must be >= 0")])
+def test_restart_settings_are_checked_and_default_to_a_few_restarts(override, expected):
+    assert load_config([], [])[0].max_restarts == 2
+    with pytest.raises(ConfigError, match=expected):
+        load_config([], [override])
