@@ -219,6 +219,15 @@ class RunConfig:
     stops at the first death (continue by hand with ``--resume``)."""
     restart_backoff_s: float = 5.0
     """Wait before restart k: ``k`` times this (a failing cluster gets time to settle)."""
+    watchdog_s: float | None = None
+    """A hang: no train step for this long dumps every process's stacks to ``<run_dir>/hang-<time>.txt``
+    and restarts the run (`asyncrl.hang`). None: derived from the run's own step times, below."""
+    watchdog_factor: float = 10.0
+    """Derived deadline: this many times the median step time (after the first steps) ..."""
+    watchdog_floor_s: float = 60.0
+    """... but never below this."""
+    watchdog_startup_s: float = 900.0
+    """Deadline of the first steps (first generation, compilation), before there is a median."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -238,6 +247,11 @@ class RunConfig:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.restart_backoff_s < 0:
             raise ValueError(f"restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
+        for name in ("watchdog_factor", "watchdog_floor_s", "watchdog_startup_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.watchdog_s is not None and self.watchdog_s <= 0:
+            raise ValueError(f"watchdog_s must be > 0 (or null: derived from the step times), got {self.watchdog_s}")
 
     # What the parts need, built from the sections.
 

@@ -259,7 +259,9 @@ async def run(cfg, plan, run_dir: Path) -> int:
     from asyncrl.progress import train
     from asyncrl.shutdown import EXIT_INTERRUPTED, GracefulStop
 
-    procs = None
+    from asyncrl.hang import Watchdog, watch
+
+    procs, hung = None, False
 
     def on_stop() -> None:
         if procs is not None:
@@ -273,10 +275,24 @@ async def run(cfg, plan, run_dir: Path) -> int:
             procs = await start(cfg, plan, run_dir)                                # start
             if stop.requested:
                 procs.trainer.request_stop()
-            await train(procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,  # run
-                        validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
-                        report=procs.metrics.reporter.after_step if procs.metrics else None,
-                        rollouter=procs.rollouter)
+            training = asyncio.ensure_future(train(                                 # run
+                procs.trainer, cfg.steps, run_dir, procs.rollout_run, n=cfg.rollout.n,
+                validate=procs.validate if cfg.data.val else None, val_every=cfg.data.val_every,
+                report=procs.metrics.reporter.after_step if procs.metrics else None, rollouter=procs.rollouter))
+            dog = asyncio.ensure_future(watch(procs.trainer, run_dir, Watchdog(
+                cfg.watchdog_s, cfg.watchdog_factor, cfg.watchdog_floor_s, cfg.watchdog_startup_s)))
+            done: set = set()
+            try:
+                done, _ = await asyncio.wait({training, dog}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                dog.cancel()
+                if training not in done:  # a hang, or this run cancelled
+                    training.cancel()
+                    await asyncio.gather(training, return_exceptions=True)
+            if training not in done:
+                hung = True
+                raise dog.result()  # a HangError: the run is started again (max_restarts)
+            training.result()
             print(await procs.rollout_summary(), flush=True)
             if stop.requested:
                 print(f"asyncrl: stopped cleanly at step {procs.trainer.step} ({stop.requested}); continue with: "
@@ -291,7 +307,7 @@ async def run(cfg, plan, run_dir: Path) -> int:
         raise
     finally:
         if procs is not None:
-            await procs.close(drain=stop.hard is None)                    # close
+            await procs.close(drain=stop.hard is None and not hung)       # close (a hung run: at once)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ class EngineActor:
     """One engine replica; the same methods as `asyncrl.rollouter.engine.RolloutEngine`."""
 
     def __init__(self, kind: str = "torch", num_threads: int | None = None, **engine_kwargs):
+        from asyncrl.hang import enable_stack_dumps
+
+        enable_stack_dumps()  # the launcher's hang watchdog asks every process where it waits
         if num_threads is not None:
             import torch
 

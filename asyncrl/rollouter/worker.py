@@ -99,6 +99,9 @@ class RolloutWorker:
         what was admitted but not trained is generated again first (`RolloutState.resume`)."""
         from transformers import AutoTokenizer
 
+        from asyncrl.hang import enable_stack_dumps
+
+        enable_stack_dumps()  # the launcher's hang watchdog asks every process where it waits
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.cfg, self.engines, self.stream = cfg, engines, stream
         self.prompts = load_prompts(tokenizer, data_spec)

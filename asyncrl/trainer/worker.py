@@ -82,6 +82,9 @@ class TrainerWorker:
 
     def __init__(self, cfg: WorkerConfig, *, rank: int, world_size: int, master_addr: str = "127.0.0.1",
                  master_port: int, init_timeout_s: float = 300.0, rendezvous=None):
+        from asyncrl.hang import enable_stack_dumps
+
+        enable_stack_dumps()  # the launcher's hang watchdog asks every process where it waits
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size

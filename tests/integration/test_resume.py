@@ -18,6 +18,7 @@ killed by pid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -256,3 +257,40 @@ def _check_exactly_once(run_dir: Path) -> None:
     pending = {parse_sample_id(sid)[1] for sid in feed["in_flight"] + feed["unacked"]}
     assert set(range(feed["next_index"])) <= done | pending  # trained, dropped, or still pending
     assert max(done | pending) < feed["next_index"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_frozen_engine_is_named_in_the_hang_dump_and_the_run_restarts(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON, "--engines", "1", "--max-restarts", "1",
+                 "restart_backoff_s=0.5", "watchdog_s=8")
+    frozen = None
+    try:
+        run.wait_step(3)
+        frozen = run.actor_pids("EngineActor")[0]
+        os.kill(frozen, signal.SIGSTOP)  # the Rollouter waits on it forever: no step completes
+        run.wait_line("asyncrl: hang: no train step completed for")
+        with contextlib.suppress(ProcessLookupError):  # the restart may have killed it already
+            os.kill(frozen, signal.SIGCONT)
+        frozen = None
+        run.restored_step()
+        assert run.finish() == 0, run.output[-3000:]
+    finally:
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGCONT)
+        run.kill_all()
+    (dump,) = run_dir.glob("hang-*.txt")
+    text = dump.read_text()
+    summary = text.split("\n\n")[1].splitlines()  # one line per process, after the reason
+    engine = [line for line in summary if line.startswith("ray::EngineActor")]
+    assert engine and "no answer (state stopped): frozen" in engine[0], text[:3000]
+    trainer = [line for line in summary if line.startswith("ray::TrainerWorker")]
+    assert trainer and "no answer" not in trainer[0] and "(" in trainer[0], text[:3000]  # its frame, named
+    assert any(line.startswith("launcher pid") for line in summary)
+    assert "===== ray::RolloutWorker" in text and 'File "' in text  # the stacks themselves
+    causes = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert len(causes) == 1 and causes[0]["cause"].startswith("HangError: no train step completed")
+    _check_exactly_once(run_dir)

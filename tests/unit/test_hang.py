@@ -1,0 +1,47 @@
+"""`asyncrl.hang`: the watchdog's deadline from the step times, and naming where a process waits."""
+
+import os
+import signal
+import time
+
+from asyncrl.hang import WARMUP_STEPS, Watchdog, _waiting_in, enable_stack_dumps, stacks_dir
+
+
+def test_the_deadline_is_the_startup_one_then_a_multiple_of_the_steady_median_above_the_floor():
+    dog = Watchdog(None, factor=10.0, floor_s=5.0, startup_s=100.0)
+    now = 0.0
+    for step in range(WARMUP_STEPS + 1):  # start-up and warm-up steps: slow, not counted
+        dog.seen(step, now)
+        now += 30.0
+    assert dog.deadline_s == 100.0 and dog.overdue(now) is None
+    for step in range(WARMUP_STEPS + 1, WARMUP_STEPS + 6):
+        dog.seen(step, now)
+        now += 2.0
+    assert dog.deadline_s == 20.0  # 10 x the 2 s median
+    assert dog.overdue(now - 2.0 + 19.0) is None and dog.overdue(now - 2.0 + 21.0) == 21.0
+    fast = Watchdog(None, factor=10.0, floor_s=5.0, startup_s=100.0)
+    for step in range(WARMUP_STEPS + 4):
+        fast.seen(step, step * 0.1)
+    assert fast.deadline_s == 5.0  # the floor
+    assert Watchdog(7.0, 10.0, 5.0, 100.0).deadline_s == 7.0  # watchdog_s given
+
+
+def test_the_waiting_call_is_the_innermost_frame_of_the_thread_in_asyncrl_code():
+    dump = ('Thread 0x1 (most recent call first):\n'
+            '  File "/usr/lib/python3.11/threading.py", line 331 in wait\n'
+            '  File "/usr/lib/python3.11/threading.py", line 982 in run\n\n'
+            'Current thread 0x2 (most recent call first):\n'
+            '  File "/x/torch/distributed/c10d.py", line 40 in broadcast\n'
+            '  File "/x/asyncrl/sync/broadcast.py", line 120 in receive\n')
+    assert _waiting_in(dump) == "broadcast (c10d.py:40) via receive (broadcast.py:120)"
+    assert _waiting_in(dump.split("\n\n")[0]) == "wait (threading.py:331) (idle)"
+
+
+def test_sigusr1_writes_this_processes_stacks_to_its_file():
+    enable_stack_dumps()
+    path = stacks_dir() / f"{os.getpid()}.txt"
+    before = path.stat().st_size
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)
+    text = path.read_text()
+    assert path.stat().st_size > before and "test_sigusr1_writes_this_processes_stacks_to_its_file" in text
