@@ -103,6 +103,11 @@ class EngineConfig:
     """Prompt + response token limit; None: the model's."""
     max_running: int = 32
     """Built-in engine: requests decoded together in one batched forward."""
+    max_restarts: int = 3
+    """Times one replica whose process died is started again (it joins the weight sync and gets the
+    current weights before it takes a request); past them it is left out."""
+    restart_backoff_s: float = 10.0
+    """Wait before restart k of a replica: ``k`` times this."""
     enforce_eager: bool | None = None
     """vLLM: skip torch.compile and CUDA graph capture (faster start, slower decode); None: True
     on CPU, False on GPU."""
@@ -121,6 +126,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_restarts < 0 or self.restart_backoff_s < 0:
+            raise ValueError(f"max_restarts and restart_backoff_s must be >= 0, got {self.max_restarts}, "
+                             f"{self.restart_backoff_s}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.kv_cache_mb is not None and self.kv_cache_mb <= 0:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +64,8 @@ class Processes:
         import json
 
         progress = await self.rollouter.progress.remote()
-        requests = sum([(await e.stats.remote()).get("requests", 0) for e in self.engines])
+        stats = await asyncio.gather(*(e.stats.remote() for e in self.engines), return_exceptions=True)
+        requests = sum(s.get("requests", 0) for s in stats if isinstance(s, dict))  # a dead replica: none
         skip = "".join(f"; skip.{role} {json.dumps(c, sort_keys=True)}" for role, c in progress.get("skip", {}).items())
         return (f"asyncrl: rollouter admitted {progress.get('admitted', 0)} groups, sent {progress.get('sent', 0)}, "
                 f"replayed {progress.get('replayed', 0)} from skip dumps; engines served {requests} requests{skip}")
@@ -104,31 +107,104 @@ async def _quietly(ref) -> None:
         pass
 
 
+class EngineRestarter:
+    """Starts a dead engine replica again in its own placement bundle (``max_restarts`` times each,
+    ``backoff_s`` x k before restart k); `NotifyingSyncer` adds it back at the next sync."""
+
+    def __init__(self, start_engine: Callable[[int], Any], max_restarts: int, backoff_s: float):
+        self.start_engine, self.max_restarts, self.backoff_s = start_engine, max_restarts, backoff_s
+        self.restarts: dict[int, int] = {}
+        self.starting: dict[int, asyncio.Task] = {}
+        self.died_at: dict[int, float] = {}
+        self.left_out: set[int] = set()
+
+    def notice(self, dead: dict[str, str]) -> None:
+        """Start again every replica in ``dead`` (the coordinator's) not yet being started."""
+        for name, why in dead.items():
+            i = _engine_index(name)
+            if i is None or i in self.starting or i in self.left_out:
+                continue
+            k = self.restarts.get(i, 0) + 1
+            if k > self.max_restarts:
+                self.left_out.add(i)
+                print(f"asyncrl: {name} died ({why}); left out: engine.max_restarts={self.max_restarts} used",
+                      flush=True)
+                continue
+            self.restarts[i] = k
+            self.died_at[i] = time.monotonic()
+            print(f"asyncrl: {name} died ({why}); starting it again ({k}/{self.max_restarts}) in "
+                  f"{self.backoff_s * k:g} s", flush=True)
+            self.starting[i] = asyncio.ensure_future(self._start(i, self.backoff_s * k))
+
+    async def _start(self, i: int, wait: float) -> Any:
+        await asyncio.sleep(wait)
+        handle = self.start_engine(i)
+        await handle.ready.remote()
+        return handle
+
+    def ready(self) -> dict[int, Any]:
+        """Replicas started and ready since the last call (a failed start is noticed again later)."""
+        out = {}
+        for i, task in list(self.starting.items()):
+            if not task.done():
+                continue
+            del self.starting[i]
+            if task.exception() is not None:
+                log.warning("engine[%d] did not start again: %r", i, task.exception())
+                print(f"asyncrl: engine[{i}] did not start again ({task.exception()!r})", flush=True)
+                continue
+            out[i] = task.result()
+        return out
+
+
 class NotifyingSyncer:
     """Tell the Rollouter a sync pauses the engines, run the coordinator's sync, then tell it
     which version the engines now serve.
 
     An engine that died is dropped by the coordinator; while live engines took the new weights
-    the run goes on with them (the Rollouter stops using a dead engine on its own)."""
+    the run goes on with them (the Rollouter stops using a dead engine on its own). With a
+    `EngineRestarter`, a dead replica is started again and, once ready, joins the next sync: it
+    gets that sync's weights before the Rollouter sends it a request."""
 
-    def __init__(self, coordinator: Any, rollouter: Any):
-        self.coordinator, self.rollouter = coordinator, rollouter
+    def __init__(self, coordinator: Any, rollouter: Any, restarter: EngineRestarter | None = None,
+                 on_engine: Callable[[int, Any], None] | None = None):
+        self.coordinator, self.rollouter, self.restarter, self.on_engine = coordinator, rollouter, restarter, on_engine
 
     async def sync(self) -> int:
         from asyncrl.sync import WeightSyncError
 
+        c = self.coordinator
+        joining = self.restarter.ready() if self.restarter else {}
+        for i, handle in joining.items():
+            c.add_engine(f"engine[{i}]", handle)
         await self.rollouter.on_pause.remote()
         try:
-            version = await self.coordinator.sync()
+            version = await c.sync()
         except WeightSyncError as e:
-            c = self.coordinator
             if not c.engines or not set(c.last.failed) <= set(c.dead) or c.version != c.last.version:
                 raise
             log.warning("weight sync to version %d went on without dead engines: %s", c.version, e)
             print(f"asyncrl: engine(s) {', '.join(c.last.failed)} died; going on with {len(c.engines)}", flush=True)
             version = c.version
+        for i, handle in joining.items():
+            if f"engine[{i}]" in c.engines:  # it took this sync's weights: it serves from now on
+                if self.on_engine is not None:
+                    self.on_engine(i, handle)
+                await self.rollouter.replace_engine.remote(i, handle)
+                print(f"asyncrl: engine[{i}] serves again at version {version}, "
+                      f"{time.monotonic() - self.restarter.died_at[i]:.1f} s after it was found dead", flush=True)
         await self.rollouter.on_sync.remote(version)
+        if self.restarter is not None:
+            self.restarter.notice(c.dead)
         return version
+
+
+def _engine_index(name: str) -> int | None:
+    """``engine[3]`` -> 3."""
+    try:
+        return int(name.removeprefix("engine[").removesuffix("]"))
+    except ValueError:
+        return None
 
 
 class FeedState:
@@ -241,7 +317,14 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
             procs.metrics.reporter = TrainerReporter(procs.metrics.emitter("trainer"), source, coordinator,
                                                      procs.consumer)
         trainer.source = source
-        trainer.syncer = NotifyingSyncer(coordinator, procs.rollouter)
+        def start_engine(i: int):
+            return remote_engine_actor(**plan.options(plan.engines[i])).remote(kind=kind, **cfg.engine_kwargs(model_path))
+
+        def on_engine(i: int, handle) -> None:
+            procs.engines[i] = handle  # closed with the others
+
+        restarter = EngineRestarter(start_engine, cfg.engine.max_restarts, cfg.engine.restart_backoff_s)
+        trainer.syncer = NotifyingSyncer(coordinator, procs.rollouter, restarter, on_engine)
         trainer.rollouter_state = FeedState(procs.rollouter, last=trainer.restored_rollouter_state)
         trainer.on_dropped = lambda ids: procs.rollouter.on_dropped.remote(ids)
         print(f"asyncrl: mode {cfg.mode}" + (", partial rollout" if partial.enable else ""), flush=True)

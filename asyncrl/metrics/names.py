@@ -42,6 +42,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "throughput/trained_tokens_per_s": (T, "response tokens trained in the step / its wall time"),
     "throughput/generated_tokens_per_s": (R, "tokens the engines generated over the poll interval, per second"),
     # stream
+    "fault/engine_restarts": (T, "engine replicas started again so far (engine.max_restarts each)"),
     "stream/depth": (T, "groups received by the Trainer's consumer and not yet taken"),
     "stream/received": (T, "groups the consumer received so far (duplicates included)"),
     "stream/acked": (T, "groups the consumer acked so far"),

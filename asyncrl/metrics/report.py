@@ -280,5 +280,7 @@ class TrainerReporter:
             result.metrics, self.source.take(result.sample_ids), trained_version=self._version,
             step_s=now - self._t, totals=self.totals, sync=sync if sync is not self._last_sync else None,
             consumer=self.consumer)
+        if self.coordinator is not None:
+            values["fault/engine_restarts"] = getattr(self.coordinator, "joined", 0)
         self.emitter.emit_many(values, step=result.step, version=result.version)
         self._last_sync, self._version, self._t = sync, result.version, now

@@ -100,6 +100,10 @@ class AggregatorActor:
                 log.warning("aggregator: replica %d did not take %s of round %d: %r", i, method, version, out)
         return [None if isinstance(out, BaseException) else out for out in outs]
 
+    async def replace_engine(self, index: int, engine: Any) -> None:
+        """Replica ``index`` was started again: signal the new one."""
+        self.engines[index] = engine
+
     async def stats(self) -> dict:
         return {"round": self.round, "count": self.count, "threshold": self.round_threshold,
                 "per_replica": dict(self.per_replica), "truncated_rounds": dict(self.truncated_rounds)}

@@ -300,6 +300,13 @@ class Rollouter:
                 self.partials.release(version)
             self._gate.notify_all()
 
+    async def replace_engine(self, index: int, engine: Any) -> None:
+        """Replica ``index`` was started again (it holds the current weights): requests go to it again."""
+        self.engines[index] = engine
+        self._load[index] = 0
+        if index not in self._live:
+            self._live = sorted([*self._live, index])
+
     async def on_dropped(self, sample_ids: Iterable[str]) -> None:
         """The Trainer dropped these groups by policy: their budget goes back to the gate."""
         async with self._gate:

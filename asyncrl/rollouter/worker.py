@@ -126,6 +126,15 @@ class RolloutWorker:
         self.rollouter: Rollouter | None = None
         self.metrics_endpoint, self.metrics_interval_s = metrics_endpoint, metrics_interval_s
         self._stopped = False
+        self._metered = None  # wraps an engine handle for the idle clock, once metrics run
+
+    async def replace_engine(self, index: int, engine) -> None:
+        """Replica ``index`` was started again and holds the current weights: use it."""
+        self.engines[index] = engine  # (the metrics reporter reads this list)
+        if self.aggregator is not None:
+            await self.aggregator.replace_engine.remote(index, engine)
+        if self.rollouter is not None:
+            await self.rollouter.replace_engine(index, self._metered(engine) if self._metered else engine)
 
     def ready(self) -> int:
         """Returns once the dataset is loaded: the number of prompts."""
@@ -143,7 +152,8 @@ class RolloutWorker:
             from asyncrl.metrics.stream import MetricsEmitter
 
             clock, emitter = IdleClock(), MetricsEmitter(self.metrics_endpoint, "rollouter")
-            engines = [MeteredEngine(e, clock) for e in self.engines]
+            self._metered = lambda e: MeteredEngine(e, clock)
+            engines = [self._metered(e) for e in self.engines]
             report = asyncio.create_task(report_rollouter(
                 emitter, RolloutReporter(self.engines, clock, self.cfg.n), lambda: (self.rollouter, producer),
                 self.metrics_interval_s))

@@ -25,7 +25,8 @@ times). Engines that end with a complete set resume on the new version; an engin
 did not is left paused (never resumed on half-loaded weights: its receiver has not called
 ``finish_weight_update``) and is retried on the next sync; then `sync` raises
 `WeightSyncError` naming every failed engine and the step and setting that failed.
-Leaves out: adding engines after start (build a new coordinator), pipelining syncs.
+`add_engine` puts a replica (a restarted one) back: the next sync forms the group anew with it and
+gives it that sync's weights. Leaves out: pipelining syncs.
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ class WeightSyncCoordinator:
         self._epoch = 0
         self._lock = asyncio.Lock()
         self.last = SyncReport(version=version)
+        self.joined = 0
+        """Engines added after start (`add_engine`): restarted replicas."""
+
+    def add_engine(self, name: str, handle: Any) -> None:
+        """Add (or replace) engine ``name``; the next sync re-forms the group with it and gives it
+        that sync's weights before it resumes."""
+        self.engines[name] = handle
+        self.dead.pop(name, None)
+        self._members = None
+        self.joined += 1
 
     @property
     def version(self) -> int:

@@ -239,19 +239,19 @@ def test_a_dead_rollouter_and_trainer_rank_restart_the_run_in_the_same_command(t
     _check_exactly_once(run_dir)
 
 
-def _check_exactly_once(run_dir: Path) -> None:
+def _check_exactly_once(run_dir: Path, steps: int = STEPS) -> None:
     """samples.jsonl names each id once, exactly the final checkpoint's committed set, every step
     trained; every feed index below ``next_index`` trained, dropped with a reason, or pending."""
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     ids = [r["sample_id"] for r in records]
     assert len(ids) == len(set(ids)), "a sample_id is listed twice"
     state = _sidecar(run_dir)
-    assert state["step"] == STEPS
+    assert state["step"] == steps
     committed = CommittedSet.from_json(state["committed"])
     assert committed == set(ids)
     assert all(r["reason"] for r in records if r["status"] == "dropped")
     trained = [r for r in records if r["status"] == "trained"]
-    assert sorted(r["step"] for r in trained) == sorted(s for s in range(1, STEPS + 1) for _ in range(GROUPS))
+    assert sorted(r["step"] for r in trained) == sorted(s for s in range(1, steps + 1) for _ in range(GROUPS))
     feed = state["rollouter_state"]
     done = {parse_sample_id(sid)[1] for sid in ids}
     pending = {parse_sample_id(sid)[1] for sid in feed["in_flight"] + feed["unacked"]}
@@ -294,3 +294,35 @@ def test_a_frozen_engine_is_named_in_the_hang_dump_and_the_run_restarts(tmp_path
     causes = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert len(causes) == 1 and causes[0]["cause"].startswith("HangError: no train step completed")
     _check_exactly_once(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_killed_engine_replicas_start_again_take_the_current_weights_and_serve(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    steps = 150  # long enough for a replica to start again twice (seconds each on a busy machine)
+    run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON, "--steps", str(steps),
+                 "engine.restart_backoff_s=0.5")
+    try:
+        at = 3
+        for _ in range(2):  # a replica, then one of the two (possibly the restarted one)
+            run.wait_step(at)
+            os.kill(run.actor_pids("EngineActor")[0], signal.SIGKILL)
+            back = run.wait_line("asyncrl: engine[")  # "... died ...; starting it again (k/3) ..."
+            if "serves again" not in back:
+                back = run.wait_line("asyncrl: engine[")
+            assert "serves again at version" in back, run.output[-3000:]
+            print(back.strip())
+            at = int(back.split("at version ")[1].split(",")[0]) + 2
+            assert at < steps - 10, back
+        assert run.finish() == 0, run.output[-3000:]
+    finally:
+        run.kill_all()
+    assert "died; going on with" not in run.output or "serves again" in run.output
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    restarts = [e["value"] for e in events if e["name"] == "fault/engine_restarts"]
+    assert max(restarts) == 2, restarts
+    _check_exactly_once(run_dir, steps)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print("tokens/s per step:", [round(m["tokens_per_s"]) for m in steps])
