@@ -308,3 +308,60 @@ async def test_engine_killed_mid_broadcast_leaves_the_survivor_with_a_whole_new_
         await _assert_equal(trainer, [survivor])
     finally:
         ray.kill(victim)
+
+
+class _RolloutSide:
+    """The Rollouter's side of `NotifyingSyncer` (its Ray handle's methods), recording what it is told."""
+
+    def __init__(self):
+        self.told: list[tuple] = []
+        for name in ("on_pause", "on_sync", "replace_engine"):
+            setattr(self, name, self._method(name))
+
+    def _method(self, name):
+        told = self.told
+
+        class Method:
+            @staticmethod
+            async def remote(*args):
+                told.append((name, *args))
+
+        return Method
+
+
+async def test_an_engine_killed_mid_broadcast_starts_again_and_serves_the_current_weights(trainer, engines, model_path):
+    from asyncrl.processes import EngineRestarter, NotifyingSyncer
+
+    def start_engine(i):
+        return remote_engine_actor(num_cpus=0.5).remote(kind="torch", model_path=str(model_path), eos_token_ids=(),
+                                                        num_threads=1)
+
+    survivor, victim = engines[0], start_engine(1)
+    await victim.ready.remote()
+    started: dict = {}
+    coord = WeightSyncCoordinator(trainer.workers, [survivor, victim], CFG, version=await survivor.version.remote())
+    restarter = EngineRestarter(start_engine, max_restarts=1, backoff_s=0.0)
+    side = _RolloutSide()
+    syncer = NotifyingSyncer(coord, side, restarter, on_engine=lambda i, h: started.update({i: h}))
+    try:
+        v1 = await syncer.sync()
+        pid = await victim.__ray_call__.remote(_die_on_third_bucket)
+        await trainer.call("__ray_call__", [(_perturb, 31), (_perturb, 31)], timeout=60)
+        assert await syncer.sync() == v1 + 1  # the sync goes on with the survivor; the victim is started again
+        assert not _running(pid) and "engine[1]" in coord.dead and 1 in restarter.starting
+        await asyncio.wait_for(asyncio.shield(restarter.starting[1]), 120)  # ready
+        assert not any(t[0] == "replace_engine" for t in side.told)  # no request before it has the weights
+        await trainer.call("__ray_call__", [(_perturb, 32), (_perturb, 32)], timeout=60)
+        v3 = await syncer.sync()  # it joins: the group forms anew and it gets this sync's weights
+        assert v3 == v1 + 2 and coord.joined == 1 and list(coord.engines) == ["engine[0]", "engine[1]"]
+        assert ("replace_engine", 1, started[1]) in side.told and side.told[-1] == ("on_sync", v3)
+        await _assert_equal(trainer, [survivor, started[1]])
+        res = await started[1].generate.remote(GenerateRequest("back", np.array([5, 6, 7]), max_tokens=4))
+        assert res.versions.tolist() == [v3] * 4
+        # Past engine.max_restarts a replica that dies again is left out, and the run goes on.
+        ray.kill(started[1])
+        assert await syncer.sync() == v3 + 1
+        assert 1 in restarter.left_out and not restarter.starting
+    finally:
+        for h in [victim, *started.values()]:
+            ray.kill(h)
