@@ -232,7 +232,7 @@ class RunConfig:
     and restarts the run (`asyncrl.hang`). None: derived from the run's own step times, below."""
     watchdog_factor: float = 10.0
     """Derived deadline: this many times the median step time (after the first steps) ..."""
-    watchdog_floor_s: float = 60.0
+    watchdog_floor_s: float = 120.0
     """... but never below this."""
     watchdog_startup_s: float = 900.0
     """Deadline of the first steps (first generation, compilation), before there is a median."""
