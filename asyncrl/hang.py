@@ -45,9 +45,22 @@ def enable_stack_dumps() -> None:
     if getattr(enable_stack_dumps, "_file", None) is not None:
         return
     stacks_dir().mkdir(parents=True, exist_ok=True)
+    for old in stacks_dir().glob("*.txt"):  # files of processes gone (killed ones leave theirs)
+        if old.stem.isdigit() and not _alive(int(old.stem)):
+            old.unlink(missing_ok=True)
     f = open(stacks_dir() / f"{os.getpid()}.txt", "w")  # noqa: SIM115 - kept open for the handler
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
     enable_stack_dumps._file = f
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class Watchdog:

@@ -120,8 +120,10 @@ class EngineRestarter:
 
     def notice(self, dead: dict[str, str]) -> None:
         """Start again every replica in ``dead`` (the coordinator's) not yet being started."""
+        from asyncrl.sync.coordinator import engine_index
+
         for name, why in dead.items():
-            i = _engine_index(name)
+            i = engine_index(name)
             if i is None or i in self.starting or i in self.left_out:
                 continue
             k = self.restarts.get(i, 0) + 1
@@ -172,11 +174,12 @@ class NotifyingSyncer:
 
     async def sync(self) -> int:
         from asyncrl.sync import WeightSyncError
+        from asyncrl.sync.coordinator import engine_name
 
         c = self.coordinator
         joining = self.restarter.ready() if self.restarter else {}
         for i, handle in joining.items():
-            c.add_engine(f"engine[{i}]", handle)
+            c.add_engine(engine_name(i), handle)
         await self.rollouter.on_pause.remote()
         try:
             version = await c.sync()
@@ -187,7 +190,7 @@ class NotifyingSyncer:
             print(f"asyncrl: engine(s) {', '.join(c.last.failed)} died; going on with {len(c.engines)}", flush=True)
             version = c.version
         for i, handle in joining.items():
-            if f"engine[{i}]" in c.engines:  # it took this sync's weights: it serves from now on
+            if engine_name(i) in c.engines:  # it took this sync's weights: it serves from now on
                 if self.on_engine is not None:
                     self.on_engine(i, handle)
                 await self.rollouter.replace_engine.remote(i, handle)
@@ -197,14 +200,6 @@ class NotifyingSyncer:
         if self.restarter is not None:
             self.restarter.notice(c.dead)
         return version
-
-
-def _engine_index(name: str) -> int | None:
-    """``engine[3]`` -> 3."""
-    try:
-        return int(name.removeprefix("engine[").removesuffix("]"))
-    except ValueError:
-        return None
 
 
 class FeedState:

@@ -42,13 +42,14 @@ NAMES: dict[str, tuple[str, str]] = {
     "throughput/trained_tokens_per_s": (T, "response tokens trained in the step / its wall time"),
     "throughput/generated_tokens_per_s": (R, "tokens the engines generated over the poll interval, per second"),
     # stream
-    "fault/engine_restarts": (T, "engine replicas started again so far (engine.max_restarts each)"),
     "stream/depth": (T, "groups received by the Trainer's consumer and not yet taken"),
     "stream/received": (T, "groups the consumer received so far (duplicates included)"),
     "stream/acked": (T, "groups the consumer acked so far"),
     "stream/committed_kept": (T, "ids the committed set keeps one by one (above its watermark): stays small however long the run"),
     "stream/credit": (R, "groups the Rollouter's producer may send now"),
     "stream/unacked": (R, "groups sent and not yet acked (bounded by the window)"),
+    # faults
+    "fault/engine_restarts": (T, "engine replicas started again so far (engine.max_restarts each)"),
     # rollouter
     "rollouter/admitted": (R, "prompts admitted through the staleness gate so far"),
     "rollouter/in_flight": (R, "prompts admitted and not yet sent"),

@@ -302,8 +302,7 @@ class Rollouter:
 
     async def replace_engine(self, index: int, engine: Any) -> None:
         """Replica ``index`` was started again (it holds the current weights): requests go to it again."""
-        self.engines[index] = engine
-        self._load[index] = 0
+        self.engines[index] = engine  # (its load counts calls in flight: those to the dead one end on their own)
         if index not in self._live:
             self._live = sorted([*self._live, index])
 

@@ -70,7 +70,7 @@ class WeightSyncCoordinator:
         if isinstance(engine_actors, Mapping):
             engines = dict(engine_actors)
         else:
-            engines = {f"engine[{i}]": h for i, h in enumerate(engine_actors)}
+            engines = {engine_name(i): h for i, h in enumerate(engine_actors)}
         if not engines:
             raise ValueError("engine_actors is empty: the weight sync needs at least one engine")
         self.trainers = list(trainer_workers)
@@ -299,6 +299,19 @@ class WeightSyncCoordinator:
     def _drop(self, name: str, why: str) -> None:
         self.engines.pop(name, None)
         self.dead[name] = why
+
+
+def engine_name(index: int) -> str:
+    """The name of engine ``index`` when the coordinator is given a list of engines: ``engine[3]``."""
+    return f"engine[{index}]"
+
+
+def engine_index(name: str) -> int | None:
+    """The inverse of `engine_name`; None for a name that is not of that form."""
+    try:
+        return int(name.removeprefix("engine[").removesuffix("]"))
+    except ValueError:
+        return None
 
 
 def _short(exc: BaseException) -> str:

@@ -45,3 +45,12 @@ def test_sigusr1_writes_this_processes_stacks_to_its_file():
     time.sleep(0.1)
     text = path.read_text()
     assert path.stat().st_size > before and "test_sigusr1_writes_this_processes_stacks_to_its_file" in text
+
+
+def test_registering_removes_the_stacks_files_of_processes_gone():
+    stacks_dir().mkdir(parents=True, exist_ok=True)
+    gone = stacks_dir() / "999999999.txt"  # above any pid Linux hands out (pid_max <= 2**22)
+    gone.write_text("an old dump\n")
+    enable_stack_dumps._file = None  # register again, as a new process would
+    enable_stack_dumps()
+    assert not gone.exists() and (stacks_dir() / f"{os.getpid()}.txt").exists()
