@@ -34,16 +34,30 @@ Response lengths (long tail): with median ``m`` (``--median``, default 12), 7 of
 draw a length uniformly from [m/2, 3m/2], 1 of 8 uniformly from [4m, 16m], and one request is
 exactly 16m. Throughput = assigned response tokens / wall seconds.
 
+The short-response workload (``short_*`` in the JSON; ``--no-short`` leaves it out) is an RL
+step on a user's own model: a Qwen2 of 4 layers, 128 wide, 4 query and 2 key/value heads (head
+size 32), 8 prompts of 6-12 tokens, each sampled ``n=8`` times (64 responses, the 8 of a group
+arriving together), response lengths of median ~12 (7 of 8 from [5, 17], 1 of 8 from [18, 64], one
+exactly 64: ``max_tokens``). The engine (64 slots) against one static ``generate`` batch of the
+same 64 prompts: a batch runs until its longest response is done, as ``generate`` with EOS
+honoured does (finished rows keep computing as padding), so assigning lengths with EOS off
+costs the baseline exactly what EOS would. Greedy, so the tokens are compared too. Its prefill
+tokens per group (the engine's ``prefill_tokens`` counter over the run) against the prompt's
+length: the ``n`` responses of a group share one prefill.
+
 A last engine run pauses with ``keep`` mid-generation, reloads the weights in place and
 resumes; it reports the tokens re-prefilled (target 0) and checks its tokens equal the run
 without a pause. KV memory: the engine's peak bytes (its slot buffers) and the manager's
 peak bytes of pages in use, each also divided by the peak number of cached tokens (as the
-engine counts them: both run the same requests at the same concurrency).
+engine counts them: both run the same requests at the same concurrency): ``kv_bytes_per_token``
+(the engine's blocks in use) and ``hf_cb_kv_bytes_per_token``; the engine's whole block pool is
+``engine_kv_pool_bytes``.
 
     python scripts/bench_engine.py               # human-readable
     python scripts/bench_engine.py --median 128  # longer responses (max 2048 tokens)
     python scripts/bench_engine.py --json        # last line: {"engine_tok_s", "static_tok_s", "speedup",
-                                                 #   "hf_cb_tok_s", "vs_hf_cb", "vllm_tok_s", "vs_vllm", ...}
+                                                 #   "hf_cb_tok_s", "vs_hf_cb", "vllm_tok_s", "vs_vllm",
+                                                 #   "short_vs_static", "kv_bytes_per_token", ...}
 """
 
 from __future__ import annotations
@@ -53,6 +67,7 @@ import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def parse_args(argv=None):
@@ -65,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM out even where it imports")
+    p.add_argument("--no-short", action="store_true", help="leave the short-response workload out")
     return p.parse_args(argv)
 
 
@@ -81,15 +97,33 @@ def workload(n, median, seed):
     return prompts, lengths
 
 
-class EngineRunner:
-    """The built-in engine, kept across repetitions (its KV buffers stay allocated, like the manager's pool)."""
+#: The short workload's model: a user's own small Qwen2 (issue 27's), head size 32.
+SHORT_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, initializer_range=0.2)
 
-    def __init__(self, model_path, slots):
+
+def short_workload(groups, n, seed):
+    """``groups`` prompts of 6-12 tokens, each ``n`` times in a row; response lengths median ~12, max 64."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts = [p for p in (rng.integers(3, 40, size=int(rng.integers(6, 13))) for _ in range(groups)) for _ in range(n)]
+    lengths = [int(rng.integers(18, 65)) if rng.random() < 1 / 8 else int(rng.integers(5, 18)) for _ in prompts]
+    lengths[int(rng.integers(len(prompts)))] = 64
+    return prompts, lengths
+
+
+class EngineRunner:
+    """The built-in engine, kept across repetitions (its KV pool stays allocated, like the manager's)."""
+
+    def __init__(self, model_path, slots, seeded=False):
         from asyncrl.rollouter.torch_engine import TorchEngine
         from asyncrl.types import SamplingParams
 
         self.engine = TorchEngine(model_path, max_running=slots, eos_token_ids=())
         self.greedy = SamplingParams(greedy=True)
+        # seeded: request i samples at temperature 1 with seed i (as an RL run's requests do).
+        self.sampling = (lambda i: SamplingParams(temperature=1.0, seed=i)) if seeded else (lambda i: self.greedy)
         self.runs = 0
 
     async def run(self, prompts, lengths, pause_keep=False):
@@ -101,10 +135,10 @@ class EngineRunner:
         if self.runs == 1:
             await engine.generate(GenerateRequest("warmup", prompts[0], max_tokens=4, sampling=self.greedy))
         reqs = [
-            GenerateRequest(f"{self.runs}-r{i}", p, max_tokens=n, sampling=self.greedy)
+            GenerateRequest(f"{self.runs}-r{i}", p, max_tokens=n, sampling=self.sampling(i))
             for i, (p, n) in enumerate(zip(prompts, lengths))
         ]
-        steps = engine.stats()["steps"]
+        before = engine.stats()
         start = time.perf_counter()
         tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
         if pause_keep:
@@ -117,7 +151,9 @@ class EngineRunner:
             await engine.resume()
         results = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
-        self.steps = engine.stats()["steps"] - steps
+        after = engine.stats()
+        self.steps = after["steps"] - before["steps"]
+        self.prefill_tokens = after["prefill_tokens"] - before["prefill_tokens"]
         return [r.response_ids for r in results], seconds
 
 
@@ -307,9 +343,12 @@ async def measure(args, model_path, prompts, lengths):
                 outputs.setdefault(name, outs)
         kept, _ = await systems["engine"].run(prompts, lengths, pause_keep=True)
         engine = systems["engine"].engine
+        kv = engine.kv_memory()
         memory = dict(
-            engine_kv_peak_bytes=engine.kv_memory()["peak_bytes"],
-            kv_peak_tokens=engine.kv_memory()["peak_tokens"],
+            engine_kv_peak_bytes=kv["peak_used_bytes"],
+            engine_kv_pool_bytes=kv["peak_bytes"],
+            kv_block_tokens=kv["block_tokens"],
+            kv_peak_tokens=kv["peak_tokens"],
             hf_cb_kv_peak_bytes=systems["hf_cb"].peak_used_bytes,
             hf_cb_kv_pool_bytes=systems["hf_cb"].pool_bytes(),
         )
@@ -322,6 +361,22 @@ async def measure(args, model_path, prompts, lengths):
         if "vllm" in systems:
             await systems["vllm"].engine.close()
     return seconds, outputs, kept, memory, stats, systems["hf_cb"].settings
+
+
+async def measure_short(args, model_path, prompts, lengths):
+    """The short workload: the engine (64 slots) against one static batch, ``args.reps`` times in turn."""
+    systems = {"engine": EngineRunner(model_path, len(prompts)), "static": StaticRunner(model_path, len(prompts))}
+    seconds, outputs = {n: [] for n in systems}, {}
+    try:
+        for rep in range(args.reps):
+            for name in (["engine", "static"] if rep % 2 == 0 else ["static", "engine"]):
+                run = systems[name].run(prompts, lengths)
+                outs, s = (await run) if name == "engine" else run
+                seconds[name].append(s)
+                outputs.setdefault(name, outs)
+    finally:
+        await systems["engine"].engine.close()
+    return seconds, outputs, systems["engine"].prefill_tokens, systems["engine"].steps
 
 
 def main(argv=None) -> int:
@@ -343,6 +398,11 @@ def main(argv=None) -> int:
         model_path = build_tiny_model(tmp, initializer_range=0.2, max_position_embeddings=positions,
                                       num_attention_heads=2, num_key_value_heads=1)  # head size 32: vLLM's CPU attention
         seconds, outputs, kept, memory, stats, hf_settings = asyncio.run(measure(args, model_path, prompts, lengths))
+        if not args.no_short:
+            n = 8
+            short_prompts, short_lengths = short_workload(len(prompts) // n, n, args.seed)
+            short_path = build_tiny_model(Path(tmp) / "short", **SHORT_MODEL)
+            short = asyncio.run(measure_short(args, short_path, short_prompts, short_lengths))
 
     total = sum(lengths)
     med = {name: statistics.median(s) for name, s in seconds.items()}
@@ -373,11 +433,38 @@ def main(argv=None) -> int:
         "tokens_equal_hf_cb": same(outputs["hf_cb"]),
         "tokens_equal_after_keep": same(kept),
         **memory,
-        "engine_kv_bytes_per_token": round(memory["engine_kv_peak_bytes"] / peak_tokens, 1),
+        "kv_bytes_per_token": round(memory["engine_kv_peak_bytes"] / peak_tokens, 1),
         "hf_cb_kv_bytes_per_token": round(memory["hf_cb_kv_peak_bytes"] / peak_tokens, 1),
         "hf_cb_settings": hf_settings,
         "load_1m": round(os.getloadavg()[0], 2),
     }
+    report["kv_vs_hf_cb"] = round(report["kv_bytes_per_token"] / report["hf_cb_kv_bytes_per_token"], 2)
+    short_line = "  short workload: left out (--no-short)"
+    if not args.no_short:
+        short_seconds, short_outputs, prefill, short_steps = short
+        sm = {name: statistics.median(v) for name, v in short_seconds.items()}
+        short_total = sum(short_lengths)
+        groups = len(short_prompts) // n
+        report.update(
+            short_engine_tok_s=round(short_total / sm["engine"], 1),
+            short_static_tok_s=round(short_total / sm["static"], 1),
+            short_vs_static=round(sm["static"] / sm["engine"], 2),
+            short_tokens=short_total,
+            short_max_len=max(short_lengths),
+            short_engine_steps=short_steps,
+            short_static_steps=max(short_lengths),
+            short_tokens_equal_static=all(np.array_equal(a, np.asarray(b)[:k]) for a, b, k in
+                                          zip(short_outputs["engine"], short_outputs["static"], short_lengths)),
+            prefill_tokens_per_group=prefill / groups,
+            prompt_tokens_per_group=sum(len(p) for p in short_prompts[::n]) / groups,
+        )
+        short_line = (
+            f"  short workload ({len(short_prompts)} responses = {groups} prompts x n={n}, {short_total} tokens, max "
+            f"{max(short_lengths)}; 4-layer 128-wide Qwen2): engine {sm['engine']:.3f} s "
+            f"[{' '.join(f'{v:.3f}' for v in short_seconds['engine'])}], static generate {sm['static']:.3f} s "
+            f"[{' '.join(f'{v:.3f}' for v in short_seconds['static'])}]: short_vs_static "
+            f"{report['short_vs_static']}x, tokens equal {report['short_tokens_equal_static']}; prefill tokens per "
+            f"group {report['prefill_tokens_per_group']:.1f} for prompts of {report['prompt_tokens_per_group']:.1f}")
     if "vllm" in med:
         report.update(vllm_tok_s=round(total / med["vllm"], 1), vs_vllm=round(med["vllm"] / med["engine"], 2),
                       vllm_startup_s=round(stats["vllm_startup_s"], 1), tokens_equal_vllm=same(outputs["vllm"]))
@@ -398,9 +485,10 @@ def main(argv=None) -> int:
         f"{report['tokens_equal_static']}, hf_cb {report['tokens_equal_hf_cb']}; pause(keep)+reload: "
         f"reprefill_tokens={report['reprefill_tokens_keep']}, tokens equal: {report['tokens_equal_after_keep']}\n"
         f"  KV at peak ({peak_tokens} tokens cached): engine {memory['engine_kv_peak_bytes'] / 2**20:.2f} MiB "
-        f"({report['engine_kv_bytes_per_token']} B/token), HF pages in use "
+        f"({report['kv_bytes_per_token']} B/token), HF pages in use "
         f"{memory['hf_cb_kv_peak_bytes'] / 2**20:.2f} MiB ({report['hf_cb_kv_bytes_per_token']} B/token; "
-        f"pool {memory['hf_cb_kv_pool_bytes'] / 2**20:.2f} MiB)",
+        f"pool {memory['hf_cb_kv_pool_bytes'] / 2**20:.2f} MiB): {report['kv_vs_hf_cb']}x; engine pool "
+        f"{memory['engine_kv_pool_bytes'] / 2**20:.2f} MiB ({memory['kv_block_tokens']}-token blocks)\n{short_line}",
         file=sys.stderr if args.json else sys.stdout,
     )
     if args.json:

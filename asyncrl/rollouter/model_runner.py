@@ -1,15 +1,21 @@
 """The model side of the built-in engine: one step = one forward over every running request.
 
-`ModelRunner` owns the slot KV cache (`asyncrl.rollouter.kv_batch`) and the sampler. Each
-running request holds one cache row. In a step, every request in decode state feeds its
-last token and every newly admitted one (or one re-prefilled after ``clear_cache``) feeds its
-whole prompt; the queries are right-padded to the longest and run in ONE forward with a
-4-d mask and per-row positions, so admitting a request costs no extra forward. When that
-padding would be large (a long prompt beside short decodes: more than ``PAD_BUDGET`` padded
-query tokens), the decode rows run in one forward and each prompt in its own, unpadded.
+`ModelRunner` owns the paged KV cache (`asyncrl.rollouter.kv_cache`), the forward and the
+sampler. In a step, every request in decode state feeds its last token and every newly
+admitted one (or one re-prefilled after ``clear_cache``) feeds its whole prompt; the queries
+are right-padded to the longest and run in ONE forward with a 4-d mask and per-row
+positions, so admitting a request costs no extra forward. When that padding would be large
+(a long prompt beside short decodes: more than ``PAD_BUDGET`` padded query tokens), the
+decode rows run in one forward and each prompt in its own, unpadded.
 
-`forward` runs in a worker thread; `plan` (row bookkeeping) runs on the engine's event loop
-between steps. Scheduling (who runs, pauses, finishing) is in `torch_engine`.
+Requests admitted in the same step with the same tokens (the ``n`` responses of a group)
+share one prefill: the first runs the prompt, the others take its blocks (shared, copied
+on write) and sample their first token, each with its own seed, from its logits.
+
+The forward is `asyncrl.rollouter.decoder.LlamaDecoder` for Llama-layout models, else the
+model's own ``forward``. `plan` (bookkeeping) runs on the engine's event loop between steps;
+`forward` runs in a worker thread. Scheduling (who runs, pauses, finishing) is in
+`torch_engine`.
 """
 
 from __future__ import annotations
@@ -20,34 +26,36 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.rollouter.kv_batch import SlotKVCache, step_masks
+from asyncrl.rollouter.decoder import LlamaDecoder
+from asyncrl.rollouter.kv_cache import PagedKVCache, step_masks
 from asyncrl.rollouter.sampling import sample_tokens
 from asyncrl.types import GenerateRequest, GenerateResult
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One request inside the engine: its tokens so far, log-probs, versions and cache state."""
+    """One request inside the engine: its tokens so far, log-probs, versions and KV blocks."""
 
     request: GenerateRequest
     future: asyncio.Future
     tokens: list[int]
     """Prompt + generated tokens; in decode state the last one is not in the KV cache yet."""
-    generator: torch.Generator | None
     stop_ids: frozenset[int]
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    needs_prefill: bool = True
-    """True until its prompt (+ tokens generated before a ``clear_cache``) is in the KV cache."""
+    blocks: list[int] = field(default_factory=list)
+    """Its block table in the paged KV cache."""
+    cached: int = 0
+    """Tokens whose keys/values are in its blocks (0 until its prompt is prefilled, and after a
+    ``clear_cache``)."""
 
     @property
     def rid(self) -> str:
         return self.request.request_id
 
     @property
-    def cached(self) -> int:
-        """Tokens in its KV cache row (all but the last token, in decode state)."""
-        return 0 if self.needs_prefill else len(self.tokens) - 1
+    def needs_prefill(self) -> bool:
+        return self.cached == 0
 
     @property
     def n_generated(self) -> int:
@@ -64,96 +72,128 @@ class Sequence:
         )
 
 
+@dataclass
+class StepPlan:
+    """What one step runs: ``rows`` in the forward (decode rows first), then ``followers`` that
+    sample from the logits of row ``sources[i]``; ``order`` = rows + followers."""
+
+    rows: list[Sequence]
+    pending: list[list[int]]
+    starts: list[int]
+    n_decode: int
+    followers: list[Sequence]
+    sources: list[int]
+    prefill_tokens: int
+    """Prompt tokens this step computes (shared prompts once)."""
+
+    @property
+    def order(self) -> list[Sequence]:
+        return self.rows + self.followers
+
+
 #: Most padded (wasted) query tokens a step may spend to run prompts and decodes in one forward.
 PAD_BUDGET = 256
 
 
 class ModelRunner:
-    """Runs the model for the scheduler: the slot KV cache, the forward, the sampler."""
+    """Runs the model for the scheduler: the paged KV cache, the forward, the sampler."""
 
-    def __init__(self, model, device: str, seed: int, n_slots: int) -> None:
+    def __init__(self, model, device: str, seed: int, decoder: str = "auto") -> None:
         self.model = model
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         """Sampler of the requests that carry no seed of their own."""
-        self.cache = SlotKVCache(n_slots, device)
-        self.rows: list[Sequence] = []
-        """The requests holding cache rows 0..len-1, in row order."""
+        self.cache = PagedKVCache(device)
+        self.decoder = LlamaDecoder(model) if decoder == "auto" and LlamaDecoder.supports(model) else None
+        """The lean forward, or None: the model's own ``forward``."""
+        self.held: list[Sequence] = []
+        """The requests holding KV blocks."""
         self.peak_tokens = 0
-        """Most tokens the cache held after one step."""
+        """Most tokens the running requests had cached at once (shared prompt tokens counted per request)."""
 
     def drop_kv(self) -> None:
+        """Forget every request's cache (they re-prefill from their tokens)."""
+        for seq in self.held:
+            seq.blocks, seq.cached = [], 0
+        self.held = []
         self.cache.clear()
-        self.rows = []
 
     @torch.inference_mode()
-    def plan(self, decode: list[Sequence], prefill: list[Sequence]) -> list[Sequence]:
-        """Give every request of this step its row; returns them in row order, decode rows first.
-
-        Requests that left since the last step (finished, aborted, cancelled) free their
-        rows: the last row moves into each hole, so the rows in use stay ``0..n-1``.
-        """
-        live = {id(s) for s in decode}
-        rows = self.rows
-        while rows and id(rows[-1]) not in live:
-            rows.pop()
-        for i, seq in enumerate(rows):
+    def plan(self, running: list[Sequence]) -> StepPlan:
+        """Blocks and rows for a step over ``running``; frees the blocks of requests gone since."""
+        live = {id(s) for s in running}
+        for seq in self.held:
             if id(seq) not in live:
-                last = rows.pop()
-                self.cache.move_row(len(rows), i, last.cached)
-                rows[i] = last
-                while rows and id(rows[-1]) not in live:
-                    rows.pop()
-        if len(rows) != len(decode):
-            raise RuntimeError(f"KV rows out of sync: {len(rows)} rows for {len(decode)} decoding requests")
-        rows.extend(prefill)
-        return list(rows)
+                self.cache.release(seq.blocks)
+        self.held = list(running)
+        leaders: dict[tuple[int, ...], int] = {}
+        decode, prefill, followers, lead_of = [], [], [], []
+        for seq in running:
+            if not seq.needs_prefill:
+                decode.append(seq)
+                continue
+            key = tuple(seq.tokens)
+            if key in leaders:
+                followers.append(seq)
+                lead_of.append(leaders[key])
+            else:
+                leaders[key] = len(prefill)
+                prefill.append(seq)
+        rows = decode + prefill
+        pending = [s.tokens[s.cached :] for s in rows]
+        starts = [s.cached for s in rows]
+        for seq, p in zip(rows, pending):
+            self.cache.allocate(seq.blocks, seq.cached, seq.cached + len(p))
+            seq.cached += len(p)
+        for seq, lead in zip(followers, lead_of):
+            leader = prefill[lead]
+            seq.blocks, seq.cached = self.cache.fork(leader.blocks), leader.cached
+        self.peak_tokens = max(self.peak_tokens, sum(s.cached for s in running))
+        return StepPlan(rows, pending, starts, len(decode), followers, [len(decode) + i for i in lead_of],
+                        prefill_tokens=sum(len(p) for p in pending[len(decode):]))
 
     @torch.inference_mode()
-    def forward(self, rows: list[Sequence], n_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the step for ``rows`` (as ordered by `plan`); sample one token per row."""
-        pending = [s.tokens[s.cached :] for s in rows]
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step's forward(s); sample one token per request of ``plan.order``."""
+        rows, pending, n_decode = plan.rows, plan.pending, plan.n_decode
         real = sum(len(p) for p in pending)
         longest = max(len(p) for p in pending)
         if len(rows) * longest - real <= PAD_BUDGET:
             groups = [(0, len(rows))]
         else:  # decode rows together, each prompt on its own
             groups = ([(0, n_decode)] if n_decode else []) + [(r, r + 1) for r in range(n_decode, len(rows))]
-        logits = [self._forward_rows(rows, pending, lo, hi) for lo, hi in groups]
-        self.peak_tokens = max(self.peak_tokens, sum(s.cached + len(p) for s, p in zip(rows, pending)))
-        return sample_tokens(
-            logits[0] if len(logits) == 1 else torch.cat(logits),
-            [s.request.sampling for s in rows],
-            [s.generator for s in rows],
-            self.generator,
-        )
+        logits = [self._forward_rows(rows, pending, lo, hi, plan.starts) for lo, hi in groups]
+        logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+        if plan.followers:
+            logits = torch.cat([logits, logits[plan.sources]])
+        order = plan.order
+        return sample_tokens(logits, [s.request.sampling for s in order], [s.n_generated for s in order],
+                             self.generator)
 
-    def _forward_rows(self, rows: list[Sequence], pending: list[list[int]], lo: int, hi: int) -> torch.Tensor:
-        """One forward over cache rows ``lo..hi-1``; the logits after each row's last real token."""
+    def _forward_rows(self, rows: list[Sequence], pending: list[list[int]], lo: int, hi: int,
+                      starts: list[int]) -> torch.Tensor:
+        """One forward over ``rows[lo:hi]``; the logits after each row's last real token."""
         device = self.device
-        starts = [rows[r].cached for r in range(lo, hi)]
-        lens = [len(pending[r]) for r in range(lo, hi)]
+        starts = starts[lo:hi]
+        lens = [len(p) for p in pending[lo:hi]]
         width_q = max(lens)
         ids = torch.tensor([p + [0] * (width_q - len(p)) for p in pending[lo:hi]], dtype=torch.long, device=device)
-        # Row r's query i goes to cache column start + i; padded queries write past the row's
-        # end (overwritten by its next tokens, never read: the mask stops at each query's column).
+        self.cache.begin([s.blocks for s in rows[lo:hi]], starts, lens, width_q)
+        # Row r's query i is at column start + i; padded queries write to scratch and their
+        # outputs are dropped (each real query's mask stops at its own column).
         cols = torch.tensor(starts, device=device)[:, None] + torch.arange(width_q, device=device)
         width = max(s + n for s, n in zip(starts, lens))
-        self.cache.begin(lo, hi, cols, width)
         last = torch.tensor(lens, device=device)[:, None] - 1
         # Padded queries reuse their row's last real position (a learned position table stays in range).
         positions = torch.minimum(cols, cols.gather(1, last)) if width_q > 1 else cols
+        mask = step_masks(self.model.config, cols, width)
+        if self.decoder is not None:
+            return self.decoder(ids, positions, mask, self.cache, last[:, 0])
         # Logits only from the shortest row's last token on (an int logits_to_keep means the same
         # in every transformers 5.x; a tensor of positions does not), then each row's own last one.
         keep = width_q - min(lens) + 1
-        out = self.model(
-            input_ids=ids,
-            attention_mask=step_masks(self.model.config, cols, width),
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=keep)
         if keep == 1:
             return out.logits[:, -1]
         return out.logits[torch.arange(hi - lo, device=device), last[:, 0] - (width_q - keep)]

@@ -6,6 +6,11 @@ Greedy rows use ``T = 1``. With ``top_k=0, top_p=1`` this is exactly vLLM's
 ``logprobs_mode="processed_logprobs"``; vLLM's default (``raw_logprobs``) is the same
 quantity at ``T = 1``. A trainer recomputes it as ``log_softmax(model(x).logits / T)``.
 
+Draws are by inverse CDF, one uniform per row, all rows at once. A request with a seed
+takes its ``k``-th token's uniform from a hash of ``(seed, k)`` (counter-based: no generator
+per request, and the same tokens whatever else runs in the batch, after a pause, or on
+another engine of the same model); the others draw theirs from the engine's generator.
+
 Left out: repetition/frequency penalties, min-p, logit bias (no task here needs them).
 """
 
@@ -16,6 +21,21 @@ from collections.abc import Sequence
 import torch
 
 from asyncrl.types import SamplingParams
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finaliser: a well-mixed 64-bit value from any integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, counter: int) -> float:
+    """A uniform in [0, 1) from ``(seed, counter)``: 53 bits of a double mix."""
+    return (mix64(mix64(seed) ^ counter) >> 11) * 2.0**-53
 
 
 def _truncate(scaled_logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -37,37 +57,33 @@ def _truncate(scaled_logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    counters: Sequence[int],
     default_generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [N, V]; return ``(token_ids [N], logprobs [N])``.
 
-    ``generators[i]`` is the row's own generator (a request with a seed) or None, in which
-    case ``default_generator`` draws it (one batched draw for all such rows).
+    ``counters[i]`` is the index of the token row ``i`` samples (its tokens generated so far):
+    with the row's seed it fixes the row's uniform.
     """
     logits = logits.float()
-    temps = torch.tensor(
-        [1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=logits.device
-    )
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    # Greedy rows: one batched argmax (the common case needs no per-row Python work).
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
     tokens = torch.argmax(logits, dim=-1)
-    shared_rows, shared_probs = [], []
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        probs = _truncate(logp[i], p.top_k, p.top_p).softmax(-1)
-        if generators[i] is None:
-            shared_rows.append(i)
-            shared_probs.append(probs)
-        else:
-            tokens[i] = _draw(probs[None], generators[i])[0]
-    if shared_rows:
-        drawn = _draw(torch.stack(shared_probs), default_generator)
-        tokens[torch.tensor(shared_rows, device=logits.device)] = drawn
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        scaled = logp[sampled]  # a copy: the returned log-probs are before truncation
+        for j, i in enumerate(sampled):  # truncation is per row, and rare
+            p = params[i]
+            if p.top_k > 0 or p.top_p < 1.0:
+                scaled[j] = _truncate(scaled[j], p.top_k, p.top_p)
+        probs = scaled.double().exp()
+        cdf = probs.cumsum(-1)
+        n_unseeded = sum(params[i].seed is None for i in sampled)
+        drawn_u = iter(torch.rand(n_unseeded, generator=default_generator, dtype=torch.float64).tolist())
+        u = torch.tensor([next(drawn_u) if params[i].seed is None else seeded_uniform(params[i].seed, counters[i])
+                          for i in sampled], dtype=torch.float64, device=logits.device)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(cdf.shape[1] - 1)
+        # A rounding edge could land on a token of zero probability: take the row's top token then.
+        drawn = torch.where(probs.gather(1, drawn[:, None])[:, 0] > 0, drawn, probs.argmax(-1))
+        tokens[torch.tensor(sampled, device=logits.device)] = drawn
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    # Generators live on the CPU so seeded draws do not depend on the device.
-    return torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(probs.device)

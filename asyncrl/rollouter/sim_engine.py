@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from asyncrl.rollouter.engine import PAUSE_MODES, EngineClosedError, EngineError, EnginePausedError, PauseMode
+from asyncrl.rollouter.sampling import mix64
 from asyncrl.tasks.arithmetic import long_tail_probs
 from asyncrl.types import GenerateRequest, GenerateResult
 
@@ -210,10 +211,10 @@ class SimEngine:
         # picks the length from the long-tail distribution and a window of the engine's token table.
         cfg = self.config
         own = request.sampling.seed if request.sampling.seed is not None else _stable_hash(request.request_id)
-        h = _mix64(cfg.seed * 0x9E3779B97F4A7C15 + own)
+        h = mix64(cfg.seed * 0x9E3779B97F4A7C15 + own)
         drawn = cfg.median_tokens << bisect.bisect_right(self._length_cdf, (h >> 11) * 2.0**-53)
         n = min(drawn, request.max_tokens)
-        start = _mix64(h) % _TABLE_OFFSETS
+        start = mix64(h) % _TABLE_OFFSETS
         ids = self._ids_table[start:start + n].copy()
         stops = drawn < request.max_tokens
         if stops:
@@ -368,14 +369,6 @@ class SimEngine:
 
 _TABLE_OFFSETS = 4096
 """Distinct windows of an engine's token table a response can start at."""
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64's finaliser: a well-mixed 64-bit value from any integer."""
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
 
 
 def _stable_hash(text: str) -> int:

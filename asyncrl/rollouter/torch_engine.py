@@ -79,12 +79,17 @@ class TorchEngineConfig:
     """How long ``pause("wait")`` may wait for in-flight requests to drain."""
     attn_implementation: str | None = None
     """Passed to ``from_pretrained`` (None: transformers' default, ``sdpa`` on most setups)."""
+    decoder: str = "auto"
+    """``auto``: the lean Llama-layout forward (`asyncrl.rollouter.decoder`) where the model has
+    that layout, else the model's own; ``hf``: always the model's own ``forward``."""
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (or None for the model's), got {self.max_model_len}")
+        if self.decoder not in ("auto", "hf"):
+            raise ValueError(f"decoder must be 'auto' or 'hf', got {self.decoder!r}")
         if self.pause_timeout_s <= 0:
             raise ValueError(f"pause_timeout_s must be > 0, got {self.pause_timeout_s}")
 
@@ -108,14 +113,15 @@ class TorchEngine:
             eos = mcfg.eos_token_id
             self._eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._runner = ModelRunner(self.model, config.device, config.seed, config.max_running)
+        self._runner = ModelRunner(self.model, config.device, config.seed, config.decoder)
         self._version = 0
         self._queued: deque[Sequence] = deque()
         self._running: dict[str, Sequence] = {}
         self._paused: PauseMode | None = None
         self._closed = False
         self._failure: BaseException | None = None
-        self._counters = dict(requests=0, tokens_generated=0, reprefill_tokens=0, prefill_tokens=0, steps=0)
+        self._counters = dict(requests=0, tokens_generated=0, reprefill_tokens=0, prefill_tokens=0,
+                              shared_prefill_tokens=0, steps=0)
         self._cond: asyncio.Condition | None = None
         self._task: asyncio.Task | None = None
 
@@ -172,12 +178,10 @@ class TorchEngine:
                 )
             if request.request_id in self._running or any(s.rid == request.request_id for s in self._queued):
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
-            seed = request.sampling.seed
             seq = Sequence(
                 request=request,
                 future=asyncio.get_running_loop().create_future(),
                 tokens=prompt,
-                generator=None if seed is None else torch.Generator().manual_seed(seed),
                 stop_ids=self._eos | frozenset(request.sampling.stop_token_ids),
             )
             self._queued.append(seq)
@@ -276,11 +280,10 @@ class TorchEngine:
 
     def _drop_kv(self) -> None:
         """Forget every KV cache; the running requests re-prefill prompt + generated on resume."""
-        self._runner.drop_kv()
         for seq in self._running.values():
             if not seq.needs_prefill:
-                seq.needs_prefill = True
                 self._counters["reprefill_tokens"] += len(seq.tokens)
+        self._runner.drop_kv()
 
     # ---------------------------------------------------------------- weights
 
@@ -330,22 +333,26 @@ class TorchEngine:
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> dict[str, int]:
-        """running, queued, requests (accepted so far), tokens_generated, kv_tokens, reprefill_tokens (+ prefill_tokens, steps, version)."""
-        kv = 0
-        for seq in self._running.values():
-            kv += 0 if seq.needs_prefill else len(seq.tokens) - 1
+        """running, queued, requests (accepted so far), tokens_generated, kv_tokens, reprefill_tokens
+        (+ prefill_tokens: prompt tokens computed; shared_prefill_tokens: prompt tokens a request
+        took from another's prefill in the same step; steps, version)."""
         return dict(
             running=len(self._running),
             queued=len(self._queued),
-            kv_tokens=kv,
+            kv_tokens=sum(seq.cached for seq in self._running.values()),
             version=self._version,
             **self._counters,
         )
 
     def kv_memory(self) -> dict[str, int]:
-        """KV cache memory: ``bytes`` held now, ``peak_bytes`` ever held, ``peak_tokens`` ever cached at once."""
+        """KV cache memory: ``bytes`` the block pools hold now and ``peak_bytes`` ever; ``used_bytes``
+        in blocks held by requests now and ``peak_used_bytes`` ever; ``peak_tokens`` ever cached at
+        once (a shared prompt counted once per request holding it); ``block_tokens``."""
         cache = self._runner.cache
-        return dict(bytes=cache.nbytes(), peak_bytes=cache.peak_bytes, peak_tokens=self._runner.peak_tokens)
+        block = cache.block_bytes()
+        return dict(bytes=cache.nbytes(), peak_bytes=cache.peak_bytes, used_bytes=cache.used_blocks * block,
+                    peak_used_bytes=cache.peak_used_blocks * block, peak_tokens=self._runner.peak_tokens,
+                    block_tokens=cache.block_tokens)
 
     # ---------------------------------------------------------------- scheduler
 
@@ -380,22 +387,20 @@ class TorchEngine:
     async def _step(self) -> None:
         for seq in [s for s in self._running.values() if s.future.done()]:
             del self._running[seq.rid]
-        prefill = [s for s in self._running.values() if s.needs_prefill]
-        decode = [s for s in self._running.values() if not s.needs_prefill]
-        if not prefill and not decode:
+        if not self._running:
             return
-        rows = self._runner.plan(decode, prefill)
-        tokens, logprobs = await asyncio.to_thread(self._runner.forward, rows, len(decode))
+        plan = self._runner.plan(list(self._running.values()))
+        tokens, logprobs = await asyncio.to_thread(self._runner.forward, plan)
         version = self._version
-        self._counters["steps"] += 1
-        for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
-            if seq.needs_prefill:
-                seq.needs_prefill = False
-                self._counters["prefill_tokens"] += len(seq.tokens)
+        counters = self._counters
+        counters["steps"] += 1
+        counters["prefill_tokens"] += plan.prefill_tokens
+        counters["shared_prefill_tokens"] += sum(s.cached for s in plan.followers)
+        counters["tokens_generated"] += len(plan.order)
+        for seq, tok, lp in zip(plan.order, tokens.tolist(), logprobs.tolist()):
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(version)
-            self._counters["tokens_generated"] += 1
             if tok in seq.stop_ids:
                 self._finish(seq, "stop")
             elif seq.n_generated >= seq.request.max_tokens or len(seq.tokens) >= self.max_model_len:

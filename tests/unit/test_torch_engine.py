@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.rollouter import model_runner
-from asyncrl.rollouter.kv_batch import GROW_TOKENS
 from asyncrl.rollouter.engine import EngineClosedError, EngineError, EnginePausedError
 from asyncrl.rollouter.torch_engine import TorchEngine, TorchEngineConfig
 from asyncrl.types import GenerateRequest, SamplingParams
@@ -326,7 +325,7 @@ def test_config_errors_name_the_field(model_path):
 async def test_scheduler_failure_reaches_callers(model_path):
     engine = TorchEngine(model_path, eos_token_ids=())
 
-    def broken_forward(prefill, decode):
+    def broken_forward(plan):
         raise RuntimeError("device lost")
 
     engine._runner.forward = broken_forward  # a fault inside the worker thread
@@ -361,7 +360,7 @@ async def test_prompts_with_or_beside_decodes_equal_generate(model_path, ref, mo
     forwards = []
     real = model_runner.ModelRunner._forward_rows
     monkeypatch.setattr(
-        model_runner.ModelRunner, "_forward_rows", lambda self, *a: forwards.append(a[2:]) or real(self, *a)
+        model_runner.ModelRunner, "_forward_rows", lambda self, *a: forwards.append(a[2:4]) or real(self, *a)
     )
     ps = prompts([9, 2, 15, 4, 11, 6], seed=11)
     engine = TorchEngine(model_path, max_running=3, eos_token_ids=())
@@ -400,7 +399,7 @@ async def test_gpt2_learned_positions_equal_generate(tmp_path):
         assert np.abs(full_forward_logprobs(gpt2, p, r.response_ids) - r.logprobs).max() <= 1e-4
 
 
-async def test_kv_memory_counts_slots_and_is_freed_by_clear_cache(model_path, ref):
+async def test_kv_memory_counts_blocks_and_is_freed_by_clear_cache(model_path, ref):
     ps = prompts([5, 8, 3], seed=13)
     engine = TorchEngine(model_path, max_running=4, eos_token_ids=())
     try:
@@ -409,9 +408,12 @@ async def test_kv_memory_counts_slots_and_is_freed_by_clear_cache(model_path, re
         held = engine.kv_memory()
         cfg = ref.config
         head_dim = cfg.hidden_size // cfg.num_attention_heads
-        per_column = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # K+V, float32
-        # 4 slots of one 256-column block each (every sequence here is shorter than 256 tokens).
-        assert held["bytes"] == 4 * GROW_TOKENS * per_column
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # K+V, float32
+        # Each request holds its cached tokens rounded up to whole blocks, no more.
+        running = [s for s in engine._running.values()]
+        blocks = sum(-(-s.cached // held["block_tokens"]) for s in running)
+        assert held["used_bytes"] == blocks * held["block_tokens"] * per_token
+        assert held["bytes"] >= held["used_bytes"] and held["peak_used_bytes"] >= held["used_bytes"]
         assert held["peak_tokens"] >= engine.stats()["kv_tokens"] > 0
         await engine.pause("keep", clear_cache=True)
         assert engine.kv_memory()["bytes"] == 0 and engine.kv_memory()["peak_bytes"] == held["peak_bytes"]
@@ -421,8 +423,45 @@ async def test_kv_memory_counts_slots_and_is_freed_by_clear_cache(model_path, re
         await engine.close()
     for p, r in zip(ps, results):
         np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, p, 30))
+    assert engine.kv_memory()["used_bytes"] == 0  # every block back after the requests ended
 
 
+async def test_group_shares_one_prefill_and_each_response_samples_its_own(model_path, ref):
+    # The n responses of a group arrive together: the prompt is computed once, every response
+    # gets its own seeded tokens, and its log-probs are those of a full forward.
+    p = prompts([21], seed=14)[0]  # more than one block, the last one partly filled
+    sampling = [SamplingParams(temperature=1.0, seed=100 + k) for k in range(6)]
+    engine = TorchEngine(model_path, max_running=8, eos_token_ids=())
+    try:
+        group = await asyncio.gather(*(engine.generate(req(f"g{k}", p, 30, s)) for k, s in enumerate(sampling)))
+        stats = engine.stats()
+        alone = [await engine.generate(req(f"a{k}", p, 30, s)) for k, s in enumerate(sampling[:2])]
+    finally:
+        await engine.close()
+    assert stats["prefill_tokens"] == len(p) and stats["shared_prefill_tokens"] == 5 * len(p)
+    assert len({tuple(r.response_ids) for r in group}) == 6  # six different responses
+    for r, a in zip(group, alone):  # the same seed alone gives the same tokens: sharing changes nothing
+        np.testing.assert_array_equal(r.response_ids, a.response_ids)
+    for r in group:
+        assert np.abs(full_forward_logprobs(ref, p, r.response_ids) - r.logprobs).max() <= 1e-4
+
+
+@pytest.mark.parametrize("decoder", ["auto", "hf"])
+async def test_both_forwards_equal_generate_with_shared_prompts(model_path, ref, decoder):
+    # The lean Llama-layout forward and the model's own, over shared prompts (copy on write of
+    # the partly filled block), prompts beside decodes and rows of different lengths.
+    ps = prompts([7, 16, 3, 33], seed=15)
+    engine = TorchEngine(model_path, max_running=5, eos_token_ids=(), decoder=decoder)
+    assert (engine._runner.decoder is not None) == (decoder == "auto")
+    try:
+        reqs = [req(f"r{i}-{k}", p, 20 + 5 * i) for i, p in enumerate(ps) for k in range(2)]
+        results = await asyncio.gather(*(engine.generate(r) for r in reqs))
+    finally:
+        await engine.close()
+    for r, q in zip(results, reqs):
+        np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, q.prompt_ids, q.max_tokens))
+        assert np.abs(full_forward_logprobs(ref, q.prompt_ids, r.response_ids) - r.logprobs).max() <= 1e-4
+    assert engine.stats()["shared_prefill_tokens"] > 0
 @pytest.mark.gpu
 async def test_cuda_greedy_and_logprobs_match_transformers(model_path):
     ref_cuda = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to("cuda").eval()
