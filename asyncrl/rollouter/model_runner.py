@@ -8,9 +8,12 @@ positions, so admitting a request costs no extra forward. When that padding woul
 (a long prompt beside short decodes: more than ``PAD_BUDGET`` padded query tokens), the
 decode rows run in one forward and each prompt in its own, unpadded.
 
-Requests admitted in the same step with the same tokens (the ``n`` responses of a group)
-share one prefill: the first runs the prompt, the others take its blocks (shared, copied
-on write) and sample their first token, each with its own seed, from its logits.
+The ``n`` responses of a group share one prefill. Requests admitted in the same step with
+the same tokens: the first runs the prompt, the others take its blocks (shared, copied on
+write) and sample their first token, each with its own seed, from its logits. A request
+admitted later, while a request with its prompt still runs and the weights are the same
+version: it takes that request's blocks for all but the prompt's last token and feeds only
+that one.
 
 The forward is `asyncrl.rollouter.decoder.LlamaDecoder` for Llama-layout models, else the
 model's own ``forward``. `plan` (bookkeeping) runs on the engine's event loop between steps;
@@ -85,6 +88,8 @@ class StepPlan:
     sources: list[int]
     prefill_tokens: int
     """Prompt tokens this step computes (shared prompts once)."""
+    shared_tokens: int
+    """Prompt tokens this step's new requests took from another request's prefill."""
 
     @property
     def order(self) -> list[Sequence]:
@@ -108,6 +113,8 @@ class ModelRunner:
         """The lean forward, or None: the model's own ``forward``."""
         self.held: list[Sequence] = []
         """The requests holding KV blocks."""
+        self.donors: dict[tuple[int, ...], tuple[Sequence, int]] = {}
+        """Prompt -> (a running request that prefilled it, the weight version it did so under)."""
         self.peak_tokens = 0
         """Most tokens the running requests had cached at once (shared prompt tokens counted per request)."""
 
@@ -116,18 +123,22 @@ class ModelRunner:
         for seq in self.held:
             seq.blocks, seq.cached = [], 0
         self.held = []
+        self.donors.clear()
         self.cache.clear()
 
     @torch.inference_mode()
-    def plan(self, running: list[Sequence]) -> StepPlan:
-        """Blocks and rows for a step over ``running``; frees the blocks of requests gone since."""
+    def plan(self, running: list[Sequence], version: int) -> StepPlan:
+        """Blocks and rows for a step over ``running`` under weights ``version``; frees the
+        blocks of requests gone since."""
         live = {id(s) for s in running}
         for seq in self.held:
             if id(seq) not in live:
                 self.cache.release(seq.blocks)
         self.held = list(running)
+        self.donors = {k: d for k, d in self.donors.items() if id(d[0]) in live and d[1] == version}
         leaders: dict[tuple[int, ...], int] = {}
         decode, prefill, followers, lead_of = [], [], [], []
+        taken, fed = 0, 0  # prompt tokens taken from running requests; requests fed that way
         for seq in running:
             if not seq.needs_prefill:
                 decode.append(seq)
@@ -136,9 +147,17 @@ class ModelRunner:
             if key in leaders:
                 followers.append(seq)
                 lead_of.append(leaders[key])
+            elif key in self.donors and len(key) > 1:  # all but the last prompt token from a running request
+                donor = self.donors[key][0]
+                seq.blocks = self.cache.fork(donor.blocks[: -(-(len(key) - 1) // self.cache.block_tokens)])
+                seq.cached = len(key) - 1
+                taken, fed = taken + seq.cached, fed + 1
+                decode.append(seq)
             else:
                 leaders[key] = len(prefill)
                 prefill.append(seq)
+                if not seq.n_generated:
+                    self.donors[key] = (seq, version)
         rows = decode + prefill
         pending = [s.tokens[s.cached :] for s in rows]
         starts = [s.cached for s in rows]
@@ -149,8 +168,10 @@ class ModelRunner:
             leader = prefill[lead]
             seq.blocks, seq.cached = self.cache.fork(leader.blocks), leader.cached
         self.peak_tokens = max(self.peak_tokens, sum(s.cached for s in running))
+        # Prompts run whole, plus the last prompt token of each request fed from a running one.
+        prefill_tokens = sum(len(p) for p in pending[len(decode):]) + fed
         return StepPlan(rows, pending, starts, len(decode), followers, [len(decode) + i for i in lead_of],
-                        prefill_tokens=sum(len(p) for p in pending[len(decode):]))
+                        prefill_tokens=prefill_tokens, shared_tokens=taken + sum(s.cached for s in followers))
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:

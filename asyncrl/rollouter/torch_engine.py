@@ -335,7 +335,7 @@ class TorchEngine:
     def stats(self) -> dict[str, int]:
         """running, queued, requests (accepted so far), tokens_generated, kv_tokens, reprefill_tokens
         (+ prefill_tokens: prompt tokens computed; shared_prefill_tokens: prompt tokens a request
-        took from another's prefill in the same step; steps, version)."""
+        took from another's prefill; steps, version)."""
         return dict(
             running=len(self._running),
             queued=len(self._queued),
@@ -389,13 +389,13 @@ class TorchEngine:
             del self._running[seq.rid]
         if not self._running:
             return
-        plan = self._runner.plan(list(self._running.values()))
+        plan = self._runner.plan(list(self._running.values()), self._version)
         tokens, logprobs = await asyncio.to_thread(self._runner.forward, plan)
         version = self._version
         counters = self._counters
         counters["steps"] += 1
         counters["prefill_tokens"] += plan.prefill_tokens
-        counters["shared_prefill_tokens"] += sum(s.cached for s in plan.followers)
+        counters["shared_prefill_tokens"] += plan.shared_tokens
         counters["tokens_generated"] += len(plan.order)
         for seq, tok, lp in zip(plan.order, tokens.tolist(), logprobs.tolist()):
             seq.tokens.append(tok)

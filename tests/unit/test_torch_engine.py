@@ -446,6 +446,32 @@ async def test_group_shares_one_prefill_and_each_response_samples_its_own(model_
         assert np.abs(full_forward_logprobs(ref, p, r.response_ids) - r.logprobs).max() <= 1e-4
 
 
+async def test_late_sibling_takes_a_running_requests_prompt_blocks(model_path, ref):
+    # Two slots, four responses to one prompt: the first two share a prefill; the later two
+    # take the still-running first one's blocks and feed only the prompt's last token. After
+    # a weight update the prompt's cache is stale, so a new request runs its prompt again.
+    p = prompts([19], seed=16)[0]
+    engine = TorchEngine(model_path, max_running=2, eos_token_ids=())
+    try:
+        lengths = [40, 5, 6, 8]
+        results = await asyncio.gather(*(engine.generate(req(f"r{k}", p, n)) for k, n in enumerate(lengths)))
+        stats = engine.stats()
+        assert stats["prefill_tokens"] == len(p) + 2
+        assert stats["shared_prefill_tokens"] == len(p) + 2 * (len(p) - 1)
+        for r, n in zip(results, lengths):
+            np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, p, n))
+            assert np.abs(full_forward_logprobs(ref, p, r.response_ids) - r.logprobs).max() <= 1e-4
+        (first,) = await _start(engine, [req("s0", p, 40)], "s0", 3)
+        await engine.pause("keep")
+        await engine.finish_weight_update(1)
+        await engine.resume()
+        await engine.generate(req("s1", p, 4))
+        await first
+        assert engine.stats()["prefill_tokens"] == stats["prefill_tokens"] + 2 * len(p)
+    finally:
+        await engine.close()
+
+
 @pytest.mark.parametrize("decoder", ["auto", "hf"])
 async def test_both_forwards_equal_generate_with_shared_prompts(model_path, ref, decoder):
     # The lean Llama-layout forward and the model's own, over shared prompts (copy on write of
