@@ -3,7 +3,7 @@
 Each step appends its metrics to ``<run_dir>/metrics.jsonl`` and one line to
 ``<run_dir>/train.log``. On a terminal a rich progress bar shows the step, reward, staleness,
 response tokens/s and the ETA; elsewhere (a pipe, a CI log, ``ray job submit``) the same line
-as the log is printed per step.
+as the log is printed per step. Both say which side bounded the step (`bound_side`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,41 @@ from typing import Any
 import numpy as np
 
 
+BOUND_WAIT = 0.2
+"""A side that waited for the other this fraction of a step or more did not bound the step."""
+
+
+def bound_side(m: dict) -> str | None:
+    """Which side bounded a step, from how long each side waited for the other in it:
+
+    - ``engine``: the Trainer waited for groups (``timing_s/wait_data``) for at least `BOUND_WAIT`
+      of the step (``timing_s/step``), the engines less: generation is the limit;
+    - ``trainer``: the engines had no request (``timing_s/rollouter/idle``: the staleness gate held
+      the Rollouter until the next sync) for at least `BOUND_WAIT` of the step, the Trainer less:
+      training, with its weight sync, is the limit;
+    - ``both``: neither waited that long: generation and training overlap, each busy all the step;
+    - ``handoff``: both did: the step lost time between them (by design in ``--mode sync``; in
+      async mode, weight syncs or the stream).
+
+    None when the step's metrics lack one of the three (no Rollouter handle, an older row).
+    """
+    try:
+        step_s, wait_s, idle_s = m["timing_s/step"], m["timing_s/wait_data"], m["timing_s/rollouter/idle"]
+    except KeyError:
+        return None
+    trainer_waited = wait_s >= BOUND_WAIT * step_s
+    engines_waited = idle_s >= BOUND_WAIT * step_s
+    if trainer_waited and engines_waited:
+        return "handoff"
+    return "engine" if trainer_waited else "trainer" if engines_waited else "both"
+
+
 def step_line(m: dict, steps: int) -> str:
     val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
+    bound = f"  bound {b}" if (b := bound_side(m)) else ""
     return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
             f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{val}")
+            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{bound}{val}")
 
 
 class ProgressView:
@@ -45,8 +75,9 @@ class ProgressView:
         if self._bar is None:
             print(step_line(m, self.steps), flush=True)
             return
+        bound = f"  bound {b}" if (b := bound_side(m)) else ""
         stats = (f"reward {m['reward_mean']:.3f}  staleness {m['staleness_mean']:.2f}  "
-                 f"{m['tokens_per_s']:.0f} tok/s  v{m['version']}")
+                 f"{m['tokens_per_s']:.0f} tok/s  v{m['version']}{bound}")
         self._bar.update(self._task, completed=m["step"], stats=stats)
 
     def close(self) -> None:
@@ -64,6 +95,7 @@ def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
     return {
         "timing_s/rollouter/gate_blocked": d["gate_blocked_s"],
         "timing_s/rollouter/credit_blocked": d["credit_blocked_s"],
+        "timing_s/rollouter/idle": d["idle_s"],
         "fully_async/partial/truncated": float(d["truncated"]),
         "fully_async/partial/resumed": float(d["resumed"]),
         "fully_async/partial/waiting": float(now["waiting_partials"]),
@@ -81,13 +113,14 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
     stops first fails the run under its own name. With ``validate``, every ``val_every`` steps
     and after the last one its ``val/`` metrics join the step's metrics. With the Rollouter's
     handle, each step's metrics also hold its blocked/idle time and the truncations of the step
-    (`rollouter_step_metrics`).
+    (`rollouter_step_metrics`). ``timing_s/step`` is the wall time from the end of the step
+    before (or the start) to the end of this one, everything between steps included.
     """
     from asyncrl.trainer.trainer import StepAbandoned
 
     rows: list[dict] = []
     done_at: list[float] = []  # when each step (and its validation) finished
-    t0 = last = time.monotonic()
+    t0 = last = ended = time.monotonic()
     last_stats: dict = {}
     rollout_task = asyncio.wrap_future(rollout_ref.future())
     rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen below, under its own name
@@ -111,6 +144,7 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                 m = result.metrics
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
+                m["timing_s/step"], ended = now - ended, now
                 m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
                 if rollouter is not None:
                     stats = await rollouter.stats.remote()

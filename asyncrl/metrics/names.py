@@ -20,6 +20,9 @@ NAMES: dict[str, tuple[str, str]] = {
     "fully_async/partial/waiting": (T, "truncated responses waiting in the partial buffer at the step's end"),
     "timing_s/rollouter/gate_blocked": (T, "time the Rollouter's feed waited at the staleness gate during the step"),
     "timing_s/rollouter/credit_blocked": (T, "time finished groups waited for stream credit during the step (summed)"),
+    "timing_s/rollouter/idle": (T, "time during the step with no request in flight on any engine (Rollouter); >= 0.2 of "
+                                   "timing_s/step: the step line says `bound trainer` (`handoff` if the Trainer waited "
+                                   "that long too; asyncrl.progress.bound_side)"),
     "rollouter/timed_out": (T, "requests aborted past rollout.request_timeout_s during the step"),
     "fully_async/trainer/idle_ratio": (T, "fraction of the step's wall time the Trainer waited for groups"),
     "fully_async/rollouter/idle_ratio": (R, "fraction of the poll interval with no generate call in flight on any engine"),
@@ -37,7 +40,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "timing_s/param_sync_transfer": (T, "broadcast and load of the weights"),
     "timing_s/param_sync_resume": (T, "resuming the engines"),
     "timing_s/step": (T, "wall time of the train step, waiting for groups included"),
-    "timing_s/wait_data": (T, "time the step waited for groups from the stream"),
+    "timing_s/wait_data": (T, "time the step waited for groups from the stream; >= 0.2 of timing_s/step: the step line "
+                              "says `bound engine` (`handoff` if the engines idled that long too)"),
     # throughput
     "throughput/trained_tokens_per_s": (T, "response tokens trained in the step / its wall time"),
     "throughput/generated_tokens_per_s": (R, "tokens the engines generated over the poll interval, per second"),

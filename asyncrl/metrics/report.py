@@ -223,10 +223,11 @@ def trainer_step_metrics(metrics: dict, samples: StepSamples, *, trained_version
     s = samples.samples
     lengths = np.array([x.length for x in s], dtype=np.float64)
     version = metrics.get("version", trained_version)
+    wait_s = metrics.get("timing_s/wait_data", samples.wait_s)  # the Trainer's own, when it gives one
     out.update({
-        "fully_async/trainer/idle_ratio": min(1.0, samples.wait_s / step_s) if step_s > 0 else 0.0,
+        "fully_async/trainer/idle_ratio": min(1.0, wait_s / step_s) if step_s > 0 else 0.0,
         "timing_s/step": step_s,
-        "timing_s/wait_data": samples.wait_s,
+        "timing_s/wait_data": wait_s,
         "fully_async/count/current_param_version": version,
     })
     totals.dropped_stale += int(metrics.get("dropped_stale", 0))

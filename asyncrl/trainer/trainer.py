@@ -13,10 +13,11 @@ counted and acked at once with their reason, and reported through ``on_dropped``
 Rollouter's staleness gate gets their budget back (else enough drops starve the Trainer).
 Incomplete groups otherwise fail the run closed.
 
-Each step's metrics add ``timing_s/update_actor``, ``timing_s/save_checkpoint`` and the
-partial-rollout figures of the trained groups (verl's ``fully_async/partial/total_partial_num``,
-``partial_ratio``, ``max_partial_span``: versions one trajectory spans, ``age_mean``, ``age_max``);
-waiting, weight-sync time and the idle ratio come from the metric stream's reporter.
+Each step's metrics add ``timing_s/wait_data`` (collecting the step's groups), ``timing_s/update_actor``,
+``timing_s/save_checkpoint`` and the partial-rollout figures of the trained groups (verl's
+``fully_async/partial/total_partial_num``, ``partial_ratio``, ``max_partial_span``: versions one
+trajectory spans, ``age_mean``, ``age_max``); the step's wall time, weight-sync time and the idle
+ratio come from the metric stream's reporter.
 The groups of a step train in feed order, whatever order they arrived in, so the step's
 floating-point sums do not depend on arrival timing.
 
@@ -238,6 +239,7 @@ class Trainer:
     async def train_step(self) -> StepResult:
         """Collect the groups of one step, run its mini-batches, commit, maybe sync and checkpoint."""
         cfg = self.cfg
+        t_start = time.perf_counter()
         groups, dropped = await self._collect()
         t_collected = time.perf_counter()
         groups.sort(key=_feed_order)
@@ -273,9 +275,10 @@ class Trainer:
         t_end = time.perf_counter()
         metrics = _step_metrics(per_batch, batches, dropped)
         metrics.update(_partial_metrics(groups))
-        # The metric stream's reporter (asyncrl.metrics.report) adds timing_s/step, wait_data,
-        # param_sync and fully_async/trainer/idle_ratio; these two only the Trainer knows.
-        metrics.update({"timing_s/update_actor": t_trained - t_collected, "timing_s/save_checkpoint": t_end - t_synced})
+        # The metric stream's reporter (asyncrl.metrics.report) adds timing_s/step, param_sync and
+        # fully_async/trainer/idle_ratio; these three only the Trainer knows.
+        metrics.update({"timing_s/wait_data": t_collected - t_start, "timing_s/update_actor": t_trained - t_collected,
+                        "timing_s/save_checkpoint": t_end - t_synced})
         metrics.update(step=self.step, version=self.version, replayed_groups=float(sum(map(is_replayed, groups))))
         return StepResult(step=self.step, version=self.version, sample_ids=ids, dropped=dropped, metrics=metrics)
 
