@@ -101,8 +101,9 @@ class EngineConfig:
     """Fraction of each GPU one vLLM replica may take."""
     max_model_len: int | None = None
     """Prompt + response token limit; None: the model's."""
-    max_running: int = 32
-    """Built-in engine: requests decoded together in one batched forward."""
+    max_running: int = 128
+    """Built-in engine: requests decoded together in one batched forward. Its KV cache is paged,
+    so slots cost memory only while requests use them; on CPU a larger batch costs less per token."""
     max_restarts: int = 3
     """Times one replica whose process died is started again (it joins the weight sync and gets the
     current weights before it takes a request); past them it is left out."""

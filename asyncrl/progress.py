@@ -125,10 +125,12 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
     rollout_task = asyncio.wrap_future(rollout_ref.future())
     rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen below, under its own name
     view = ProgressView(steps)
+    step_task = None
     try:
         with open(run_dir / "metrics.jsonl", "a") as metrics, open(run_dir / "train.log", "a") as log:
-            while trainer.step < steps and not trainer.stopping:
-                step_task = asyncio.ensure_future(trainer.train_step())
+            while step_task is not None or (trainer.step < steps and not trainer.stopping):
+                if step_task is None:
+                    step_task = asyncio.ensure_future(trainer.train_step())
                 done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
                 if step_task not in done:
                     # The step in hand ends cleanly (abandoned while collecting, or finished), so the
@@ -141,16 +143,23 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                     result = step_task.result()
                 except StepAbandoned:
                     break
+                finally:
+                    step_task = None
                 m = result.metrics
                 now = time.monotonic()
                 m["time_s"] = round(now - t0, 2)
                 m["timing_s/step"], ended = now - ended, now
                 m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
+                validating = validate is not None and (m["step"] % val_every == 0 or m["step"] == steps)
+                if not validating and trainer.step < steps and not trainer.stopping:
+                    # The next step starts now; this one's bookkeeping (a Ray call to a busy
+                    # Rollouter takes tens of ms) runs beside it instead of between the two.
+                    step_task = asyncio.ensure_future(trainer.train_step())
                 if rollouter is not None:
                     stats = await rollouter.stats.remote()
                     m.update(rollouter_step_metrics(last_stats, stats))
                     last_stats = stats
-                if validate is not None and (m["step"] % val_every == 0 or m["step"] == steps):
+                if validating:
                     m.update(await validate(m["step"]))
                 last = time.monotonic()
                 metrics.write(json.dumps(m) + "\n")
@@ -164,6 +173,9 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
                     report(result)  # to the metric stream (asyncrl.metrics)
     except Exception as e:
         view.close()
+        if step_task is not None:  # a step started beside the failed bookkeeping ends first
+            trainer.request_stop()
+            await asyncio.gather(step_task, return_exceptions=True)
         await checkpoint_after_failure(trainer, e, run_dir)
         raise
     finally:

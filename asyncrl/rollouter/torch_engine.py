@@ -67,8 +67,9 @@ class TorchEngineConfig:
     """Torch device the model runs on (``cpu``, ``cuda``, ``cuda:1``...)."""
     dtype: torch.dtype = torch.float32
     """Model dtype; float32 gives log-probs exact to ~1e-6 against a full forward."""
-    max_running: int = 32
-    """Most requests decoded together in one batched forward (the KV slots)."""
+    max_running: int = 128
+    """Most requests decoded together in one batched forward (KV blocks are taken as they fill,
+    so an idle slot holds no memory)."""
     max_model_len: int | None = None
     """Prompt + response token limit; None takes the model's ``max_position_embeddings``."""
     eos_token_ids: tuple[int, ...] | None = None
