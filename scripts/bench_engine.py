@@ -39,9 +39,10 @@ step on a user's own model: a Qwen2 of 4 layers, 128 wide, 4 query and 2 key/val
 size 32), 8 prompts of 6-12 tokens, each sampled ``n=8`` times (64 responses, the 8 of a group
 arriving together), response lengths of median ~12 (7 of 8 from [5, 17], 1 of 8 from [18, 64], one
 exactly 64: ``max_tokens``). The engine (64 slots) against one static ``generate`` batch of the
-same 64 prompts: a batch runs until its longest response is done, as ``generate`` with EOS
-honoured does (finished rows keep computing as padding), so assigning lengths with EOS off
-costs the baseline exactly what EOS would. Greedy, so the tokens are compared too. Its prefill
+same 64 prompts, each warmed up on the workload once, then at least 5 repetitions in turn: a
+batch runs until its longest response is done, as ``generate`` with EOS honoured does (finished
+rows keep computing as padding), so assigning lengths with EOS off costs the baseline exactly
+what EOS would. Greedy, so the tokens are compared too. Its prefill
 tokens per group (the engine's ``prefill_tokens`` counter over the run) against the prompt's
 length: the ``n`` responses of a group share one prefill.
 
@@ -364,11 +365,15 @@ async def measure(args, model_path, prompts, lengths):
 
 
 async def measure_short(args, model_path, prompts, lengths):
-    """The short workload: the engine (64 slots) against one static batch, ``args.reps`` times in turn."""
+    """The short workload: the engine (64 slots) against one static batch, each run once untimed
+    first (a step this short is mostly per-call overhead, and the first call of each batch shape
+    costs more), then ``max(args.reps, 5)`` times in turn."""
     systems = {"engine": EngineRunner(model_path, len(prompts)), "static": StaticRunner(model_path, len(prompts))}
     seconds, outputs = {n: [] for n in systems}, {}
     try:
-        for rep in range(args.reps):
+        await systems["engine"].run(prompts, lengths)
+        systems["static"].run(prompts, lengths)
+        for rep in range(max(args.reps, 5)):
             for name in (["engine", "static"] if rep % 2 == 0 else ["static", "engine"]):
                 run = systems[name].run(prompts, lengths)
                 outs, s = (await run) if name == "engine" else run
