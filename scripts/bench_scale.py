@@ -401,7 +401,7 @@ def _ray_call_cost(calls: int) -> dict:
         async def ping(self, x):
             return x
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor = Echo.remote()
         ray.get(actor.ping.remote(0))

@@ -293,7 +293,7 @@ def main() -> None:
     if not args.skip_ray:
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
         try:
             for name, (tokens, count) in cases.items():
                 n = max(args.warmup + 50, int(count * args.ray_fraction))

@@ -57,7 +57,7 @@ def ray_ranks(tmp_path_factory):
     from asyncrl.trainer.ranks import RankGroup
 
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     ranks = RankGroup.start_ray(trainer_config(path))
     yield path, ranks

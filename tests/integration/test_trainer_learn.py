@@ -69,7 +69,7 @@ async def test_sync_grpo_raises_mean_reward(rollout_batch):
                             algorithm=AlgorithmConfig(loss_agg_mode="token-mean", temperature=1.0),
                             optim=OptimConfig(lr=1e-3, warmup_steps=2)),
         groups_per_batch=PROMPTS, cpus_per_rank=1)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     ranks = engine = None
     try:
