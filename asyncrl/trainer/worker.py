@@ -157,6 +157,10 @@ class TrainerWorker:
         Collective: every rank calls it with its own shard and the same ``denom``.
         """
         acfg = self.cfg.algorithm
+        # Rows of like length together: a micro-batch is as wide as its longest row, so sorted rows
+        # compute less padding (a third less on responses of 5-64 tokens in 16-row micro-batches).
+        # The loss sums over rows divided by the mini-batch's ``denom``: the order leaves it as is.
+        shard = shard[shard["attention_mask"].sum(-1).argsort(descending=True, stable=True)]
         mbs = micro_batches(shard, self.cfg.micro_batch_size)
         # Proximal and reference log-probs come from the weights *before* this update.
         prox = [self.compute_logprobs(mb) for mb in mbs] if acfg.decoupled else [None] * len(mbs)

@@ -66,6 +66,11 @@ def run_minibatches(ranks: RankGroup, batches):
 def assert_params_close(a, b, atol):
     assert a.keys() == b.keys() and len(a) > 10
     for k in a:
+        if atol and k.endswith("k_proj.bias"):
+            # A key bias adds q.b to every score of a query alike, which softmax ignores: its gradient
+            # is 0 but for rounding, and AdamW scales that rounding by lr / eps. Each rank orders its
+            # rows by length for its micro-batches, so one rank and two round differently here.
+            continue
         diff = (a[k] - b[k]).abs().max().item()
         assert diff <= atol, f"{k}: max abs diff {diff}"
 
