@@ -19,6 +19,11 @@ One run, three parts, on one workload and with the launcher's config for the sam
     steady state: ``timing_s/step`` (from the end of one step to the end of the next) of steps
     ``--from-step``..N in ``<run_dir>/metrics.jsonl``, and which side bounded each of those
     steps (`asyncrl.progress.bound_side`, the ``bound`` field of the launcher's per-step line).
+(d) both at once, uncoupled: (a)'s generation loop (a new Rollouter, gate open) and (b)'s
+    training loop (a new Trainer on (a)'s groups again, its syncs going on from (b)'s versions and
+    pausing the generating engines, as in (c)) run together on the same actors, neither feeding
+    the other; generation stops when training is done. On a machine whose cores the two sides
+    share, this is what sharing costs each side before any hand-off: the best (c) can do.
 
 Threads: the local Ray the launcher starts (`asyncrl.placement.connect`) gives every actor
 ``OMP_NUM_THREADS=1``, so the engine and the trainer rank each run torch on one thread; (a) and
@@ -26,7 +31,7 @@ Threads: the local Ray the launcher starts (`asyncrl.placement.connect`) gives e
 launcher's budget (one thread per engine replica and per rank; the Rollouter's loop, here in
 this process, in (c) in its own actor).
 
-Per step, means over each part's window ((a) and (b) after their first ``--warmup`` steps; (c)
+Per step, means over each part's window ((a), (b) and (d) after their first ``--warmup`` steps; (c)
 from ``--from-step``): ``gen_s``, ``train_s``, ``async_s``. Means, not medians: the steps of (a)
 and (c) are coupled (a slow step leaves groups done early for the next, which is then fast), so
 a median understates what a step costs, and (c)'s checkpoint steps are part of its cost as
@@ -34,7 +39,9 @@ a median understates what a step costs, and (c)'s checkpoint steps are part of i
 async_s (target >= 0.9: the pipeline costs its slower side and little more), ``vs_serial`` =
 (gen_s + train_s) / async_s (what the overlap buys over a generate-then-train loop of the same
 parts: 2 at best). With ``--json`` the last line is one JSON object with these and the medians
-(``gen_median_s``, ``train_median_s``, ``async_median_s``), ``gen_tok_s`` and
+(``gen_median_s``, ``train_median_s``, ``async_median_s``), (d)'s means ``gen_shared_s``,
+``train_shared_s``, ``update_shared_s`` and ``shared_s`` (their max), ``overlap_vs_shared`` =
+shared_s / async_s (what the pipeline's coupling costs beyond sharing the cores), ``gen_tok_s`` and
 ``response_len_mean`` (of (a)), ``async_tok_s``, ``async_len_mean``, ``update_s`` and ``sync_s``
 (parts of train_s), ``async_update_s`` (the same update inside (c): the slowdown is what
 sharing the cores costs), ``trainer_wait`` and ``engine_idle`` (fractions of (c)'s window the
@@ -118,9 +125,10 @@ def launcher_argv(args: argparse.Namespace, tmp: Path) -> list[str]:
 # ------------------------------------------------------------------------------ (a) and (b)
 
 
-async def run_alone(argv: list[str], steps: int, tmp: Path) -> dict:
-    """(a) then (b) on the launcher's actors: ``gen_s`` per step, the ``groups`` (in completion order),
-    ``trained`` (per step: ``step_s``, ``update_s``, ``sync_s``) and ``per_step`` (groups in a step)."""
+async def run_alone(argv: list[str], steps: int, tmp: Path, shared: bool = True) -> dict:
+    """(a), (b), then (d) on the launcher's actors: ``gen_s`` per step, the ``groups`` (in completion
+    order), ``trained`` (per step: ``step_s``, ``update_s``, ``sync_s``), ``per_step`` (groups in a
+    step); with ``shared``, (d)'s ``gen_shared_s`` and ``trained_shared``."""
     import ray
 
     from asyncrl import placement
@@ -129,6 +137,7 @@ async def run_alone(argv: list[str], steps: int, tmp: Path) -> dict:
     from asyncrl.launch import parse_args as launch_args
     from asyncrl.processes import _pad_token_id
     from asyncrl.rollouter.actor import remote_engine_actor
+    from asyncrl.sync import WeightSyncCoordinator
     from asyncrl.trainer.ranks import RankGroup
 
     cfg, _ = load_config(*config_layers(launch_args(argv)))
@@ -146,8 +155,18 @@ async def run_alone(argv: list[str], steps: int, tmp: Path) -> dict:
         ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks])  # engines start meanwhile
         await asyncio.gather(*(e.ready.remote() for e in engines))
         gen_s, groups = await generate_alone(cfg, engines, steps)
-        trained = await train_alone(tcfg, ranks, engines, groups, cfg.weight_sync_config())
-        return {"gen_s": gen_s, "groups": groups, "trained": trained, "per_step": cfg.groups_per_step}
+        coordinator = WeightSyncCoordinator(ranks.workers, engines, cfg.weight_sync_config())
+        trained = await train_alone(tcfg, ranks, coordinator, groups)
+        out = {"gen_s": gen_s, "groups": groups, "trained": trained, "per_step": cfg.groups_per_step}
+        if shared:
+            # (d): both loops at once on the same actors, each on its own input; the syncs
+            # (versions going on from (b)'s) pause and resume the generating engines.
+            again = dataclasses.replace(tcfg, checkpoint_dir=str(tmp / "shared" / "checkpoints"),
+                                        samples_path=str(tmp / "shared" / "samples.jsonl"))
+            training = asyncio.ensure_future(train_alone(again, ranks, coordinator, groups))
+            out["gen_shared_s"], _ = await generate_alone(cfg, engines, steps, until=training)
+            out["trained_shared"] = training.result()
+        return out
     finally:
         if ranks is not None:
             ranks.close()
@@ -158,8 +177,10 @@ async def run_alone(argv: list[str], steps: int, tmp: Path) -> dict:
         placement.disconnect(cluster)
 
 
-async def generate_alone(cfg, engines: list, steps: int) -> tuple[list[float], list]:
-    """(a): ``steps`` steps' groups through the Rollouter, its gate never closed; the time of each step's groups."""
+async def generate_alone(cfg, engines: list, steps: int, until: asyncio.Future | None = None) -> tuple[list[float], list]:
+    """(a): ``steps`` steps' groups through the Rollouter, its gate never closed; the time of each step's groups.
+
+    With ``until`` ((d)): generate on until ``until`` is done, then stop; the steps done by then."""
     from transformers import AutoTokenizer
 
     from asyncrl.queue.memory import MemorySink
@@ -182,22 +203,31 @@ async def generate_alone(cfg, engines: list, steps: int) -> tuple[list[float], l
     per_step = cfg.groups_per_step
     # A run-ahead of every step at once: only max_concurrent bounds what is in flight, as with a
     # Trainer that takes each group and syncs at once.
-    rollout = dataclasses.replace(cfg.rollout, staleness_threshold=float(steps))
+    most = steps if until is None else 4 * steps
+    rollout = dataclasses.replace(cfg.rollout, staleness_threshold=float(most))
     sink = TimedSink()
     rollouter = Rollouter(rollout, engines, sink, load_prompts(tokenizer, spec), make_reward_fn(tokenizer, spec))
     t0 = time.perf_counter()
-    await rollouter.run(num_groups=steps * per_step)
+    run = asyncio.ensure_future(rollouter.run(num_groups=most * per_step))
+    if until is not None:
+        await asyncio.wait([run, until], return_when=asyncio.FIRST_COMPLETED)
+        if not until.done():
+            raise RuntimeError(f"(d): generation ran out of its {most} steps before training was done")
+        end = time.perf_counter()
+        await rollouter.stop()
+        await run
+        sink.times = [t for t in sink.times if t <= end]
+    else:
+        await run
     ends = [t0, *sink.times[per_step - 1::per_step]]
     return [b - a for a, b in zip(ends, ends[1:])], sink.groups
 
 
-async def train_alone(tcfg, ranks, engines: list, groups: list, sync_cfg) -> list[dict]:
-    """(b): the Trainer on ``groups``, a weight sync into ``engines`` after every step; per-step figures."""
+async def train_alone(tcfg, ranks, coordinator, groups: list) -> list[dict]:
+    """(b): the Trainer on ``groups``, a weight sync into the engines after every step; per-step figures."""
     from asyncrl.queue.memory import MemorySource
-    from asyncrl.sync import WeightSyncCoordinator
     from asyncrl.trainer.trainer import Trainer
 
-    coordinator = WeightSyncCoordinator(ranks.workers, engines, sync_cfg)
     trainer = Trainer(tcfg, ranks, MemorySource(groups), coordinator)
     out = []
     for _ in range(len(groups) // (tcfg.groups_per_batch * tcfg.require_batches)):
@@ -248,6 +278,12 @@ def summarize(args, alone: dict, rows: list[dict]) -> dict:
         "trainer_wait": sum(r["timing_s/wait_data"] for r in steady) / sum(step),
         "engine_idle": sum(r.get("timing_s/rollouter/idle", float("nan")) for r in steady) / sum(step),
     })
+    if "gen_shared_s" in alone:
+        gen_d, train_d = alone["gen_shared_s"][w:], [t["step_s"] for t in alone["trained_shared"][w:]]
+        out.update(gen_shared_s=statistics.mean(gen_d) if gen_d else float("nan"), train_shared_s=statistics.mean(train_d),
+                   update_shared_s=statistics.mean(t["update_s"] for t in alone["trained_shared"][w:]))
+        out["shared_s"] = max(out["gen_shared_s"], out["train_shared_s"])
+        out["overlap_vs_shared"] = out["shared_s"] / out["async_s"]
     out = {k: round(v, 4) for k, v in out.items()}
     out.update(bound=bounds.most_common(1)[0][0], bound_counts=dict(bounds), steps=len(steady))
     return out
@@ -269,7 +305,9 @@ def main() -> None:
         t0 = time.perf_counter()
         alone = asyncio.run(run_alone(argv, args.alone_steps, tmp))
         print(f"  (a) generation alone, s per step: {_seconds(alone['gen_s'])}\n  (b) training alone, s per step: "
-              f"{_seconds(t['step_s'] for t in alone['trained'])}  (wall {time.perf_counter() - t0:.0f} s)", flush=True)
+              f"{_seconds(t['step_s'] for t in alone['trained'])}\n  (d) both at once, uncoupled: generation "
+              f"{_seconds(alone['gen_shared_s'])}; training {_seconds(t['step_s'] for t in alone['trained_shared'])}  "
+              f"(wall {time.perf_counter() - t0:.0f} s)", flush=True)
         t0 = time.perf_counter()
         rows = run_async(argv, tmp / "run")
         print(f"  (c) async pipeline, s per step: {_seconds(r['timing_s/step'] for r in rows)}  "
@@ -282,6 +320,10 @@ def main() -> None:
           f"{out['async_len_mean']:.1f}, update {out['async_update_s']:.3f}); overlap {out['overlap']:.2f} (target "
           f">= 0.9), vs serial {out['vs_serial']:.2f}; medians {out['gen_median_s']:.3f} / {out['train_median_s']:.3f} "
           f"/ {out['async_median_s']:.3f} s", flush=True)
+    print(f"both at once, uncoupled (d): generate {out['gen_shared_s']:.3f} s, train {out['train_shared_s']:.3f} s "
+          f"(update {out['update_shared_s']:.3f}): sharing the cores costs the slower side x"
+          f"{out['shared_s'] / max(out['gen_s'], out['train_s']):.2f}; the pipeline's own cost on top: overlap_vs_shared "
+          f"{out['overlap_vs_shared']:.2f}", flush=True)
     print(f"async steps bound by {out['bound']} {out['bound_counts']}: the Trainer waited {out['trainer_wait']:.0%} "
           f"of the time, the engines idled {out['engine_idle']:.0%}; load average now {os.getloadavg()[0]:.1f}", flush=True)
     if args.json:
