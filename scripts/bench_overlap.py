@@ -203,16 +203,17 @@ async def generate_alone(cfg, engines: list, steps: int, until: asyncio.Future |
     per_step = cfg.groups_per_step
     # A run-ahead of every step at once: only max_concurrent bounds what is in flight, as with a
     # Trainer that takes each group and syncs at once.
-    most = steps if until is None else 4 * steps
-    rollout = dataclasses.replace(cfg.rollout, staleness_threshold=float(most))
+    # (d) generates for as long as training runs: a budget no run reaches.
+    rollout = dataclasses.replace(cfg.rollout, staleness_threshold=float(steps if until is None else 10**9))
     sink = TimedSink()
     rollouter = Rollouter(rollout, engines, sink, load_prompts(tokenizer, spec), make_reward_fn(tokenizer, spec))
     t0 = time.perf_counter()
-    run = asyncio.ensure_future(rollouter.run(num_groups=most * per_step))
+    run = asyncio.ensure_future(rollouter.run(num_groups=steps * per_step if until is None else None))
     if until is not None:
         await asyncio.wait([run, until], return_when=asyncio.FIRST_COMPLETED)
         if not until.done():
-            raise RuntimeError(f"(d): generation ran out of its {most} steps before training was done")
+            await run  # generation ended first: raises what ended it
+            raise RuntimeError("(d): generation ended before training was done")
         end = time.perf_counter()
         await rollouter.stop()
         await run
