@@ -48,9 +48,15 @@ def bound_side(m: dict) -> str | None:
     return "engine" if trainer_waited else "trainer" if engines_waited else "both"
 
 
+def _bound_text(m: dict) -> str:
+    """``"  bound <side>"`` for a step line or the bar, or "" when the side is not known."""
+    side = bound_side(m)
+    return f"  bound {side}" if side else ""
+
+
 def step_line(m: dict, steps: int) -> str:
     val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
-    bound = f"  bound {b}" if (b := bound_side(m)) else ""
+    bound = _bound_text(m)
     return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
             f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
             f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{bound}{val}")
@@ -75,9 +81,8 @@ class ProgressView:
         if self._bar is None:
             print(step_line(m, self.steps), flush=True)
             return
-        bound = f"  bound {b}" if (b := bound_side(m)) else ""
         stats = (f"reward {m['reward_mean']:.3f}  staleness {m['staleness_mean']:.2f}  "
-                 f"{m['tokens_per_s']:.0f} tok/s  v{m['version']}{bound}")
+                 f"{m['tokens_per_s']:.0f} tok/s  v{m['version']}{_bound_text(m)}")
         self._bar.update(self._task, completed=m["step"], stats=stats)
 
     def close(self) -> None:

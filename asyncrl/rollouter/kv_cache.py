@@ -125,8 +125,8 @@ class PagedKVCache:
         on (its padded queries write to scratch) and reads columns ``0..width-1``."""
         self._grow(len(self._refs))
         if self._copies and self.keys:
-            src = self._slots_of([s for s, _ in self._copies])
-            dst = self._slots_of([d for _, d in self._copies])
+            src = self._slots_of(torch.tensor([s for s, _ in self._copies], device=self.device))
+            dst = self._slots_of(torch.tensor([d for _, d in self._copies], device=self.device))
             for pool in (*self.keys, *self.values):
                 pool[dst] = pool[src]
         self._copies = []
@@ -135,16 +135,16 @@ class PagedKVCache:
         n_blocks = -(-width // bt)
         table = torch.tensor([t[:n_blocks] + [SCRATCH] * (n_blocks - len(t[:n_blocks])) for t in tables],
                              dtype=torch.long, device=dev)
-        offsets = torch.arange(bt, device=dev)
-        self._read = (table[:, :, None] * bt + offsets).flatten(1)[:, :width]
+        self._read = self._slots_of(table)[:, :width]
         cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(width_q, device=dev)
         real = torch.arange(width_q, device=dev) < torch.tensor(lens, device=dev)[:, None]
         self._write = torch.where(real, self._read.gather(1, cols.clamp_max(width - 1)), SCRATCH * bt)
         self._width = width
 
-    def _slots_of(self, blocks: list[int]) -> torch.Tensor:
-        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return (ids[:, None] * self.block_tokens + torch.arange(self.block_tokens, device=self.device)).flatten()
+    def _slots_of(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The pool slots of ``blocks`` (block ids, any shape ``[..., n]``) in order: ``[..., n * block_tokens]``."""
+        offsets = torch.arange(self.block_tokens, device=self.device)
+        return (blocks[..., None] * self.block_tokens + offsets).flatten(-2)
 
     def _grow(self, blocks: int) -> None:
         if blocks <= self.capacity:
