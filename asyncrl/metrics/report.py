@@ -277,9 +277,12 @@ class TrainerReporter:
     def after_step(self, result: Any) -> None:
         now = time.perf_counter()
         sync = getattr(self.coordinator, "last", None)
+        # The launcher's step time (asyncrl.progress.train) when it gives one, so the stream and
+        # metrics.jsonl agree; else the time since the last report.
+        step_s = result.metrics.get("timing_s/step", now - self._t)
         values = trainer_step_metrics(
             result.metrics, self.source.take(result.sample_ids), trained_version=self._version,
-            step_s=now - self._t, totals=self.totals, sync=sync if sync is not self._last_sync else None,
+            step_s=step_s, totals=self.totals, sync=sync if sync is not self._last_sync else None,
             consumer=self.consumer)
         if self.coordinator is not None:
             values["fault/engine_restarts"] = getattr(self.coordinator, "joined", 0)

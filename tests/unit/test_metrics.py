@@ -14,7 +14,7 @@ import zmq
 from asyncrl.metrics.config import MetricsConfig
 from asyncrl.metrics.events import MetricEvent, MetricsWireError, decode, encode
 from asyncrl.metrics.names import NAMES, is_known, markdown_table
-from asyncrl.metrics.report import MeteredSource, TrainerTotals, trainer_step_metrics
+from asyncrl.metrics.report import MeteredSource, TrainerReporter, TrainerTotals, trainer_step_metrics
 from asyncrl.metrics.service import MetricsService
 from asyncrl.metrics.sinks import SinkSet, open_sinks
 from asyncrl.metrics.sinks.jsonl import read_events
@@ -287,6 +287,25 @@ async def test_step_report_from_the_groups_trained():
     assert out["fully_async/count/current_param_version"] == 3
     assert all(is_known(name) for name in out), [n for n in out if not is_known(n)]
     assert src.take([]).samples == []  # take() resets
+
+
+async def test_step_report_takes_the_launchers_step_time_and_the_trainers_wait():
+    class Emitter:
+        def emit_many(self, values, step, version):
+            self.values = values
+
+    class Result:
+        step, version, sample_ids = 1, 1, ["sample_0_0"]
+        metrics = {"loss": 0.1, "step": 1, "version": 1, "timing_s/step": 0.8, "timing_s/wait_data": 0.2}
+
+    src = MeteredSource(_Source([_group("sample_0_0", [2, 6], [3, 3], [0, 1])]))
+    await src.recv(timeout=1)
+    emitter = Emitter()
+    TrainerReporter(emitter, src).after_step(Result())
+    # metrics.jsonl's figures, not the time between reports: the stream and the file agree.
+    assert emitter.values["timing_s/step"] == 0.8 and emitter.values["timing_s/wait_data"] == 0.2
+    assert emitter.values["fully_async/trainer/idle_ratio"] == pytest.approx(0.25)
+    assert emitter.values["throughput/trained_tokens_per_s"] == pytest.approx((2 + 6) / 0.8)
 
 
 async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
