@@ -98,9 +98,11 @@ def workload(n, median, seed):
     return prompts, lengths
 
 
-#: The short workload's model: a user's own small Qwen2 (issue 27's), head size 32.
-SHORT_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, initializer_range=0.2)
+#: A user's own small Qwen2 (issue 27's): build_tiny_model's at this shape, head size 32.
+USER_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2)
+#: The short workload's model: that shape with larger random weights (lengths are assigned, EOS off).
+SHORT_MODEL = {**USER_MODEL, "initializer_range": 0.2}
 
 
 def short_workload(groups, n, seed):

@@ -76,9 +76,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REWARD = "asyncrl.tasks.arithmetic:reward"
-USER_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2)
-"""The issue's model: build_tiny_model's Qwen2 at this shape."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,6 +107,7 @@ def launcher_argv(args: argparse.Namespace, tmp: Path) -> list[str]:
     """The launcher's flags for the run, building the default model and dataset in ``tmp``."""
     from asyncrl.models.tiny import build_tiny_model
     from asyncrl.tasks import arithmetic
+    from bench_engine import USER_MODEL  # the issue's model, as bench_engine's short workload has it
 
     model = args.model or str(build_tiny_model(tmp / "model", **USER_MODEL))
     dataset, reward = args.dataset, args.reward or DEFAULT_REWARD

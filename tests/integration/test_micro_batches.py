@@ -3,7 +3,6 @@ the loss and the gradient norm it reports equal one plain forward and backward o
 batch in its original order, so every field stayed with its row."""
 
 import math
-import socket
 
 import pytest
 import torch
@@ -12,15 +11,10 @@ from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.net import free_port
 from asyncrl.trainer import algorithm
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, WorkerConfig
 from asyncrl.trainer.worker import TrainerWorker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(vocab: int, rows: int = 12, width: int = 20, prompt: int = 4) -> TensorDict:
@@ -46,7 +40,7 @@ def test_sorted_micro_batches_report_the_loss_and_gradient_norm_of_the_whole_uns
     algo = AlgorithmConfig(decoupled=True, kl_coef=0.1, tis_cap=2.0)
     cfg = WorkerConfig(model_path=path, micro_batch_size=5, device="cpu", algorithm=algo,
                        optim=OptimConfig(lr=1e-3, grad_clip=0.0))
-    worker = TrainerWorker(cfg, rank=0, world_size=1, master_port=_free_port())
+    worker = TrainerWorker(cfg, rank=0, world_size=1, master_port=free_port())
     try:
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         batch = _batch(reference.config.vocab_size)
