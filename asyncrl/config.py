@@ -91,7 +91,7 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    """The inference engine every replica runs (`asyncrl.rollouter.actor.make_engine`)."""
+    """The inference engine every replica runs (`asyncrl.rollouter.engines.make_engine`)."""
 
     kind: Literal["auto", "torch", "vllm"] = "auto"
     """``auto``: vLLM when the Rollouter has GPUs, else the built-in torch engine."""
@@ -544,13 +544,12 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
         cfg.weight_sync_config()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.engine_kind == "vllm":  # torch is imported only for vLLM runs, which need it anyway
-        from asyncrl.rollouter.vllm_engine import check_vllm_temperature
+    from asyncrl.rollouter.engines.backends import check_temperature
 
-        try:
-            check_vllm_temperature(r.temperature, named("rollout.temperature"))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    try:
+        check_temperature(cfg.engine_kind, r.temperature, named("rollout.temperature"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if t.algorithm.temperature != r.temperature:
         raise ConfigError(f"trainer.algorithm.temperature={t.algorithm.temperature} differs from "
                           f"{named('rollout.temperature')}={r.temperature}: the loss would be off-policy by "

@@ -142,7 +142,7 @@ async def test_a_run_stopped_in_its_weight_sync_runs_that_sync_at_resume(local_r
     # fails): step 1 is trained and checkpointed, but its weights never became version 1. The
     # resume must publish them as version 1, as an uninterrupted run would; republishing them as
     # version 0 leaves an on-policy Rollouter's staleness budget spent, and the run waits forever.
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
     from asyncrl.sync.inprocess import InProcessSyncer
 
     path, ranks = local_rank

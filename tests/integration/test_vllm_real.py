@@ -219,10 +219,10 @@ async def test_close_with_requests_in_flight_returns_their_partial_output(actor)
 @on_module_loop
 async def test_a_killed_engine_core_fails_its_requests_and_groups_closed(tiny_model):
     from asyncrl.queue.memory import MemorySink
-    from asyncrl.rollouter.engine import EngineClosedError
+    from asyncrl.rollouter.engines.base import EngineClosedError
     from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
-    from asyncrl.rollouter.torch_engine import TorchEngine
-    from asyncrl.rollouter.vllm_engine import VLLMEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
+    from asyncrl.rollouter.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(_model_dir(tiny_model), max_model_len=256, kv_cache_mb=64, eos_token_ids=())
     builtin = TorchEngine(_model_dir(tiny_model), eos_token_ids=())

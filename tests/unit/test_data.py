@@ -187,7 +187,7 @@ def test_model_dir_check_names_the_path(tmp_path):
 
 async def test_validation_scores_each_prompt_greedily_with_ids_apart_from_training(tmp_path, reward_module):
     from asyncrl.rollouter.rollouter import RolloutConfig
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
     from asyncrl.rollouter.worker import RolloutWorker
     from asyncrl.models.tiny import build_tiny_model
 

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.rollouter import model_runner
-from asyncrl.rollouter.engine import EngineClosedError, EngineError, EnginePausedError
-from asyncrl.rollouter.torch_engine import TorchEngine, TorchEngineConfig
+from asyncrl.rollouter.engines.builtin import model_runner
+from asyncrl.rollouter.engines.base import EngineClosedError, EngineError, EnginePausedError
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine, TorchEngineConfig
 from asyncrl.types import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(greedy=True)

@@ -22,16 +22,10 @@ import pytest
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.rollouter.engine import EngineError
-from asyncrl.rollouter.vllm_engine import (
-    VLLMEngineConfig,
-    checkpoint_param_meta,
-    expand_version_spans,
-    map_finish_reason,
-    model_eos_token_ids,
-    sampled_logprobs,
-    sampling_kwargs,
-)
+from asyncrl.rollouter.engines.base import EngineError
+from asyncrl.rollouter.engines.vllm.config import VLLMEngineConfig, model_eos_token_ids, sampling_kwargs
+from asyncrl.rollouter.engines.vllm.engine import expand_version_spans, map_finish_reason, sampled_logprobs
+from asyncrl.sync.vllm_broadcast import checkpoint_param_meta
 from asyncrl.sync.base import GroupInit, SenderInit
 from asyncrl.sync.vllm import (
     TensorMeta,
@@ -57,7 +51,7 @@ def _request(**sampling) -> GenerateRequest:
 
 
 def test_modules_import_without_vllm():
-    code = "import sys, asyncrl.rollouter.vllm_engine, asyncrl.sync.vllm; assert 'vllm' not in sys.modules"
+    code = "import sys, asyncrl.rollouter.engines.vllm, asyncrl.sync.vllm; assert 'vllm' not in sys.modules"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
@@ -299,7 +293,7 @@ def gpu_model_dir(tmp_path_factory):
 
 def _engine(path, **kw):
     pytest.importorskip("vllm")
-    from asyncrl.rollouter.vllm_engine import VLLMEngine
+    from asyncrl.rollouter.engines.vllm import VLLMEngine
 
     return VLLMEngine(path, dtype="float32", gpu_memory_utilization=0.15, enforce_eager=True, max_model_len=256, **kw)
 
@@ -523,7 +517,7 @@ def fake_vllm(monkeypatch):
 
 
 def _fake_engine(tmp_path, **kw):
-    from asyncrl.rollouter.vllm_engine import VLLMEngine
+    from asyncrl.rollouter.engines.vllm import VLLMEngine
 
     (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
     return VLLMEngine(tmp_path, dtype="float32", **kw)
@@ -540,7 +534,7 @@ def _receiver(engine, *, join_timeout_s=30.0, timeout_s=30.0):
 
 
 def test_sampling_outside_vllms_temperature_range_is_refused():
-    from asyncrl.rollouter.vllm_engine import check_vllm_temperature
+    from asyncrl.rollouter.engines.vllm import check_vllm_temperature
 
     for t in (2.5, 0.005):
         with pytest.raises(ValueError, match=f"sampling.temperature={t} is outside \\[0.01, 2.0\\]"):
