@@ -101,9 +101,10 @@ class EngineConfig:
     """Fraction of each GPU one vLLM replica may take."""
     max_model_len: int | None = None
     """Prompt + response token limit; None: the model's."""
-    max_running: int = 128
-    """Built-in engine: requests decoded together in one batched forward. Its KV cache is paged,
-    so slots cost memory only while requests use them; on CPU a larger batch costs less per token."""
+    max_running: int | None = None
+    """Requests decoded together in one batched forward; None: the engine's own (built-in: 128; vLLM:
+    its ``max_num_seqs`` default, which this sets when given). The built-in engine's KV cache is
+    paged, so slots cost memory only while requests use them; on CPU a larger batch costs less per token."""
     max_restarts: int = 3
     """Times one replica whose process died is started again (it joins the weight sync and gets the
     current weights before it takes a request); past them it is left out."""
@@ -113,8 +114,8 @@ class EngineConfig:
     """vLLM: skip torch.compile and CUDA graph capture (faster start, slower decode); None: True
     on CPU, False on GPU."""
     dtype: str = "auto"
-    """vLLM: dtype it computes in; ``auto`` = the checkpoint's own (config.json), so an fp32 model
-    is served in fp32 like the trainer trains it; bfloat16 | float16 | float32."""
+    """Dtype the engine computes in (both engines); ``auto`` = the checkpoint's own (config.json), so an
+    fp32 model is served in fp32 like the trainer trains it; bfloat16 | float16 | float32."""
     kv_cache_mb: float | None = None
     """vLLM: KV cache per replica in MiB; None: vLLM sizes it on GPU, 1024 MiB on CPU."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -125,8 +126,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1 (or None for the engine's own), got {self.max_running}")
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError(f"max_restarts and restart_backoff_s must be >= 0, got {self.max_restarts}, "
                              f"{self.restart_backoff_s}")
@@ -310,14 +311,18 @@ class RunConfig:
         e = self.engine
         if self.engine_kind == "vllm":
             nccl = {"weight_transfer": "nccl"} if self.weight_sync.method == "vllm" else {}
+            seqs = {"max_num_seqs": e.max_running} if e.max_running is not None else {}
             return dict(model_path=model_path, seed=self.seed, tensor_parallel_size=e.tensor_parallel_size,
                         gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
                         enforce_eager=e.enforce_eager, dtype=e.dtype, kv_cache_mb=e.kv_cache_mb,
-                        engine_kwargs=dict(e.engine_kwargs), **nccl)
+                        engine_kwargs=dict(e.engine_kwargs), **nccl, **seqs)
         # A long-tail workload ends each response at its own budget, not at the model's EOS.
         eos = {"eos_token_ids": ()} if self.data.long_tail > 1 else {}
-        return dict(model_path=model_path, seed=self.seed, max_running=e.max_running, max_model_len=e.max_model_len,
-                    **eos)
+        # With GPUs reserved for the Rollouter, Ray gives each replica its own (CUDA_VISIBLE_DEVICES).
+        device = "cuda" if self.gpu else "cpu"
+        slots = {"max_running": e.max_running} if e.max_running is not None else {}
+        return dict(model_path=model_path, seed=self.seed, max_model_len=e.max_model_len, device=device, dtype=e.dtype,
+                    **slots, **eos)
 
 
 # ------------------------------------------------------------------------ derived values
@@ -510,6 +515,9 @@ def _instantiate(node: DictConfig, path: str = "") -> Any:
 
 # -------------------------------------------------------------------------------- checks
 
+VLLM_ONLY_ENGINE_SETTINGS = ("enforce_eager", "kv_cache_mb", "gpu_memory_utilization", "engine_kwargs")
+"""`EngineConfig` fields that only the vLLM engine reads: set off their default for another engine, they are refused."""
+
 
 def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     """Every cross-part invariant, in one place; raises `ConfigError` naming both sides."""
@@ -530,6 +538,13 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     if cfg.engine.tensor_parallel_size > 1 and cfg.engine_kind != "vllm":
         raise ConfigError(f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} needs engine.kind=vllm "
                           f"(the built-in engine runs on one device), got engine.kind={cfg.engine_kind}")
+    if cfg.engine_kind != "vllm":
+        default = EngineConfig()  # a printed config.yaml gives every key: refuse values, not keys
+        ignored = [k for k in VLLM_ONLY_ENGINE_SETTINGS if getattr(cfg.engine, k) != getattr(default, k)]
+        if ignored:
+            raise ConfigError(f"{', '.join('engine.' + k for k in ignored)} only apply to vLLM, and this run's engine "
+                              f"is engine.kind={cfg.engine_kind} (the built-in engine sizes its paged KV cache as "
+                              "requests need it and runs eagerly): leave them unset, or set engine.kind=vllm")
 
     per_sync = cfg.groups_per_step * t.trigger_parameter_sync_step
     if r.groups_per_sync != per_sync:

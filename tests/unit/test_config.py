@@ -184,3 +184,25 @@ def test_restart_settings_are_checked_and_default_to_a_few_restarts(override, ex
     assert load_config([], [])[0].max_restarts == 2
     with pytest.raises(ConfigError, match=expected):
         load_config([], [override])
+
+
+def test_the_built_in_engine_gets_the_device_and_dtype_and_vllm_gets_max_running():
+    cpu, _ = load_config([], ["engine.kind=torch", "engine.dtype=bfloat16"])
+    kw = cpu.engine_kwargs("/m")
+    assert kw["device"] == "cpu" and kw["dtype"] == "bfloat16" and "max_running" not in kw  # the engine's own 128
+    gpu, _ = load_config([], ["engine.kind=torch", "placement.rollouter_gpus=2", "placement.trainer_gpus=2",
+                              "engine.max_running=64"])
+    kw = gpu.engine_kwargs("/m")
+    assert kw["device"] == "cuda" and kw["dtype"] == "auto" and kw["max_running"] == 64
+    vllm, _ = load_config([], ["placement.rollouter_gpus=2", "placement.trainer_gpus=2", "engine.max_running=64"])
+    assert vllm.engine_kind == "vllm" and vllm.engine_kwargs("/m")["max_num_seqs"] == 64
+    unset, _ = load_config([], ["placement.rollouter_gpus=2", "placement.trainer_gpus=2"])
+    assert "max_num_seqs" not in unset.engine_kwargs("/m")  # vLLM's own default
+
+
+@pytest.mark.parametrize("setting", ["engine.enforce_eager=true", "engine.kv_cache_mb=256",
+                                     "engine.gpu_memory_utilization=0.9", "engine.engine_kwargs={block_size:16}"])
+def test_vllm_only_engine_settings_are_refused_for_the_built_in_engine(setting):
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["engine.kind=torch", setting])
+    assert setting.split("=")[0] in str(e.value) and "engine.kind=torch" in str(e.value)

@@ -16,8 +16,9 @@ class TorchEngineConfig:
     """Local directory of a Hugging Face causal LM (config.json + weights)."""
     device: str = "cpu"
     """Torch device the model runs on (``cpu``, ``cuda``, ``cuda:1``...)."""
-    dtype: torch.dtype = torch.float32
-    """Model dtype; float32 gives log-probs exact to ~1e-6 against a full forward."""
+    dtype: torch.dtype | str = torch.float32
+    """Model dtype: a torch.dtype or its name (``bfloat16``...), or ``auto`` for the checkpoint's own
+    (config.json's). float32 gives log-probs exact to ~1e-6 against a full forward."""
     max_running: int = 128
     """Most requests decoded together in one batched forward (KV blocks are taken as they fill,
     so an idle slot holds no memory)."""
@@ -36,6 +37,11 @@ class TorchEngineConfig:
     that layout, else the model's own; ``hf``: always the model's own ``forward``."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.dtype, str) and self.dtype != "auto":
+            if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+                raise ValueError(f"dtype must be a torch dtype, its name (bfloat16, float16, float32) or 'auto', "
+                                 f"got {self.dtype!r}")
+            self.dtype = getattr(torch, self.dtype)
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len < 2:
