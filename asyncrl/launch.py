@@ -157,14 +157,22 @@ def main(argv: list[str] | None = None) -> int:
 def run_restarting(cfg, plan, cluster, run_dir: Path) -> int:
     """`run`; when it fails (a process of the run died), start it again from its last checkpoint,
     up to ``cfg.max_restarts`` times, each logged with its cause in ``<run_dir>/restarts.jsonl``.
-    The restarted run restores as ``--resume`` does, so every sample is trained once."""
+    The restarted run restores as ``--resume`` does, so every sample is trained once. A
+    programming error (`asyncrl.faults`) is not restarted: it would fail the same way again."""
     from asyncrl import placement
+    from asyncrl.faults import programming_error
 
     restarts = 0
     while True:
         try:
             return asyncio.run(run(cfg, plan, run_dir))
         except Exception as e:
+            bug = programming_error(e)
+            if bug is not None:
+                print(f"asyncrl: not restarting: {bug} is an error in the code, which a restart would meet again; "
+                      f"fix it, then continue with: python -m asyncrl.launch --resume {run_dir}",
+                      file=sys.stderr, flush=True)
+                raise
             if restarts >= cfg.max_restarts:
                 if cfg.max_restarts:
                     print(f"asyncrl: no restart left (max_restarts={cfg.max_restarts} used)", file=sys.stderr, flush=True)
