@@ -42,3 +42,20 @@ def programming_error(error: BaseException) -> str | None:
         if found:
             return found.group(1)
     return None
+
+
+_ACTOR_NAMES = {"TrainerWorker": "a trainer rank", "RolloutWorker": "the Rollouter", "EngineActor": "an engine"}
+
+
+def fault_line(error: BaseException) -> str:
+    """One line naming what failed: for an actor that died, which process it was (Ray's error
+    puts the actor's class and pid on lines of their own, after a first line that names neither)."""
+    text = str(error)
+    fields = dict(line.strip().split(": ", 1) for line in text.splitlines()[1:]
+                  if line.startswith("\t") and ": " in line)
+    first = text.splitlines()[0] if text else ""
+    cls = fields.get("class_name")
+    if cls:
+        who = f"{_ACTOR_NAMES.get(cls, 'the actor')} ({cls}" + (f", pid {fields['pid']})" if "pid" in fields else ")")
+        first = f"{who} died: {first}"
+    return f"{type(error).__name__}: {first}"

@@ -113,3 +113,30 @@ def test_a_dead_process_restarts_the_run_and_a_type_error_stops_it_with_its_trac
     assert not (tmp_path / "restarts.jsonl").exists()
     err = capsys.readouterr().err
     assert "not restarting: TypeError" in err and f"--resume {tmp_path}" in err
+
+
+def _died(cls: str, pid: int) -> ray.exceptions.ActorDiedError:
+    """The error Ray raises in the caller when the process of an actor of class ``cls`` died."""
+    import os
+
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+
+    return ray.exceptions.ActorDiedError(ActorDiedErrorContext(
+        class_name=cls, actor_id=os.urandom(16), pid=pid,
+        error_message="The actor is dead because its worker process has died."))
+
+
+def test_a_restart_names_the_process_that_died_and_the_checkpoint_it_starts_from(tmp_path, monkeypatch, capsys):
+    from asyncrl.trainer import checkpoint
+
+    _restart_loop(tmp_path, monkeypatch, [_died("TrainerWorker", 4242)])
+    staged = checkpoint.staging_path(tmp_path / "checkpoints", 6)
+    checkpoint.publish(tmp_path / "checkpoints", staged, checkpoint.TrainerState(step=6, version=6))
+    _restart_loop(tmp_path, monkeypatch, [_died("RolloutWorker", 77), _died("EngineActor", 5)])
+    causes = [json.loads(line)["cause"] for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+    assert causes[0].startswith("ActorDiedError: a trainer rank (TrainerWorker, pid 4242) died")
+    assert causes[1].startswith("ActorDiedError: the Rollouter (RolloutWorker, pid 77) died")
+    assert causes[2].startswith("ActorDiedError: an engine (EngineActor, pid 5) died")
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncrl: restart ")]
+    assert "from the start (no checkpoint yet)" in lines[0] and "TrainerWorker, pid 4242" in lines[0]
+    assert all(f"from its checkpoint of step 6 ({tmp_path / 'checkpoints' / 'step_000006'})" in x for x in lines[1:])
