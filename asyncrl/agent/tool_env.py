@@ -19,7 +19,6 @@ thread); the pool's size bounds how many can. An async tool that blocks the loop
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +50,7 @@ class ToolRunner:
     """Runs tool calls with a deadline and a concurrency bound; owns the sync tools' thread pool.
 
     Share one runner across the episodes of a process (pass it to each `ToolEnv`) so the bound
-    holds for all of them; `close` it when done.
+    holds for all of them; `close` it when done. A runner serves one event loop.
     """
 
     def __init__(self, config: ToolRunnerConfig | None = None):
@@ -145,5 +144,4 @@ class ToolEnv(Env):
 
     async def close(self) -> None:
         if self._own_runner:
-            with contextlib.suppress(RuntimeError):
-                self.runner.close()
+            self.runner.close()
