@@ -18,7 +18,7 @@ from asyncrl.faults import programming_error
 from asyncrl.hang import HangError
 from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
-from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.rollouter.engines.builtin import TorchEngine
 from asyncrl.trainer.batch import IncompleteGroupError, screen_groups
 
 
