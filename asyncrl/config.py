@@ -514,6 +514,11 @@ def _read_yaml(path: str) -> DictConfig:
         raise ConfigError(f"--config {path}: not valid YAML ({_first_line(str(e))})") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections, got a list")
+    # A config.yaml printed before the run config lost its skip.rollout section holds it disabled:
+    # it asked nothing, so such a run directory still resumes; an enabled one is refused below.
+    old_role = OmegaConf.select(loaded, "skip.rollout", default=None)
+    if isinstance(old_role, DictConfig) and not old_role.get("enable", False):
+        loaded.skip.pop("rollout")
     return loaded
 
 

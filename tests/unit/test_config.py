@@ -252,3 +252,14 @@ def test_vllm_only_engine_settings_are_refused_for_the_built_in_engine(setting):
     with pytest.raises(ConfigError) as e:
         load_config([], ["engine.kind=torch", setting])
     assert setting.split("=")[0] in str(e.value) and "engine.kind=torch" in str(e.value)
+
+
+def test_a_config_yaml_printed_with_the_old_disabled_skip_rollout_role_still_loads(tmp_path):
+    """Run directories written before ``skip.rollout`` left the run config resume; an enabled one is refused."""
+    old = tmp_path / "config.yaml"
+    old.write_text("steps: 3\nskip:\n  rollout:\n    enable: false\n    dump_dir: null\n    steps: null\n"
+                   "    action: cache\n")
+    assert load_config([str(old)], [])[0].steps == 3
+    old.write_text("skip:\n  rollout:\n    enable: true\n")
+    with pytest.raises(ConfigError, match="skip.async_rollout"):
+        load_config([str(old)], [])
