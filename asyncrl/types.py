@@ -19,8 +19,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-FinishReason = Literal["stop", "length", "abort", "truncated"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "truncated")
+FinishReason = Literal["stop", "length", "abort", "truncated", "max_turns", "context"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "truncated", "max_turns", "context")
+#: Finish reasons of a response the Trainer may learn from (an agent loop's turn or context
+#: limit ends an episode like ``length`` ends a single turn); ``abort``/``truncated`` are cut off.
+VALID_FINISH_REASONS: tuple[str, ...] = ("stop", "length", "max_turns", "context")
 GroupStatus = Literal["ok", "failed"]
 
 _SAMPLE_ID = re.compile(r"^sample_(\d+)_(\d+)$")
@@ -194,7 +197,22 @@ def _as_array(value, dtype, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(value).__name__}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-d, got shape {arr.shape}")
-    return arr.astype(dtype, copy=False)
+    return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
+def _mask(value, n: int, who: str) -> np.ndarray:
+    # A loss mask: one 0/1 per response token, stored as uint8 (bool or any 0/1 integers accepted).
+    try:
+        raw = _as_array(value, None, "loss_mask")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{who}: {e}") from None
+    if raw.dtype.kind not in "biu":
+        raise TypeError(f"{who}: loss_mask must be bool or integer (0/1), got {raw.dtype}")
+    if len(raw) != n:
+        raise ValueError(f"{who}: loss_mask must have one entry per response token ({n}), got {len(raw)}")
+    if len(raw) and (raw.min() < 0 or raw.max() > 1):
+        raise ValueError(f"{who}: loss_mask must hold only 0 and 1, got values in [{raw.min()}, {raw.max()}]")
+    return raw.astype(np.uint8, copy=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -214,11 +232,18 @@ class Trajectory:
     versions: np.ndarray
     """Policy version (number of weight syncs) that produced each response token, int64."""
     finish_reason: FinishReason
-    """``stop`` | ``length`` | ``abort`` | ``truncated``."""
+    """``stop`` | ``length`` | ``abort`` | ``truncated``; an agent loop's ``max_turns`` | ``context``."""
     reward: float = 0.0
     """Scalar reward; set by the Rollouter's reward function."""
     age: int = 0
     """Truncation rounds this response survived (partial rollout)."""
+    loss_mask: np.ndarray | None = None
+    """uint8 per response token: 1 on tokens the model wrote (trained), 0 on observation tokens
+    (tool output, env replies, template markers between turns), which carry log-prob 0 and
+    version -1. None: every token is the model's (a single-turn response; nothing on the wire)."""
+    turns: int = 1
+    """Model turns in the response (an agent loop's conversation; 1 for plain generation; 0 for
+    an episode that ended before its first turn, e.g. on its context limit)."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = _as_array(self.prompt_ids, np.int64, "prompt_ids")
@@ -235,22 +260,43 @@ class Trajectory:
             raise ValueError(
                 f"{self.sample_id}[{self.index}]: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}"
             )
+        if self.loss_mask is not None:
+            self.loss_mask = _mask(self.loss_mask, n, f"{self.sample_id}[{self.index}]")
+        if type(self.turns) is not int or self.turns < 0:
+            raise ValueError(f"{self.sample_id}[{self.index}]: turns must be an int >= 0, got {self.turns!r}")
 
     @classmethod
-    def _from_typed(cls, sample_id, index, prompt_ids, response_ids, logprobs, versions, finish_reason, reward, age):
+    def _from_typed(cls, sample_id, index, prompt_ids, response_ids, logprobs, versions, finish_reason, reward, age,
+                    loss_mask=None, turns=1):
         """Private fast path for the stream codec: the arrays are already 1-d int64/float32/int64
-        with matching lengths (the codec checked them), so only ``finish_reason`` is checked."""
+        (uint8 mask) with matching lengths (the codec checked them), so only ``finish_reason`` is checked."""
         if finish_reason not in FINISH_REASONS:
             raise ValueError(f"{sample_id}[{index}]: finish_reason {finish_reason!r} is not one of {FINISH_REASONS}")
         t = object.__new__(cls)
         t.sample_id, t.index, t.finish_reason, t.reward, t.age = sample_id, index, finish_reason, reward, age
         t.prompt_ids, t.response_ids, t.logprobs, t.versions = prompt_ids, response_ids, logprobs, versions
+        t.loss_mask, t.turns = loss_mask, turns
         return t
 
     @property
     def valid(self) -> bool:
         """A trajectory the Trainer may learn from: finished by the model, not cut off mid-flight."""
-        return self.finish_reason in ("stop", "length")
+        return self.finish_reason in VALID_FINISH_REASONS
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the model wrote: those the loss sees."""
+        return len(self.response_ids) if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
+
+    @property
+    def masked_tokens(self) -> int:
+        """Response tokens the loss never sees (observations)."""
+        return len(self.response_ids) - self.model_tokens
+
+    @property
+    def model_versions(self) -> np.ndarray:
+        """The versions of the tokens the model wrote (observations' -1 left out): what staleness counts."""
+        return self.versions if self.loss_mask is None else self.versions[self.loss_mask != 0]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trajectory):
@@ -261,6 +307,9 @@ class Trajectory:
             and self.finish_reason == other.finish_reason
             and self.reward == other.reward
             and self.age == other.age
+            and self.turns == other.turns
+            and (self.loss_mask is None) == (other.loss_mask is None)
+            and (self.loss_mask is None or np.array_equal(self.loss_mask, other.loss_mask))
             and all(
                 np.array_equal(getattr(self, k), getattr(other, k))
                 for k in ("prompt_ids", "response_ids", "logprobs", "versions")
