@@ -337,7 +337,7 @@ def _partial_metrics(groups: list[Group]) -> dict[str, float]:
     truncation, their share, the most versions one trajectory spans, and their ages."""
     trajectories = [t for g in groups for t in g.trajectories]
     ages = [t.age for t in trajectories]
-    spans = [int(t.versions.max() - t.versions.min()) for t in trajectories if len(t.versions)]
+    spans = [int(v.max() - v.min()) for v in (t.model_versions for t in trajectories) if len(v)]
     partial = sum(a > 0 for a in ages)
     return {
         "fully_async/partial/total_partial_num": float(partial),
