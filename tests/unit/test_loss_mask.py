@@ -192,3 +192,18 @@ def test_to_trajectory_keeps_the_episode_and_drops_an_all_ones_mask():
     assert plain.loss_mask is None and plain.turns == 1 and plain.reward == 1.0  # the env's reward wins
     with pytest.raises(ValueError, match=r"sample_0_4\[2\]: the episode has no reward"):
         to_trajectory(dataclasses.replace(single, reward=None), sample_id=SID, index=2)
+
+
+def test_the_samples_audit_records_turns_and_masked_tokens_per_trajectory(tmp_path):
+    from asyncrl.trainer import audit
+
+    g = Group(SID, [conversation(2), conversation(0, masked=False), conversation(1)], expected=3)
+    plain = Group("sample_0_5", [dataclasses.replace(conversation(k, masked=False), sample_id="sample_0_5")
+                                 for k in range(2)], expected=2)
+    log = audit.SampleLog(tmp_path / "samples.jsonl")
+    log.append(audit.trained([g, plain], 7) + [audit.dropped(g, 8, "stale: ...")])
+    first, second, third = log.read()
+    assert first == {"sample_id": SID, "step": 7, "status": "trained", "reason": None,
+                     "turns": [1, 2, 2], "masked_tokens": [0, 4, 4]}  # in index order
+    assert second["turns"] == [1, 1] and second["masked_tokens"] == [0, 0]
+    assert third["status"] == "dropped" and third["masked_tokens"] == [0, 4, 4]
