@@ -414,7 +414,8 @@ def test_geometry_matches_vllms_own_packer():
 
     tensors = _tensors()
     metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
-    for bucket_bytes in (1, 100, 600, 16384, 10**9):
+    # 528: the first two tensors' bytes exactly (a bucket closes only past its size)
+    for bucket_bytes in (1, 100, 528, 600, 16384, 10**9):
         it, theirs = iter(tensors), []
         while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
             theirs.append(chunk.packed_tensor)
