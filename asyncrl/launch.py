@@ -161,6 +161,7 @@ def run_restarting(cfg, plan, cluster, run_dir: Path) -> int:
     programming error (`asyncrl.faults`) is not restarted: it would fail the same way again."""
     from asyncrl import placement
     from asyncrl.faults import fault_line, programming_error
+    from asyncrl.progress import newest_checkpoint
 
     restarts = 0
     while True:
@@ -182,20 +183,12 @@ def run_restarting(cfg, plan, cluster, run_dir: Path) -> int:
             with open(run_dir / "restarts.jsonl", "a") as f:
                 f.write(json.dumps({"restart": restarts, "time": time.time(), "cause": cause}) + "\n")
             wait = cfg.restart_backoff_s * restarts
-            print(f"asyncrl: restart {restarts}/{cfg.max_restarts} of the run from {_newest_checkpoint(run_dir)} in "
+            print(f"asyncrl: restart {restarts}/{cfg.max_restarts} of the run from {newest_checkpoint(run_dir)} in "
                   f"{wait:g} s, after {cause}", file=sys.stderr, flush=True)
             time.sleep(wait)
             # Plan again: a node may have gone with the process.
             plan = placement.make_plan(cfg, placement.Cluster(nodes=placement.alive_nodes(),
                                                               started_here=cluster.started_here))
-
-
-def _newest_checkpoint(run_dir: Path) -> str:
-    """The checkpoint a restart (or ``--resume``) starts from, in words."""
-    from asyncrl.trainer import checkpoint
-
-    found = checkpoint.latest(run_dir / "checkpoints")
-    return f"its checkpoint of step {found[1].step} ({found[0]})" if found else "the start (no checkpoint yet)"
 
 
 def config_layers(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -140,3 +140,20 @@ def test_a_restart_names_the_process_that_died_and_the_checkpoint_it_starts_from
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncrl: restart ")]
     assert "from the start (no checkpoint yet)" in lines[0] and "TrainerWorker, pid 4242" in lines[0]
     assert all(f"from its checkpoint of step 6 ({tmp_path / 'checkpoints' / 'step_000006'})" in x for x in lines[1:])
+
+
+async def test_a_run_that_stops_without_a_new_checkpoint_names_the_one_it_continues_from(tmp_path, capsys):
+    """A dead trainer rank once read "no checkpoint" while the run had one: the line names the newest."""
+    from types import SimpleNamespace
+
+    from asyncrl.progress import checkpoint_after_failure
+    from asyncrl.trainer import checkpoint
+
+    broken = SimpleNamespace(broken="trainer rank 1 (TrainerWorker, pid 9) died")
+    await checkpoint_after_failure(broken, RuntimeError("rank died"), tmp_path)
+    assert "no new checkpoint (trainer rank 1 (TrainerWorker, pid 9) died)" in capsys.readouterr().err
+    staged = checkpoint.staging_path(tmp_path / "checkpoints", 4)
+    checkpoint.publish(tmp_path / "checkpoints", staged, checkpoint.TrainerState(step=4, version=4))
+    await checkpoint_after_failure(broken, RuntimeError("rank died"), tmp_path)
+    err = capsys.readouterr().err
+    assert f"from its checkpoint of step 4 ({tmp_path / 'checkpoints' / 'step_000004'})" in err
