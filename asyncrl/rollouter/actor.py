@@ -15,7 +15,7 @@ it; a method that does not fit the engine's kind is refused.
 Dispatch by group: ``generate_group(requests, truncatable, batch_s)`` takes several requests in one
 call (a group's ``n``, or the responses of a group resumed in a round) and hands back each one's
 result or error as it ends, in batches (an async generator: through Ray a streaming call, one
-message per batch). Responses that end within ``batch_s`` of the batch's first go in it: each
+message per batch); ``generate_all`` is the same in one plain call answered at the end. Responses that end within ``batch_s`` of the batch's first go in it: each
 message costs the caller about as much as a Ray call, so a group costs a call and a few messages
 instead of ``n`` calls. ``stats()`` adds ``groups`` (calls: group calls and single generates) and
 ``group_prompt_tokens`` (the tokens of each call's distinct prompts: what the engine prefills when
@@ -89,22 +89,28 @@ class EngineActor:
         return {"kind": self.kind, "version": self.engine.version}
 
     async def generate_group(self, requests: Sequence[GenerateRequest], truncatable: bool = False,
-                             batch_s: float = 0.0) -> AsyncIterator[list[tuple[int, GenerateResult | Exception]]]:
+                             batch_s: float | None = 0.0) -> AsyncIterator[list[tuple[int, GenerateResult | Exception]]]:
         """Several requests at once; yields ``[(i, result or the exception it raised), ...]`` as they
-        end, those that end within ``batch_s`` of a batch's first together."""
+        end, those that end within ``batch_s`` of a batch's first together (None: all in one batch)."""
         self._count(requests)
         tasks = {asyncio.ensure_future(self._generate(r, truncatable)): i for i, r in enumerate(requests)}
         pending = set(tasks)
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if pending and batch_s > 0:
+                if pending and (batch_s is None or batch_s > 0):
                     more, pending = await asyncio.wait(pending, timeout=batch_s)
                     done |= more
                 yield [(tasks[t], t.exception() or t.result()) for t in sorted(done, key=tasks.__getitem__)]
         finally:
             for t in pending:
                 t.cancel()
+
+    async def generate_all(self, requests: Sequence[GenerateRequest],
+                           truncatable: bool = False) -> list[tuple[int, GenerateResult | Exception]]:
+        """`generate_group` answered in one message, once the last request ends (a plain Ray call:
+        about a third of a streaming call's cost to the caller)."""
+        return [item async for batch in self.generate_group(requests, truncatable, None) for item in batch]
 
     async def generate(self, request: GenerateRequest, truncatable: bool = False) -> GenerateResult:
         """One response; a ``truncatable`` one may be stopped by `truncate` (``finish_reason="truncated"``)."""

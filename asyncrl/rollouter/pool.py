@@ -59,10 +59,11 @@ class EnginePool:
     """The engine replicas of one Rollouter (see the module docstring).
 
     ``engines`` are EngineActor handles or in-process engines; ``batch_s`` is how long a replica
-    may hold a finished response to send it with others of the same call (`EngineActor.generate_group`).
+    may hold a finished response to send it with others of the same call (`EngineActor.generate_group`;
+    None: the whole call's results in one plain call, `EngineActor.generate_all`).
     """
 
-    def __init__(self, engines: Sequence[Any], timeout_s: float, batch_s: float = 0.0):
+    def __init__(self, engines: Sequence[Any], timeout_s: float, batch_s: float | None = 0.0):
         if not engines:
             raise ValueError("Rollouter needs at least one engine")
         self.engines = list(engines)
@@ -155,9 +156,11 @@ class EnginePool:
             pass
 
     def _stream(self, engine: Any, requests: list[GenerateRequest], truncatable: bool) -> AsyncIterator[list]:
-        if hasattr(engine, "generate_group"):
-            return calls.stream(engine, "generate_group", requests, truncatable, self.batch_s)
-        return _each(engine, requests, truncatable)
+        if not hasattr(engine, "generate_group"):
+            return _each(engine, requests, truncatable)
+        if self.batch_s is None:
+            return _at_once(engine, requests, truncatable)
+        return calls.stream(engine, "generate_group", requests, truncatable, self.batch_s)
 
     def mark_dead(self, e: int, exc: BaseException) -> None:
         """Replica ``e``'s actor died: no further requests go to it."""
@@ -218,6 +221,11 @@ class EnginePool:
         self.load[e] -= len(ids)
         for rid in ids:
             self._in_flight.pop(rid, None)
+
+
+async def _at_once(engine: Any, requests: list[GenerateRequest], truncatable: bool) -> AsyncIterator[list]:
+    """Every outcome of the call in one batch, from one plain call (`EngineActor.generate_all`)."""
+    yield await calls.call(engine, "generate_all", requests, truncatable)
 
 
 async def _each(engine: Any, requests: list[GenerateRequest], truncatable: bool) -> AsyncIterator[list]:

@@ -100,10 +100,11 @@ class RolloutConfig:
     aborted on its engine and fails its group."""
     reward_workers: int = 4
     """Threads that run a synchronous reward function (an async one is awaited instead)."""
-    result_batch_s: float = 0.02
-    """A replica sends the responses of one group call that end within this many seconds of each
-    other in one message (each message costs the Rollouter about one Ray call); a response's reward
-    starts at most this late. 0: a message per response."""
+    result_batch_s: float | None = 0.02
+    """A replica streams a group call's results back, those that end within this many seconds of
+    each other in one message (0: a message per response), so each response's reward starts at most
+    this late. None: one plain call answered when the group's last response ends (rewards start
+    then; the cheapest for the Rollouter: a streaming call costs it ~3x a plain one, docs/scale.md)."""
     seed: int = 0
     """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
 
@@ -115,7 +116,7 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.staleness_threshold must be >= 0, got {self.staleness_threshold}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"RolloutConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.result_batch_s < 0:
+        if self.result_batch_s is not None and self.result_batch_s < 0:
             raise ValueError(f"RolloutConfig.result_batch_s must be >= 0, got {self.result_batch_s}")
 
 

@@ -44,10 +44,11 @@ def _request(rid: str, seed: int = 0) -> GenerateRequest:
     return GenerateRequest(rid, np.array([1, 2, 3], dtype=np.int64), max_tokens=8, sampling=SamplingParams(seed=seed))
 
 
-async def test_each_group_goes_in_one_call_to_one_replica_and_the_load_spreads():
+@pytest.mark.parametrize("result_batch_s", [0.02, None])  # streamed in batches; in one plain call
+async def test_each_group_goes_in_one_call_to_one_replica_and_the_load_spreads(result_batch_s):
     actors = [SpyActor(max_running=32, tokens_per_s=4000.0, seed=0) for _ in range(3)]
     try:
-        cfg = RolloutConfig(n=4, max_tokens=8, groups_per_sync=30, max_concurrent=6)
+        cfg = RolloutConfig(n=4, max_tokens=8, groups_per_sync=30, max_concurrent=6, result_batch_s=result_batch_s)
         r = Rollouter(cfg, actors, MemorySink(), _prompts(8), _reward)
         await asyncio.wait_for(r.run(num_groups=30), 60)
     finally:
