@@ -7,16 +7,14 @@ One asyncio loop, one task group::
          ▲                                  │ truncated (partial rollout)    (awaits credit)
          └─ partial buffer, highest age ◄───┘ first, released at the next weight sync
 
-Three parts, three files: the feed (`asyncrl.rollouter.feed`: feed order, ``sample_id``, the
-position a checkpoint saves), the dispatch to the replicas (`asyncrl.rollouter.pool`: a group's
-requests in one call to one replica it sticks to, deadlines, dead replicas), and here the
-staleness gate and group assembly.
+The feed is `asyncrl.rollouter.feed` (order, ``sample_id``, the position a checkpoint saves),
+the dispatch `asyncrl.rollouter.pool` (a group's requests in one call to the replica it sticks
+to, deadlines, dead replicas: ``request_timeout_s`` counts no weight-sync pause), rewards
+`asyncrl.rollouter.rewards`; here are the staleness gate and group assembly.
 
-- Resume: a resumed feed regenerates the ids admitted and not trained first (`RolloutState`);
-  ``admitted`` continues from the groups already done. The partial buffer is saved too (``partials`` in the snapshot): a response truncated before the
-  checkpoint continues after the resume from its saved parts (tokens, behaviour log-probs,
-  versions, age), served with its pending group; only a part being generated at the crash,
-  and the finished responses of unfinished groups, are generated again.
+- Resume: the feed serves the ids admitted and not trained first (`RolloutState`); ``admitted``
+  continues from the groups done. A response truncated before the checkpoint (``partials`` in
+  the snapshot) continues from its saved parts, served with its pending group.
 - `stop` drains: no new admissions, in-flight groups are cancelled and their requests aborted
   on the engines (a resume regenerates them), and `run` returns.
 - Staleness gate (verl's fully-async knobs): after ``version`` weight syncs the Trainer will
@@ -39,8 +37,6 @@ staleness gate and group assembly.
   partial response under the new weights when they resume); the Rollouter sees nothing of it.
   Without partial rollout, in-flight requests are paused and kept through each sync by the
   engines, KV cache and all.
-- ``request_timeout_s`` counts only time outside weight-sync pauses; a call past it has its
-  running requests aborted on its engine, and they fail their group.
 - A response that fails (engine error, dead engine, timeout) fails its whole group, which is
   still sent, with ``status="failed"`` and the error: the Trainer fails closed on it (or drops
   and counts it). An engine whose actor died gets no further requests: the call's unfinished
@@ -53,8 +49,6 @@ staleness gate and group assembly.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -64,60 +58,18 @@ from typing import Any
 import numpy as np
 
 from asyncrl.calls import call
+from asyncrl.rollouter.config import RolloutConfig
 from asyncrl.rollouter.feed import Feed, Prompt, RolloutState, encode_prompts
+from asyncrl.rollouter.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
+from asyncrl.rollouter.rewards import Rewards
 from asyncrl.skip import SkipManager, is_replayed
 from asyncrl.types import GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
 
 __all__ = ["Prompt", "RolloutConfig", "RolloutState", "RolloutStats", "Rollouter", "encode_prompts", "settle_gc"]
 
 log = logging.getLogger("asyncrl.rollouter")
-
-
-@dataclass(kw_only=True)
-class RolloutConfig:
-    """Settings of the Rollouter."""
-
-    n: int = 8
-    """Responses per prompt (the group size)."""
-    max_tokens: int = 8
-    """Response budget per request (a prompt may carry its own, `Prompt.max_tokens`)."""
-    temperature: float = 1.0
-    """Sampling temperature (behaviour logprobs are taken after it)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; 1 disables it."""
-    top_k: int = 0
-    """Top-k sampling; 0 disables it."""
-    groups_per_sync: int = 8
-    """Groups the Trainer consumes between two weight syncs (`TrainerConfig.groups_per_sync`)."""
-    staleness_threshold: float = 0.0
-    """Extra fraction of ``groups_per_sync`` that may be generated ahead of the next sync."""
-    max_concurrent: int = 16
-    """Prompts in flight at once across all engines."""
-    request_timeout_s: float = 600.0
-    """Deadline of one generate call, not counting weight-sync pauses; past it the request is
-    aborted on its engine and fails its group."""
-    reward_workers: int = 4
-    """Threads that run a synchronous reward function (an async one is awaited instead)."""
-    result_batch_s: float | None = 0.02
-    """A replica streams a group call's results back, those that end within this many seconds of
-    each other in one message (0: a message per response), so each response's reward starts at most
-    this late. None: one plain call answered when the group's last response ends (rewards start
-    then; the cheapest for the Rollouter: a streaming call costs it ~3x a plain one, docs/scale.md)."""
-    seed: int = 0
-    """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
-
-    def __post_init__(self) -> None:
-        for name in ("n", "max_tokens", "groups_per_sync", "max_concurrent", "reward_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.staleness_threshold < 0:
-            raise ValueError(f"RolloutConfig.staleness_threshold must be >= 0, got {self.staleness_threshold}")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"RolloutConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.result_batch_s is not None and self.result_batch_s < 0:
-            raise ValueError(f"RolloutConfig.result_batch_s must be >= 0, got {self.result_batch_s}")
 
 
 @dataclass
@@ -134,29 +86,6 @@ class RolloutStats:
     """Truncated responses dispatched again."""
 
 
-GC_YOUNG_THRESHOLD = 20_000
-"""Allocations between collections of Python's youngest generation in the Rollouter's process (`settle_gc`)."""
-
-
-def settle_gc() -> None:
-    """Keep the garbage collector from pausing a busy Rollouter's event loop.
-
-    Each request allocates futures, tasks and arrays that live for its lifetime. Under Python's
-    default thresholds (700 allocations) they outlive several young collections, reach the
-    oldest generation, and make full collections of the whole heap (modules, tokenizer, dataset
-    included) run about once a second: at 128 simulated replicas 1.5 s of 7 s went to them, up to
-    190 ms at once (``scripts/bench_scale.py``). Call once the process is set up: what exists now
-    is frozen out of every later collection (`gc.freeze`), and the youngest generation is
-    collected every ``GC_YOUNG_THRESHOLD`` allocations, so most per-request objects die before
-    a collection sees them. Reference cycles are still collected.
-    """
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 100)
-
-
 _ADMIT_BURST = 64
 """Groups the feed admits in one turn of the event loop before it lets other work run."""
 
@@ -165,9 +94,10 @@ class Rollouter:
     """Generates groups from ``prompts`` on ``engines`` and sends them on ``producer``.
 
     ``engines`` are EngineActor handles or in-process objects: an `EngineActor` (its
-    ``generate_group``) or an engine (awaitable ``generate``, one call per request; `EnginePool`); ``reward_fn(prompt, response_ids) -> float`` (or an awaitable of
-    one) gets the `Prompt` (its text and row meta) and the response's token ids; a synchronous
-    one runs on the Rollouter's reward threads, off its event loop.
+    ``generate_group``) or an engine (awaitable ``generate``, one call per request; `EnginePool`).
+    ``reward_fn(prompt, response_ids) -> float`` (or an awaitable of one) gets the `Prompt` (its
+    text and row meta) and the response's token ids; a synchronous one runs on the Rollouter's
+    reward threads, off its event loop (`Rewards`).
     ``partial`` turns partial rollout on; with ``truncate_at="threshold"`` it needs ``aggregator``
     (an `AggregatorActor` handle or instance); with ``truncate_at="sync"`` the engines truncate
     at each weight sync themselves (the coordinator's ``clear_cache``) and the Rollouter does
@@ -208,7 +138,7 @@ class Rollouter:
         self._round_opened = False
         self._finished = 0
         """Groups this run generated or replayed (complete or failed), counted before their send."""
-        self._reward_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.rewards = Rewards(reward_fn, cfg.reward_workers)
 
     # ------------------------------------------------------------------ control
 
@@ -294,9 +224,7 @@ class Rollouter:
 
     async def run(self, num_groups: int | None = None) -> None:
         """Feed prompts until ``num_groups`` more groups were admitted (forever when None), or `stop`."""
-        if self._reward_pool is None:
-            self._reward_pool = concurrent.futures.ThreadPoolExecutor(self.cfg.reward_workers,
-                                                                      thread_name_prefix="asyncrl-reward")
+        self.rewards.open()
         stop_at = None if num_groups is None else self.admitted + num_groups
         if self._lockstep and not self._round_opened:
             async with self._gate:
@@ -321,8 +249,7 @@ class Rollouter:
                     if burst % _ADMIT_BURST == 0:
                         await asyncio.sleep(0)
         finally:
-            self._reward_pool.shutdown(wait=False, cancel_futures=True)
-            self._reward_pool = None
+            self.rewards.close()
 
     # ------------------------------------------------------------------ one prompt
 
@@ -365,7 +292,7 @@ class Rollouter:
         for k, o in enumerate(outcomes):  # the rewards, started as each response ended; most are done by now
             if isinstance(o, tuple):
                 try:
-                    o[0].reward = await _reward_of(o[2])
+                    o[0].reward = await Rewards.value(o[2])
                 except Exception as exc:
                     outcomes[k] = exc
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
@@ -384,12 +311,24 @@ class Rollouter:
                 self._round_closed = True  # the step has its groups: admit nothing until the sync
         return group
 
+    def _request(self, sample_id: str, index: int, k: int, prompt: Prompt, parts: PartialResponse,
+                 budget: int) -> GenerateRequest:
+        """Response ``k``'s request: prompt + what it generated so far, the budget left, its own seed."""
+        cfg = self.cfg
+        ids, _, _ = parts.joined()
+        return GenerateRequest(
+            request_id=f"{sample_id}/{k}" + (f"/{parts.age}" if parts.age else ""),
+            prompt_ids=np.concatenate([prompt.prompt_ids, ids]) if len(ids) else prompt.prompt_ids,
+            max_tokens=budget - len(ids),
+            sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                    seed=cfg.seed + 1000 * index + k + 7919 * parts.age),
+        )
+
     async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt,
                             calls: GroupCalls) -> tuple[Trajectory, int, Any]:
         """One response, resumed across truncations; returns it with the replica that finished it
-        and its reward under way (`_start_reward`)."""
-        cfg = self.cfg
-        budget = prompt.max_tokens or cfg.max_tokens
+        and its reward under way (`Rewards.start`)."""
+        budget = prompt.max_tokens or self.cfg.max_tokens
         parts = self._truncated.get(sample_id, {}).get(k)
         resuming = parts is not None  # only a resume puts parts there before this call
         parts = parts or PartialResponse()
@@ -403,14 +342,7 @@ class Rollouter:
                 await self.partials.wait(parts.age, self.version)
                 owed = True
                 continue
-            ids, _, _ = parts.joined()
-            request = GenerateRequest(
-                request_id=f"{sample_id}/{k}" + (f"/{parts.age}" if parts.age else ""),
-                prompt_ids=np.concatenate([prompt.prompt_ids, ids]) if len(ids) else prompt.prompt_ids,
-                max_tokens=budget - len(ids),
-                sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                        seed=cfg.seed + 1000 * index + k + 7919 * parts.age),
-            )
+            request = self._request(sample_id, index, k, prompt, parts, budget)
             if owed:
                 self.partials.dispatched()
                 owed = False
@@ -444,32 +376,17 @@ class Rollouter:
             sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=response_ids,
             logprobs=logprobs, versions=versions, finish_reason=finish, age=parts.age,
         )
-        return trajectory, replica, self._start_reward(prompt, response_ids)
-
-    def _start_reward(self, prompt: Prompt, response_ids: np.ndarray) -> asyncio.Task | concurrent.futures.Future:
-        """Start the response's reward off the event loop: a coroutine function as a task, a plain
-        one on the reward threads. The group reads it once its last response ends (`_reward_of`),
-        so a plain reward costs the event loop no wake-up of its own."""
-        if inspect.iscoroutinefunction(self.reward_fn):
-            return asyncio.ensure_future(self.reward_fn(prompt, response_ids))
-        return self._reward_pool.submit(self.reward_fn, prompt, response_ids)
+        return trajectory, replica, self.rewards.start(prompt, response_ids)
 
     def stats_now(self) -> dict:
-        """`RolloutStats` as a dict, the idle span in progress included, with ``time_s`` (monotonic)."""
-        now = time.monotonic()
+        """`RolloutStats` and the pool's counters as a dict (the idle span in progress included),
+        with ``time_s`` (monotonic)."""
         pool = self.pool
         out = {k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__}
-        out.update(time_s=now, waiting_partials=len(self.partials), idle_s=pool.idle_s(), timed_out=pool.timed_out,
-                   dead_engines=pool.dead_engines, engine_calls=pool.calls, requests_spread=pool.spread())
+        out.update(time_s=time.monotonic(), waiting_partials=len(self.partials), idle_s=pool.idle_s(),
+                   timed_out=pool.timed_out, dead_engines=pool.dead_engines, engine_calls=pool.calls,
+                   requests_spread=pool.spread())
         return out
-
-async def _reward_of(pending: asyncio.Task | concurrent.futures.Future) -> float:
-    """The value of a reward `Rollouter._start_reward` started (awaited only if not done yet)."""
-    if isinstance(pending, concurrent.futures.Future):
-        value = pending.result() if pending.done() else await asyncio.wrap_future(pending)
-    else:
-        value = await pending
-    return float(await value if inspect.isawaitable(value) else value)
 
 
 def _index_of(sample_id: str) -> int:
