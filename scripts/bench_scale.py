@@ -538,7 +538,7 @@ def _sizes(args: argparse.Namespace, ray_hop: bool, agg: bool) -> list[dict]:
     """Every size of ``--replicas`` for one placement of the replicas, each in a process of its own."""
     ctx = mp.get_context("spawn")
     rows = []
-    where = f"in {min(args.hosts, max(args.replicas))} Ray actor processes" if ray_hop else "in process (no Ray)"
+    where = f"in {args.hosts} Ray actor processes (fewer when fewer replicas)" if ray_hop else "in process (no Ray)"
     print(f"replicas {where}:", flush=True)
     for replicas in args.replicas:
         out = ctx.Queue()
