@@ -117,8 +117,12 @@ class EnginePool:
         """
         keys = list(requests)
         left = set(keys)
-        ids = [requests[k].request_id for k in keys]
-        self._enter(e, ids)
+        self._enter(e, [requests[k].request_id for k in keys])
+
+        def done(k: int, outcome: Outcome) -> None:
+            left.discard(k)
+            self._exit(e, [requests[k].request_id])  # a finished request no longer loads its replica
+            deliver(k, outcome, e)
 
         async def consume() -> None:
             async for batch in self._stream(self.engines[e], [requests[k] for k in keys], truncatable):
@@ -126,8 +130,7 @@ class EnginePool:
                     if isinstance(outcome, BaseException) and actor_died(outcome):
                         raise outcome  # the replica is gone: what is left goes elsewhere
                     if keys[j] in left:
-                        left.discard(keys[j])
-                        deliver(keys[j], outcome, e)
+                        done(keys[j], outcome)
 
         task = asyncio.ensure_future(consume())
         try:
@@ -135,23 +138,24 @@ class EnginePool:
             while not task.done():
                 remaining = self.timeout_s - (self.active_time() - start)
                 if remaining <= 0:
-                    await self._time_out(e, [(k, requests[k].request_id) for k in keys if k in left], left, deliver)
+                    running = [k for k in keys if k in left]
+                    error = TimeoutError(f"no result within request_timeout_s={self.timeout_s} (time paused for "
+                                         f"weight syncs not counted); aborted on engine replica {e} with the rest "
+                                         "of its call")
+                    for k in running:  # failed first: what the abort hands back is not delivered
+                        done(k, error)
+                    await self._time_out(e, [requests[k].request_id for k in running])
                     return
                 await asyncio.wait({task}, timeout=remaining)  # re-armed while a pause stops the clock
             task.result()
         finally:
             task.cancel()
-            self._exit(e, ids)
+            self._exit(e, [requests[k].request_id for k in left], call_ended=True)
 
-    async def _time_out(self, e: int, running: list[tuple[int, str]], left: set[int], deliver: Deliver) -> None:
+    async def _time_out(self, e: int, running: list[str]) -> None:
         self.timed_out += len(running)
-        error = TimeoutError(f"no result within request_timeout_s={self.timeout_s} (time paused for weight syncs "
-                             f"not counted); aborted on engine replica {e} with the rest of its call")
-        for k, _ in running:
-            left.discard(k)
-            deliver(k, error, e)
         try:
-            await asyncio.wait_for(calls.call(self.engines[e], "abort", [rid for _, rid in running]), 30.0)
+            await asyncio.wait_for(calls.call(self.engines[e], "abort", running), 30.0)
         except Exception:  # noqa: BLE001 - the engine may be gone; the timeout is the error that matters
             pass
 
@@ -214,10 +218,11 @@ class EnginePool:
         for rid in ids:
             self._in_flight[rid] = e
 
-    def _exit(self, e: int, ids: list[str]) -> None:
-        self._busy -= 1
-        if self._busy == 0:
-            self._idle_since = time.monotonic()
+    def _exit(self, e: int, ids: list[str], call_ended: bool = False) -> None:
+        if call_ended:
+            self._busy -= 1
+            if self._busy == 0:
+                self._idle_since = time.monotonic()
         self.load[e] -= len(ids)
         for rid in ids:
             self._in_flight.pop(rid, None)
