@@ -27,25 +27,24 @@ AGE_BUCKETS = 5  # 0..3 and "4 or more"
 
 # ----------------------------------------------------------------------------- Rollouter side
 
-ENGINE_COUNTERS = ("groups", "group_prompt_tokens", "prefill_tokens", "prompt_tokens_computed", "prompt_tokens_cached")
+ENGINE_COUNTERS = ("groups", "group_prompt_tokens", "group_prefill_tokens", "prompt_tokens_computed",
+                   "prompt_tokens_cached")
 """Engine counters (summed over replicas) behind the shared-prefill metrics (`prefill_metrics`)."""
 
 
 def engine_counters(stats: list[dict]) -> dict[str, int]:
-    """`ENGINE_COUNTERS` summed over the replicas' ``stats()``; vLLM's computed prompt tokens are its prefill."""
-    out = {k: sum(int(s.get(k, 0)) for s in stats) for k in ENGINE_COUNTERS}
-    out["prefill_tokens"] += out["prompt_tokens_computed"]  # a vLLM engine has no prefill_tokens of its own
-    return out
+    """`ENGINE_COUNTERS` summed over the replicas' ``stats()`` (`EngineActor.stats`)."""
+    return {k: sum(int(s.get(k, 0)) for s in stats) for k in ENGINE_COUNTERS}
 
 
 def prefill_metrics(last: dict, now: dict) -> dict[str, float]:
-    """Shared prefill between two `engine_counters` readings: the means over the group calls in
-    between of the prompt tokens prefilled and of the distinct prompt tokens they carried (equal
-    when each group's prompt is prefilled once), and vLLM's prefix-cache hit rate."""
+    """Shared prefill between two `engine_counters` readings: the means over the group calls that
+    ended in between of the prompt tokens prefilled for them and of the distinct prompt tokens they
+    carried (equal when each group's prompt is prefilled once), and vLLM's prefix-cache hit rate."""
     d = {k: now.get(k, 0) - last.get(k, 0) for k in ENGINE_COUNTERS}
     out: dict[str, float] = {}
     if d["groups"] > 0:
-        out["engine/prefill_tokens_per_group"] = d["prefill_tokens"] / d["groups"]
+        out["engine/prefill_tokens_per_group"] = d["group_prefill_tokens"] / d["groups"]
         out["engine/prompt_tokens_per_group"] = d["group_prompt_tokens"] / d["groups"]
     seen = d["prompt_tokens_computed"] + d["prompt_tokens_cached"]
     if seen > 0:

@@ -17,9 +17,11 @@ call (a group's ``n``, or the responses of a group resumed in a round) and hands
 result or error as it ends, in batches (an async generator: through Ray a streaming call, one
 message per batch); ``generate_all`` is the same in one plain call answered at the end. Responses that end within ``batch_s`` of the batch's first go in it: each
 message costs the caller about as much as a Ray call, so a group costs a call and a few messages
-instead of ``n`` calls. ``stats()`` adds ``groups`` (calls: group calls and single generates) and
-``group_prompt_tokens`` (the tokens of each call's distinct prompts: what the engine prefills when
-it shares a group's prompt perfectly; compare ``prefill_tokens``).
+instead of ``n`` calls. ``stats()`` adds, over the calls that ended on an engine that says what
+each request prefilled (`GenerateResult.prefill_tokens`: the built-in one), ``groups`` (calls:
+group calls and single generates), ``group_prompt_tokens`` (the tokens of each call's distinct
+prompts: what the engine prefills when it shares a group's prompt perfectly) and
+``group_prefill_tokens`` (what it prefilled for them).
 
 Partial rollout: ``generate(request, truncatable=True)`` registers the request for the
 aggregator's ``truncate(version)`` signal, which stops every registered request that has
@@ -82,7 +84,7 @@ class EngineActor:
         self._truncated: set[str] = set()
         self._closed_round: int | None = None
         """The round a ``queued`` truncation closed: truncatable requests of it are not started."""
-        self._calls = dict(groups=0, group_prompt_tokens=0)
+        self._calls = dict(groups=0, group_prompt_tokens=0, group_prefill_tokens=0)
 
     async def ready(self) -> dict:
         """Returns once the engine is built: ``{"kind", "version"}``."""
@@ -92,16 +94,19 @@ class EngineActor:
                              batch_s: float | None = 0.0) -> AsyncIterator[list[tuple[int, GenerateResult | Exception]]]:
         """Several requests at once; yields ``[(i, result or the exception it raised), ...]`` as they
         end, those that end within ``batch_s`` of a batch's first together (None: all in one batch)."""
-        self._count(requests)
         tasks = {asyncio.ensure_future(self._generate(r, truncatable)): i for i, r in enumerate(requests)}
-        pending = set(tasks)
+        pending, outcomes = set(tasks), []
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if pending and (batch_s is None or batch_s > 0):
                     more, pending = await asyncio.wait(pending, timeout=batch_s)
                     done |= more
-                yield [(tasks[t], t.exception() or t.result()) for t in sorted(done, key=tasks.__getitem__)]
+                batch = [(tasks[t], t.exception() or t.result()) for t in sorted(done, key=tasks.__getitem__)]
+                outcomes += [o for _, o in batch]
+                if not pending:  # counted before the last batch leaves: its reader may look at once
+                    self._count(requests, outcomes)
+                yield batch
         finally:
             for t in pending:
                 t.cancel()
@@ -114,13 +119,18 @@ class EngineActor:
 
     async def generate(self, request: GenerateRequest, truncatable: bool = False) -> GenerateResult:
         """One response; a ``truncatable`` one may be stopped by `truncate` (``finish_reason="truncated"``)."""
-        self._count([request])
-        return await self._generate(request, truncatable)
+        result = await self._generate(request, truncatable)
+        self._count([request], [result])
+        return result
 
-    def _count(self, requests: Sequence[GenerateRequest]) -> None:
+    def _count(self, requests: Sequence[GenerateRequest], outcomes: list) -> None:
+        """A call ended: count it when the engine said what each request prefilled (the built-in one does)."""
+        if not all(isinstance(o, GenerateResult) and o.prefill_tokens is not None for o in outcomes):
+            return
         self._calls["groups"] += 1
         self._calls["group_prompt_tokens"] += sum(len(p) for p in {r.prompt_ids.tobytes(): r.prompt_ids
                                                                     for r in requests}.values())
+        self._calls["group_prefill_tokens"] += sum(o.prefill_tokens for o in outcomes)
 
     async def _generate(self, request: GenerateRequest, truncatable: bool) -> GenerateResult:
         if not truncatable:

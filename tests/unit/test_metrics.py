@@ -323,7 +323,7 @@ async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
             self.groups += 2
             return {"running": self.running, "queued": 1, "kv_tokens": 5, "tokens_generated": self.tokens,
                     "groups": self.groups, "group_prompt_tokens": 6 * self.groups,
-                    "prefill_tokens": 6 * self.groups * (1 if self.shared else 4)}
+                    "group_prefill_tokens": 6 * self.groups * (1 if self.shared else 4)}
 
     class Rollouter:
         sent, admitted, failed, version = 3, 5, 1, 2
@@ -357,7 +357,8 @@ def test_prefill_metrics_read_vllm_prefix_cache_counters():
     from asyncrl.metrics.report import engine_counters, prefill_metrics
 
     last = engine_counters([{"groups": 1, "prompt_tokens_computed": 10, "prompt_tokens_cached": 0}])
-    now = engine_counters([{"groups": 3, "prompt_tokens_computed": 20, "prompt_tokens_cached": 30, "group_prompt_tokens": 20}])
+    now = engine_counters([{"groups": 3, "prompt_tokens_computed": 20, "prompt_tokens_cached": 30,
+                            "group_prompt_tokens": 20, "group_prefill_tokens": 10}])
     out = prefill_metrics(last, now)
     assert out == {"engine/prefill_tokens_per_group": 5.0, "engine/prompt_tokens_per_group": 10.0,
                    "engine/prefix_cache_hit_rate": 0.75}
