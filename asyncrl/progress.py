@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.metrics.report import prefill_metrics
+
 
 BOUND_WAIT = 0.2
 """A side that waited for the other this fraction of a step or more did not bound the step."""
@@ -105,6 +107,8 @@ def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
         "fully_async/partial/resumed": float(d["resumed"]),
         "fully_async/partial/waiting": float(now["waiting_partials"]),
         "rollouter/timed_out": float(d["timed_out"]),
+        "engine/requests_spread": float(now.get("requests_spread", 0.0)),
+        **prefill_metrics(last.get("engine_counters", {}), now.get("engine_counters", {})),
     }
 
 

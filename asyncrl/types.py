@@ -295,6 +295,9 @@ class GenerateResult:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: FinishReason
+    prefill_tokens: int | None = None
+    """Prompt tokens the engine computed for this request (a request that took a shared prompt's
+    blocks: 0, or 1 when it fed the last prompt token itself); None when the engine does not say."""
 
     def __post_init__(self) -> None:
         self.response_ids = _as_array(self.response_ids, np.int64, "response_ids")

@@ -67,6 +67,12 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine/{i}/queued": (R, "requests queued on replica i"),
     "engine/{i}/kv_tokens": (R, "tokens in replica i's KV cache"),
     "engine/reprefill_tokens": (R, "tokens prefilled again after a pause, all engines, so far"),
+    "engine/requests_spread": (R, "(max - min) / mean of the requests sent to each live engine replica so far (0: even)"),
+    "engine/prefill_tokens_per_group": (R, "prompt tokens the built-in engine prefilled per group call (mean over the calls "
+                                           "ended in the interval; equals prompt_tokens_per_group when each group's "
+                                           "prompt is prefilled once)"),
+    "engine/prompt_tokens_per_group": (R, "tokens of the distinct prompts of each group call (mean over the same calls)"),
+    "engine/prefix_cache_hit_rate": (R, "vLLM: prompt tokens served from the prefix cache / prompt tokens (interval)"),
     "engine/preempted": (R, "requests vLLM preempted (and so prefilled again, e.g. at a sync that drops the KV cache), all engines, so far"),
     # the step's samples
     "staleness/mean": (T, "mean per-token version gap of the step (train version - token version)"),

@@ -1,8 +1,9 @@
 """What the running system reports: small wrappers and functions that turn its state into metrics.
 
 The wiring stays a few calls long: the launcher wraps the Trainer's group source in
-`MeteredSource` and emits `trainer_step_metrics` after each step; the Rollouter process wraps
-its engines in `MeteredEngine` and runs `report_rollouter` beside the Rollouter. Names are
+`MeteredSource` and emits `trainer_step_metrics` after each step; the Rollouter process runs
+`report_rollouter` beside the Rollouter (its idle ratio is the Rollouter's own clock of engine
+calls in flight). Names are
 in `asyncrl.metrics.names`.
 """
 
@@ -16,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.calls import call
+
 log = logging.getLogger("asyncrl.metrics")
 
 STALENESS_BUCKETS = 9  # 0..7 and "8 or more"
@@ -24,79 +27,47 @@ AGE_BUCKETS = 5  # 0..3 and "4 or more"
 
 # ----------------------------------------------------------------------------- Rollouter side
 
-class IdleClock:
-    """Time with nothing in flight: `enter`/`exit` around each call, `take_ratio` per interval."""
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        now = time.monotonic()
-        self._idle_since: float | None = now
-        self._idle_s = 0.0
-        self._window_start = now
-
-    def enter(self) -> None:
-        if self.in_flight == 0 and self._idle_since is not None:
-            self._idle_s += time.monotonic() - self._idle_since
-            self._idle_since = None
-        self.in_flight += 1
-
-    def exit(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle_since = time.monotonic()
-
-    def take_ratio(self) -> float:
-        """Idle fraction of the time since the last call."""
-        now = time.monotonic()
-        idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
-        span = now - self._window_start
-        self._idle_s, self._window_start = 0.0, now
-        if self._idle_since is not None:
-            self._idle_since = now
-        return min(1.0, idle / span) if span > 0 else 0.0
+ENGINE_COUNTERS = ("groups", "group_prompt_tokens", "group_prefill_tokens", "prompt_tokens_computed",
+                   "prompt_tokens_cached")
+"""Engine counters (summed over replicas) behind the shared-prefill metrics (`prefill_metrics`)."""
 
 
-class MeteredEngine:
-    """An engine (Ray handle or in-process) whose ``generate`` calls tick an `IdleClock`.
-
-    Everything but ``generate`` passes through to the engine unchanged.
-    """
-
-    def __init__(self, engine: Any, clock: IdleClock):
-        self._engine, self._clock = engine, clock
-
-    async def generate(self, request, *args):
-        self._clock.enter()
-        try:
-            remote = getattr(self._engine.generate, "remote", None)
-            return await (remote(request, *args) if remote is not None else self._engine.generate(request, *args))
-        finally:
-            self._clock.exit()
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
+def engine_counters(stats: list[dict]) -> dict[str, int]:
+    """`ENGINE_COUNTERS` summed over the replicas' ``stats()`` (`EngineActor.stats`)."""
+    return {k: sum(int(s.get(k, 0)) for s in stats) for k in ENGINE_COUNTERS}
 
 
-async def _engine_stats(engine: Any) -> dict:
-    remote = getattr(engine.stats, "remote", None)
-    if remote is not None:
-        return await remote()
-    out = engine.stats()
-    return await out if asyncio.iscoroutine(out) else out
+def prefill_metrics(last: dict, now: dict) -> dict[str, float]:
+    """Shared prefill between two `engine_counters` readings: the means over the group calls that
+    ended in between of the prompt tokens prefilled for them and of the distinct prompt tokens they
+    carried (equal when each group's prompt is prefilled once), and vLLM's prefix-cache hit rate."""
+    d = {k: now.get(k, 0) - last.get(k, 0) for k in ENGINE_COUNTERS}
+    out: dict[str, float] = {}
+    if d["groups"] > 0:
+        out["engine/prefill_tokens_per_group"] = d["group_prefill_tokens"] / d["groups"]
+        out["engine/prompt_tokens_per_group"] = d["group_prompt_tokens"] / d["groups"]
+    seen = d["prompt_tokens_computed"] + d["prompt_tokens_cached"]
+    if seen > 0:
+        out["engine/prefix_cache_hit_rate"] = d["prompt_tokens_cached"] / seen
+    return out
 
 
 class RolloutReporter:
     """Turns the Rollouter process's state into one dict of metrics per poll."""
 
-    def __init__(self, engines: list, clock: IdleClock, n: int):
-        self.engines, self.clock, self.n = engines, clock, n
+    def __init__(self, engines: list, n: int):
+        self.engines, self.n = engines, n
         self._last_tokens: int | None = None
         self._last_t = time.monotonic()
+        self._last_idle: float | None = None
+        self._last_counters: dict = {}
 
     async def poll(self, rollouter: Any, producer: Any) -> dict[str, float]:
-        stats = await asyncio.gather(*(_engine_stats(e) for e in self.engines))
-        now = time.monotonic()
-        out: dict[str, float] = {"fully_async/rollouter/idle_ratio": self.clock.take_ratio()}
+        stats = await asyncio.gather(*(call(e, "stats") for e in self.engines))
+        now, last_t = time.monotonic(), self._last_t
+        counters = engine_counters(stats)
+        out: dict[str, float] = prefill_metrics(self._last_counters, counters)
+        self._last_counters = counters
         for i, s in enumerate(stats):
             for key in ("running", "queued", "kv_tokens"):
                 out[f"engine/{i}/{key}"] = s.get(key, 0)
@@ -107,6 +78,11 @@ class RolloutReporter:
             out["throughput/generated_tokens_per_s"] = (tokens - self._last_tokens) / (now - self._last_t)
         self._last_tokens, self._last_t = tokens, now
         if rollouter is not None:
+            rs = rollouter.stats_now()
+            if self._last_idle is not None and now > last_t:  # the Rollouter's own clock of calls in flight
+                out["fully_async/rollouter/idle_ratio"] = min(1.0, max(0.0, rs["idle_s"] - self._last_idle) / (now - last_t))
+            self._last_idle = rs["idle_s"]
+            out["engine/requests_spread"] = rs["requests_spread"]
             out.update({
                 "fully_async/count/total_generated_samples": rollouter.sent * self.n,
                 "rollouter/admitted": rollouter.admitted,

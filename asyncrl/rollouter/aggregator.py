@@ -23,10 +23,11 @@ The class is plain Python (usable in-process); `remote_aggregator_actor` makes t
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from asyncrl.calls import call
 
 log = logging.getLogger("asyncrl.rollouter.aggregator")
 
@@ -93,7 +94,7 @@ class AggregatorActor:
     async def _each(self, method: str, version: int, *args: Any) -> list:
         """``method(version, *args)`` on every replica; a dead or stuck replica is logged (its
         answer None), not waited for."""
-        calls = [asyncio.wait_for(_invoke(e, method, version, *args), self.signal_timeout_s) for e in self.engines]
+        calls = [asyncio.wait_for(call(e, method, version, *args), self.signal_timeout_s) for e in self.engines]
         outs = await asyncio.gather(*calls, return_exceptions=True)
         for i, out in enumerate(outs):
             if isinstance(out, BaseException):
@@ -107,14 +108,6 @@ class AggregatorActor:
     async def stats(self) -> dict:
         return {"round": self.round, "count": self.count, "threshold": self.round_threshold,
                 "per_replica": dict(self.per_replica), "truncated_rounds": dict(self.truncated_rounds)}
-
-
-async def _invoke(target: Any, method: str, *args: Any) -> Any:
-    """Call ``target.method(*args)`` on a Ray actor handle or an in-process object."""
-    fn = getattr(target, method)
-    remote = getattr(fn, "remote", None)
-    out = remote(*args) if remote is not None else fn(*args)
-    return await out if inspect.isawaitable(out) else out
 
 
 def remote_aggregator_actor(**options):

@@ -20,8 +20,8 @@ import inspect
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialRolloutConfig
+from asyncrl.calls import call
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState, settle_gc
-from asyncrl.rollouter.rollouter import _call as call_engine
 from asyncrl.types import GenerateRequest, SamplingParams
 from asyncrl.skip import SkipConfig, SkipManager, model_fingerprint, prompts_fingerprint, rollout_shape
 
@@ -136,7 +136,6 @@ class RolloutWorker:
         self.rollouter: Rollouter | None = None
         self.metrics_endpoint, self.metrics_interval_s = metrics_endpoint, metrics_interval_s
         self._stopped = False
-        self._metered = None  # wraps an engine handle for the idle clock, once metrics run
 
     async def replace_engine(self, index: int, engine) -> None:
         """Replica ``index`` was started again and holds the current weights: use it."""
@@ -144,7 +143,7 @@ class RolloutWorker:
         if self.aggregator is not None:
             await self.aggregator.replace_engine.remote(index, engine)
         if self.rollouter is not None:
-            await self.rollouter.replace_engine(index, self._metered(engine) if self._metered else engine)
+            await self.rollouter.replace_engine(index, engine)
 
     def ready(self) -> int:
         """Returns once the dataset is loaded: the number of prompts."""
@@ -156,18 +155,16 @@ class RolloutWorker:
 
         producer = StreamProducer(self.stream, producer_id="rollouter-0")
         await producer.start()
-        engines, report = self.engines, None
-        if self.metrics_endpoint:  # metrics (#16): idle clock on the engines, periodic report
-            from asyncrl.metrics.report import IdleClock, MeteredEngine, RolloutReporter, report_rollouter
+        report = None
+        if self.metrics_endpoint:  # metrics (#16): a periodic report beside the Rollouter
+            from asyncrl.metrics.report import RolloutReporter, report_rollouter
             from asyncrl.metrics.stream import MetricsEmitter
 
-            clock, emitter = IdleClock(), MetricsEmitter(self.metrics_endpoint, "rollouter")
-            self._metered = lambda e: MeteredEngine(e, clock)
-            engines = [self._metered(e) for e in self.engines]
+            emitter = MetricsEmitter(self.metrics_endpoint, "rollouter")
             report = asyncio.create_task(report_rollouter(
-                emitter, RolloutReporter(self.engines, clock, self.cfg.n), lambda: (self.rollouter, producer),
+                emitter, RolloutReporter(self.engines, self.cfg.n), lambda: (self.rollouter, producer),
                 self.metrics_interval_s))
-        self.rollouter = Rollouter(self.cfg, engines, producer, self.prompts, self.reward_fn, state=self.state,
+        self.rollouter = Rollouter(self.cfg, list(self.engines), producer, self.prompts, self.reward_fn, state=self.state,
                                    partial=self.partial, aggregator=self.aggregator)
         settle_gc()  # the process is set up: freeze its heap out of the collections of the run
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
@@ -208,9 +205,19 @@ class RolloutWorker:
         if self.rollouter is not None:
             await self.rollouter.on_dropped(sample_ids)
 
-    def stats(self) -> dict:
-        """Cumulative counters and timers (`RolloutStats`, ``time_s``), for the step metrics."""
-        return {} if self.rollouter is None else self.rollouter.stats_now()
+    async def stats(self) -> dict:
+        """Cumulative counters and timers (`RolloutStats`, ``time_s``) and the engines' counters
+        behind the shared-prefill metrics (``engine_counters``; a replica that does not answer
+        within 5 s counts nothing), for the step metrics."""
+        if self.rollouter is None:
+            return {}
+        from asyncrl.metrics.report import engine_counters
+
+        out = self.rollouter.stats_now()
+        stats = await asyncio.gather(*(asyncio.wait_for(call(e, "stats"), 5.0) for e in self.engines),
+                                     return_exceptions=True)
+        out["engine_counters"] = engine_counters([s for s in stats if isinstance(s, dict)])
+        return out
     async def validate(self, step: int) -> dict[str, float]:
         """One greedy response per validation prompt, scored: metrics under ``val/``.
 
@@ -226,7 +233,7 @@ class RolloutWorker:
                                       max_tokens=self.cfg.max_tokens, sampling=SamplingParams(greedy=True))
             async with slots:
                 engine = self.engines[i % len(self.engines)]
-                result = await asyncio.wait_for(call_engine(engine, request), self.cfg.request_timeout_s)
+                result = await asyncio.wait_for(call(engine, "generate", request), self.cfg.request_timeout_s)
             if inspect.iscoroutinefunction(self.reward_fn):
                 reward = await self.reward_fn(prompt, result.response_ids)
             else:  # a plain reward runs off the event loop, as in training

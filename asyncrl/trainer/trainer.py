@@ -39,13 +39,13 @@ or `asyncrl.queue.memory.MemorySource` in one process; the syncer a `asyncrl.syn
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from asyncrl.calls import maybe_await
 from asyncrl.queue.base import GroupSource
 from asyncrl.queue.memory import MemorySource
 from asyncrl.skip.rollout_skip import REPLAY_KEY, is_replayed, rebase_versions
@@ -200,7 +200,7 @@ class Trainer:
                 self._records.append(audit.dropped(group, self.step + 1, reason))
                 dropped.append((sid, reason))
             if out and self.on_dropped is not None:
-                await _maybe_await(self.on_dropped([sid for sid, _ in out]))
+                await maybe_await(self.on_dropped([sid for sid, _ in out]))
         return kept, dropped
 
     async def _next_group(self) -> Group:
@@ -304,7 +304,7 @@ class Trainer:
         state = checkpoint.TrainerState(
             step=self.step, version=self.version, committed=self.committed.to_json(), dropped=self.dropped,
             records=list(self._records),
-            rollouter_state=await _maybe_await(self.rollouter_state()) if self.rollouter_state else {},
+            rollouter_state=await maybe_await(self.rollouter_state()) if self.rollouter_state else {},
             sync_due=self.sync_due,
         )
         checkpoint.publish(root, staged, state)
@@ -326,10 +326,6 @@ def _feed_order(group: Group) -> tuple[int, str]:
         return parse_sample_id(group.sample_id)[1], group.sample_id
     except ValueError:
         return -1, group.sample_id  # ids not from a Rollouter's feed keep a stable order too
-
-
-async def _maybe_await(value):
-    return await value if inspect.isawaitable(value) else value
 
 
 def _partial_metrics(groups: list[Group]) -> dict[str, float]:

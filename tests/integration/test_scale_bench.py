@@ -15,16 +15,20 @@ import soak  # noqa: E402
 @pytest.mark.timeout(300)
 def test_bench_scale_drives_the_rollouter_syncs_and_aggregator_at_two_sizes(capsys):
     result = bench_scale.main(["--replicas", "1", "8", "--warmup-s", "0.5", "--seconds", "1.5",
-                               "--agg-seconds", "1.5", "--probe-s", "0.05", "--json"])
+                               "--agg-seconds", "1.5", "--probe-s", "0.05", "--hosts", "2", "--json"])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
-    assert result["replicas"] == [1, 8]
+    assert result["replicas"] == [1, 8] and result["ray_hop"] is True  # the headline figures cross Ray
+    inside = result["in_process"]  # the same runs with the replicas in the Rollouter's process, beside
     for i in range(2):
-        assert result["req_s"][i] > 50 and 0 < result["cpu_ms_per_req"][i] < 50
-        assert 0 < result["sync_fanout_p50_ms"][i] <= result["sync_fanout_p99_ms"][i]
+        for figures in (result, inside):
+            assert figures["req_s"][i] > 50 and 0 < figures["cpu_ms_per_req"][i] < 50
+            assert 0 < figures["sync_fanout_p50_ms"][i] <= figures["sync_fanout_p99_ms"][i]
+            assert 0.5 < figures["engine_calls_per_group"][i] < 1.5  # a group's requests go in one call
+            assert figures["rss_mb"][i] > 50
         assert result["agg_lag_p99_ms"][i] is not None and result["agg_lag_p99_ms"][i] > 0  # rounds ended
-        assert result["rss_mb"][i] > 50
-    assert result["cpu_ratio_vs_8"] == 1.0  # the largest size is 8 itself
+    assert result["cpu_ratio_vs_8"] == inside["cpu_ratio_vs_8"] == 1.0  # the largest size is 8 itself
+    assert "replicas in 2 Ray actor processes" in out and "replicas in process (no Ray):" in out
     assert "plan: 64 engine replica(s) of 4 GPU(s), 256 trainer rank(s) on 64 node(s)" in out
     assert result["plan_64_nodes_s"] > 0
 

@@ -309,34 +309,59 @@ async def test_step_report_takes_the_launchers_step_time_and_the_trainers_wait()
 
 
 async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
-    from asyncrl.metrics.report import IdleClock, MeteredEngine, RolloutReporter
+    from asyncrl.metrics.report import RolloutReporter
     from asyncrl.queue import StreamConfig, StreamProducer
 
     class Engine:
-        def __init__(self, running):
-            self.running, self.tokens = running, 0
-
-        async def generate(self, request):
-            return request
+        def __init__(self, running, shared):
+            self.running, self.tokens, self.groups, self.shared = running, 0, 0, shared
 
         def stats(self):
+            # Each poll: 10 tokens and 2 group calls of 6 distinct prompt tokens; prefilled once
+            # each when shared, else once per response of the group (n=4).
             self.tokens += 10
-            return {"running": self.running, "queued": 1, "kv_tokens": 5, "tokens_generated": self.tokens}
+            self.groups += 2
+            return {"running": self.running, "queued": 1, "kv_tokens": 5, "tokens_generated": self.tokens,
+                    "groups": self.groups, "group_prompt_tokens": 6 * self.groups,
+                    "group_prefill_tokens": 6 * self.groups * (1 if self.shared else 4)}
 
     class Rollouter:
         sent, admitted, failed, version = 3, 5, 1, 2
+        idle_s = 0.0
 
-    engines, clock = [Engine(2), Engine(4)], IdleClock()
-    assert await MeteredEngine(engines[0], clock).generate("req") == "req" and clock.in_flight == 0
+        def stats_now(self):
+            Rollouter.idle_s += 0.001  # idle a millisecond between two polls
+            return {"idle_s": Rollouter.idle_s, "requests_spread": 0.25}
+
+    engines = [Engine(2, shared=True), Engine(4, shared=True)]
     producer = StreamProducer(StreamConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", window=4))
-    reporter = RolloutReporter(engines, clock, n=8)
+    reporter = RolloutReporter(engines, n=8)
     first = await reporter.poll(Rollouter(), producer)
     second = await reporter.poll(Rollouter(), producer)
     assert (first["engine/0/running"], first["engine/1/running"], first["engine/running"]) == (2, 4, 6)
     assert first["fully_async/count/total_generated_samples"] == 24 and first["rollouter/in_flight"] == 2
     assert first["stream/unacked"] == 0 and first["stream/credit"] == 0  # no consumer: no credit
     assert "throughput/generated_tokens_per_s" not in first and second["throughput/generated_tokens_per_s"] > 0
+    assert "fully_async/rollouter/idle_ratio" not in first and 0 < second["fully_async/rollouter/idle_ratio"] <= 1
+    assert second["engine/requests_spread"] == 0.25
+    assert second["engine/prefill_tokens_per_group"] == second["engine/prompt_tokens_per_group"] == 6
+    assert "engine/prefix_cache_hit_rate" not in second  # no vLLM counters
     assert all(is_known(n) for n in second), [n for n in second if not is_known(n)]
+    unshared = RolloutReporter([Engine(0, shared=False)], n=4)
+    await unshared.poll(None, None)
+    again = await unshared.poll(None, None)
+    assert again["engine/prefill_tokens_per_group"] == 4 * again["engine/prompt_tokens_per_group"] == 24
+
+
+def test_prefill_metrics_read_vllm_prefix_cache_counters():
+    from asyncrl.metrics.report import engine_counters, prefill_metrics
+
+    last = engine_counters([{"groups": 1, "prompt_tokens_computed": 10, "prompt_tokens_cached": 0}])
+    now = engine_counters([{"groups": 3, "prompt_tokens_computed": 20, "prompt_tokens_cached": 30,
+                            "group_prompt_tokens": 20, "group_prefill_tokens": 10}])
+    out = prefill_metrics(last, now)
+    assert out == {"engine/prefill_tokens_per_group": 5.0, "engine/prompt_tokens_per_group": 10.0,
+                   "engine/prefix_cache_hit_rate": 0.75}
 
 
 def test_wandb_sink_writes_an_offline_run_with_the_events(tmp_path, monkeypatch):
@@ -355,6 +380,12 @@ def test_wandb_sink_writes_an_offline_run_with_the_events(tmp_path, monkeypatch)
         sink.close()
     [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     data = run_file.read_bytes()
+    # wandb's service process writes the file on its own: finish() can return before the last
+    # records land on a loaded machine. Wait for every step's record, with a deadline.
+    deadline = time.monotonic() + 60
+    while data.count(b"trainer/step") < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        data = run_file.read_bytes()
 
     def logged(key: str) -> list:
         """The JSON values recorded under ``key``: each history item is the key, then its

@@ -63,3 +63,9 @@ def test_rollouter_share_of_a_step_is_the_difference_of_two_readings():
     assert m["timing_s/rollouter/gate_blocked"] == 0.25 and m["timing_s/rollouter/idle"] == 0.5
     assert m["timing_s/rollouter/credit_blocked"] == 0.0 and m["fully_async/partial/truncated"] == 1.0
     assert rollouter_step_metrics(last, {}) == {}
+    # The engines' counters: the step's group calls, their distinct prompt tokens and what was prefilled.
+    last["engine_counters"] = {"groups": 2, "group_prompt_tokens": 12, "group_prefill_tokens": 12}
+    now.update(requests_spread=0.1, engine_counters={"groups": 6, "group_prompt_tokens": 40, "group_prefill_tokens": 40})
+    m = rollouter_step_metrics(last, now)
+    assert m["engine/prefill_tokens_per_group"] == m["engine/prompt_tokens_per_group"] == 7.0
+    assert m["engine/requests_spread"] == 0.1

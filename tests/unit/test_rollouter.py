@@ -99,7 +99,7 @@ def test_config_errors_name_the_field():
 
 
 class _HandClock:
-    """The Rollouter's clock (its module's ``time``), moved only by the test: the request deadline
+    """The Rollouter's request clock (the engine pool's module's ``time``), moved only by the test: the request deadline
     then depends on what the test says happened, never on how busy the machine is."""
 
     def __init__(self):
@@ -112,10 +112,10 @@ class _HandClock:
 
 async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_its_engine(model_path, monkeypatch,
                                                                                                 until):
-    import asyncrl.rollouter.rollouter as rollouter_module
+    import asyncrl.rollouter.pool as pool_module
 
     clock = _HandClock()
-    monkeypatch.setattr(rollouter_module, "time", clock)
+    monkeypatch.setattr(pool_module, "time", clock)
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
         cfg = RolloutConfig(n=1, max_tokens=2, groups_per_sync=10, request_timeout_s=0.5)
@@ -132,7 +132,7 @@ async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_i
         await engine.resume()
         await r.on_sync(1)
         await asyncio.wait_for(task, 60)
-        assert producer.groups[0].complete and r.stats.timed_out == 0
+        assert producer.groups[0].complete and r.stats_now()["timed_out"] == 0
         # A pause it was not told about is just a slow engine: past the timeout the request is
         # aborted on the engine, not left queued there.
         producer = MemorySink()
@@ -143,7 +143,7 @@ async def test_pause_time_does_not_count_and_a_timed_out_request_is_aborted_on_i
         clock.now += 1.0
         await asyncio.wait_for(task, 60)
         g = producer.groups[0]
-        assert g.status == "failed" and "request_timeout_s=0.5" in g.error and r.stats.timed_out == 1
+        assert g.status == "failed" and "request_timeout_s=0.5" in g.error and r.stats_now()["timed_out"] == 1
         assert engine.stats()["queued"] == 0 and engine.stats()["running"] == 0
         await engine.resume()
     finally:
@@ -297,7 +297,7 @@ async def test_a_dead_engine_is_left_out_and_its_requests_go_to_a_live_one(model
     finally:
         await engine.close()
     assert all(g.complete for g in producer.groups) and len(producer.groups) == 3
-    assert Dead.calls == 1  # tried once, then left out
+    assert Dead.calls == cfg.n  # the first group's requests (one call each: no group method) tried once, then left out
     only_dead = Rollouter(cfg, [Dead()], MemorySink(), make_prompts(1), length_reward)
     await asyncio.wait_for(only_dead.run(num_groups=1), 30)
     assert "every engine replica is dead" in only_dead.producer.groups[0].error

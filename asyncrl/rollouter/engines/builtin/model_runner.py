@@ -51,6 +51,8 @@ class Sequence:
     cached: int = 0
     """Tokens whose keys/values are in its blocks (0 until its prompt is prefilled, and after a
     ``clear_cache``)."""
+    prefilled: int = 0
+    """Prompt tokens computed for it (its part of the engine's ``prefill_tokens``)."""
 
     @property
     def rid(self) -> str:
@@ -72,6 +74,7 @@ class Sequence:
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             versions=np.asarray(self.versions, dtype=np.int64),
             finish_reason=finish_reason,
+            prefill_tokens=self.prefilled,
         )
 
 
@@ -160,6 +163,9 @@ class ModelRunner:
                     self.donors[key] = (seq, version)
         rows = decode + prefill
         pending = [s.tokens[s.cached :] for s in rows]
+        for seq, p in zip(rows, pending):
+            if seq.needs_prefill or not seq.n_generated:  # a prompt (or one re-read after clear_cache); fed: 1 token
+                seq.prefilled += len(p)
         starts = [s.cached for s in rows]
         for seq, p in zip(rows, pending):
             self.cache.allocate(seq.blocks, seq.cached, seq.cached + len(p))

@@ -1,0 +1,50 @@
+"""`RolloutConfig`: the Rollouter's settings (the ``rollout`` section of the run's config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Settings of the Rollouter."""
+
+    n: int = 8
+    """Responses per prompt (the group size)."""
+    max_tokens: int = 8
+    """Response budget per request (a prompt may carry its own, `Prompt.max_tokens`)."""
+    temperature: float = 1.0
+    """Sampling temperature (behaviour logprobs are taken after it)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables it."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it."""
+    groups_per_sync: int = 8
+    """Groups the Trainer consumes between two weight syncs (`TrainerConfig.groups_per_sync`)."""
+    staleness_threshold: float = 0.0
+    """Extra fraction of ``groups_per_sync`` that may be generated ahead of the next sync."""
+    max_concurrent: int = 16
+    """Prompts in flight at once across all engines."""
+    request_timeout_s: float = 600.0
+    """Deadline of one generate call, not counting weight-sync pauses; past it the request is
+    aborted on its engine and fails its group."""
+    reward_workers: int = 4
+    """Threads that run a synchronous reward function (an async one is awaited instead)."""
+    result_batch_s: float | None = 0.02
+    """A replica streams a group call's results back, those that end within this many seconds of
+    each other in one message (0: a message per response), so each response's reward starts at most
+    this late. None: one plain call answered when the group's last response ends (rewards start
+    then; the cheapest for the Rollouter: a streaming call costs it ~3x a plain one, docs/scale.md)."""
+    seed: int = 0
+    """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n", "max_tokens", "groups_per_sync", "max_concurrent", "reward_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.staleness_threshold < 0:
+            raise ValueError(f"RolloutConfig.staleness_threshold must be >= 0, got {self.staleness_threshold}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"RolloutConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.result_batch_s is not None and self.result_batch_s < 0:
+            raise ValueError(f"RolloutConfig.result_batch_s must be >= 0, got {self.result_batch_s}")

@@ -1,0 +1,53 @@
+"""`Rewards`: each response's reward, started as the response ends, off the Rollouter's event loop.
+
+A coroutine reward function runs as a task; a plain one on ``workers`` threads. The group reads
+the values once its last response ended (`Rewards.value`): by then most are done, so a plain
+reward costs the event loop no wake-up of its own, and rewards still run beside generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+Pending = asyncio.Task | concurrent.futures.Future
+
+
+class Rewards:
+    """``reward_fn(prompt, response_ids) -> float`` (or an awaitable of one), run per response."""
+
+    def __init__(self, reward_fn: Callable[[Any, np.ndarray], float | Awaitable[float]], workers: int):
+        self.reward_fn, self.workers = reward_fn, workers
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def open(self) -> None:
+        """Start the reward threads (a `Rollouter.run` does, and `close`s them when it returns)."""
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="asyncrl-reward")
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
+
+    def start(self, prompt: Any, response_ids: np.ndarray) -> Pending:
+        """Start one response's reward: a coroutine function as a task, a plain one on the threads."""
+        if inspect.iscoroutinefunction(self.reward_fn):
+            return asyncio.ensure_future(self.reward_fn(prompt, response_ids))
+        if self._threads is None:
+            raise RuntimeError("Rewards.start before open(): the reward threads are not running")
+        return self._threads.submit(self.reward_fn, prompt, response_ids)
+
+    @staticmethod
+    async def value(pending: Pending) -> float:
+        """The value of a reward `start` started (awaited only if not done yet)."""
+        if isinstance(pending, concurrent.futures.Future):
+            value = pending.result() if pending.done() else await asyncio.wrap_future(pending)
+        else:
+            value = await pending
+        return float(await value if inspect.isawaitable(value) else value)

@@ -1,0 +1,122 @@
+"""Dispatch by group (`asyncrl.rollouter.pool`), in process: simulated replicas inside `EngineActor`s."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from asyncrl.queue.memory import MemorySink
+from asyncrl.rollouter.actor import EngineActor
+from asyncrl.rollouter.pool import EnginePool, GroupCalls
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+from asyncrl.types import GenerateRequest, SamplingParams
+
+
+class SpyActor(EngineActor):
+    """An `EngineActor` over a simulated engine that records its group calls and aborts."""
+
+    def __init__(self, **kwargs):
+        super().__init__(kind="sim", **kwargs)
+        self.group_calls: list[list[str]] = []
+        self.aborts: list[list[str]] = []
+
+    async def generate_group(self, requests, truncatable=False, batch_s=0.0):
+        self.group_calls.append([r.request_id for r in requests])
+        async for batch in super().generate_group(requests, truncatable, batch_s):
+            yield batch
+
+    async def abort(self, request_ids):
+        self.aborts.append(list(request_ids))
+        await super().abort(request_ids)
+
+
+def _prompts(count: int) -> list[Prompt]:
+    return [Prompt(text=str(i), prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64)) for i in range(count)]
+
+
+def _reward(prompt, response_ids) -> float:
+    return float(len(response_ids))
+
+
+def _request(rid: str, seed: int = 0) -> GenerateRequest:
+    return GenerateRequest(rid, np.array([1, 2, 3], dtype=np.int64), max_tokens=8, sampling=SamplingParams(seed=seed))
+
+
+@pytest.mark.parametrize("result_batch_s", [0.02, None])  # streamed in batches; in one plain call
+async def test_each_group_goes_in_one_call_to_one_replica_and_the_load_spreads(result_batch_s):
+    actors = [SpyActor(max_running=32, tokens_per_s=4000.0, seed=0) for _ in range(3)]
+    try:
+        cfg = RolloutConfig(n=4, max_tokens=8, groups_per_sync=30, max_concurrent=6, result_batch_s=result_batch_s)
+        r = Rollouter(cfg, actors, MemorySink(), _prompts(8), _reward)
+        await asyncio.wait_for(r.run(num_groups=30), 60)
+    finally:
+        for a in actors:
+            await a.close()
+    calls = [c for a in actors for c in a.group_calls]
+    assert len(calls) == 30 and r.pool.calls == 30  # one call per group
+    for c in calls:  # a call holds one group's n requests
+        assert len(c) == 4 and len({rid.rsplit("/", 1)[0] for rid in c}) == 1
+    assert sorted(rid.rsplit("/", 1)[0] for c in calls for rid in c[:1]) == sorted(g.sample_id for g in r.producer.groups)
+    assert all(len(a.group_calls) >= 5 for a in actors)  # least-loaded choice spreads the groups
+    assert 0 <= r.stats_now()["requests_spread"] < 1
+    stats = [await a.stats() for a in actors]
+    assert sum(s["requests"] for s in stats) == 120
+    assert sum(s["groups"] for s in stats) == 0  # the simulated engine does not say what it prefilled: no prefill figures
+
+
+async def test_a_group_sticks_to_its_replica_until_it_dies():
+    actors = [SpyActor(max_running=8, tokens_per_s=4000.0, seed=0) for _ in range(2)]
+    pool = EnginePool(actors, timeout_s=30.0)
+    calls = GroupCalls(pool)
+    try:
+        _, first = await calls.generate(_request("g/0"), False)
+        pool.load[first] += 100  # the group's replica looks busy: the group stays anyway
+        _, again = await calls.generate(_request("g/1"), False)
+        assert again == first
+        pool.mark_dead(first, RuntimeError("gone"))
+        _, moved = await calls.generate(_request("g/2"), False)
+        assert moved == 1 - first
+        with pytest.raises(Exception, match="every engine replica is dead"):
+            pool.mark_dead(moved, RuntimeError("gone"))
+            await calls.generate(_request("g/3"), False)
+    finally:
+        await calls.close()
+        for a in actors:
+            await a.close()
+
+
+async def test_a_timed_out_call_is_aborted_whole_on_its_replica():
+    actor = SpyActor(max_running=8, tokens_per_s=4000.0, seed=0)
+    try:
+        await actor.pause("keep")  # a pause the Rollouter was not told about: a stuck replica
+        cfg = RolloutConfig(n=3, max_tokens=8, groups_per_sync=10, request_timeout_s=0.3)
+        r = Rollouter(cfg, [actor], MemorySink(), _prompts(1), _reward)
+        await asyncio.wait_for(r.run(num_groups=1), 30)
+        group = r.producer.groups[0]
+        assert group.status == "failed" and group.error.count("request_timeout_s=0.3") == 3
+        assert actor.aborts == [actor.group_calls[0]] and len(actor.aborts[0]) == 3  # one abort, every id of the call
+        assert r.stats_now()["timed_out"] == 3
+        stats = await actor.stats()
+        assert stats["running"] == 0 and stats["queued"] == 0
+    finally:
+        await actor.resume()
+        await actor.close()
+
+
+async def test_results_of_a_call_come_back_in_batches_as_they_end():
+    actor = EngineActor(kind="sim", max_running=8, tokens_per_s=200.0, seed=0, median_tokens=2, long_tail=8)
+    try:
+        requests = [GenerateRequest(f"b/{k}", np.array([1, 2], dtype=np.int64), max_tokens=16,
+                                    sampling=SamplingParams(seed=k)) for k in range(8)]
+        batches = [batch async for batch in actor.generate_group(requests, False, 0.0)]
+        lengths = {i: len(res.response_ids) for batch in batches for i, res in batch}
+        assert sorted(lengths) == list(range(8))
+        assert 2 <= len(batches) <= len(set(lengths.values()))  # a batch per moment responses end (a late wake may merge two)
+        one = [batch async for batch in actor.generate_group(
+            [GenerateRequest(f"c/{k}", r.prompt_ids, r.max_tokens, r.sampling) for k, r in enumerate(requests)],
+            False, 5.0)]
+        assert len(one) == 1 and len(one[0]) == 8  # within batch_s of the first: one message
+    finally:
+        await actor.close()
