@@ -31,11 +31,9 @@ last-window reward. Each run also prints where its time went: the steps' ``bound
 launcher's step line, `asyncrl.progress.bound_side`), and per step the Trainer's wait for groups,
 its update and the weight sync (``timing_s/param_sync``: pause, transfer, resume).
 
-The learning rate is the one setting where the modes part: sync trains each batch once on the
-weights that sampled it, so the importance ratio is exactly 1 and PPO's clip never acts, while
-async trains on groups one version old, where the clip cuts 5-20% of the tokens and damps each
-step. At 2e-3 (tuned for the former demo model) sync's reward fell on every seed, and so did
-async's once its clip and TIS cap were turned off; the default is one at which both learn
+``--lr`` is the same for every mode; choose one at which sync learns too: sync trains each batch
+once on the weights that sampled it (importance ratio 1, PPO's clip idle), so it takes every
+step in full, while async's clip damps its steps on groups a version old and tolerates more
 (``docs/bench_e2e.md``).
 
 With ``--json`` the last line is one JSON object: ``{mode}_s`` (median time), ``reward_{mode}``,
@@ -80,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups-per-step", type=int, default=8, help="prompts per train step")
     p.add_argument("--staleness-threshold", type=float, default=1.0, help="async modes' run-ahead")
     p.add_argument("--long-tail", type=int, default=16, help="longest budget as a multiple of the median")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every mode (see the docstring)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every mode (2e-3, the former default, is too high for sync: docs/bench_e2e.md)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one set of runs per seed")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode per seed")
     p.add_argument("--window", type=int, default=5, help="first/last steps averaged for the start/end reward")
