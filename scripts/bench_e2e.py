@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups-per-step", type=int, default=8, help="prompts per train step")
     p.add_argument("--staleness-threshold", type=float, default=1.0, help="async modes' run-ahead")
     p.add_argument("--long-tail", type=int, default=16, help="longest budget as a multiple of the median")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every mode (2e-3, the former default, is too high for sync: docs/bench_e2e.md)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="learning rate of every mode (2e-3, the former default, is too high for sync: docs/bench_e2e.md)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one set of runs per seed")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode per seed")
     p.add_argument("--window", type=int, default=5, help="first/last steps averaged for the start/end reward")
