@@ -12,7 +12,7 @@ key                 shape   meaning
 ==================  ======  =====================================================
 ``input_ids``       [B, L]  prompt + response, padded with ``pad_token_id``
 ``attention_mask``  [B, L]  1 on real tokens
-``response_mask``   [B, L]  1 on response tokens (the only ones the loss sees)
+``response_mask``   [B, L]  1 on response tokens the loss sees (all, or up to the first stop token)
 ``position_ids``    [B, L]  0.. over real tokens
 ``old_logprobs``    [B, L]  behaviour log-prob of token t at position t (0 elsewhere)
 ``versions``        [B, L]  policy version that produced token t (-1 off the response)
@@ -22,12 +22,18 @@ key                 shape   meaning
 ==================  ======  =====================================================
 
 Rows are grouped: a group's trajectories are adjacent, ordered by trajectory index.
+
+With ``stop_token_id`` (engines told not to stop at EOS: the long-tail benchmark workload) a
+response's tokens after its first stop token stay in the batch, so a step costs the same, but
+leave the loss: no reward reads them, and trained they are noise that grows with the budget and
+that on-policy steps (ratio 1, PPO's clip idle) take in full (``docs/bench_e2e.md``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -88,7 +94,8 @@ def screen_groups(
     return kept, dropped
 
 
-def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std: bool = True) -> TensorDict:
+def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std: bool = True,
+             stop_token_id: int | None = None) -> TensorDict:
     """Build the training batch of ``groups`` (all complete) with GRPO advantages; see the module doc."""
     if not groups:
         raise ValueError("assemble needs at least one group")
@@ -115,6 +122,10 @@ def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std:
         input_ids[i, p:p + r] = torch.from_numpy(t.response_ids)
         attention[i, :p + r] = 1
         response[i, p:p + r] = 1
+        if stop_token_id is not None:
+            stops = np.flatnonzero(t.response_ids == stop_token_id)
+            if len(stops):
+                response[i, p + int(stops[0]) + 1:p + r] = 0  # the stop token itself is the model's choice
         old_logprobs[i, p:p + r] = torch.from_numpy(t.logprobs.astype("float32"))
         versions[i, p:p + r] = torch.from_numpy(t.versions)
     return TensorDict(
