@@ -11,7 +11,7 @@
     weight_sync      WeightSyncConfig        (asyncrl.sync)
     stream           StreamConfig            (asyncrl.queue)
     partial_rollout  PartialRolloutConfig    (asyncrl.rollouter.partial) long-tail truncation
-    skip             SkipConfig              rollout cache/replay per role
+    skip             RunSkipConfig           (asyncrl.skip) the async_rollout role: cache/replay per sample
     metrics          MetricsConfig           (asyncrl.metrics) metric stream, sinks, dashboard
     placement        PlacementConfig         GPUs, replicas, ranks, nodes, Ray address
 
@@ -43,7 +43,7 @@ from asyncrl.queue.protocol import StreamConfig
 from asyncrl.modes import check_mode
 from asyncrl.rollouter.partial import PartialRolloutConfig
 from asyncrl.rollouter.rollouter import RolloutConfig
-from asyncrl.skip.config import SkipConfig
+from asyncrl.skip.config import SkipConfig, SkipRoleConfig
 from asyncrl.sync.config import WeightSyncConfig
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
 
@@ -91,19 +91,21 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    """The inference engine every replica runs (`asyncrl.rollouter.actor.make_engine`)."""
+    """The inference engine every replica runs (`asyncrl.rollouter.engines.make_engine`)."""
 
-    kind: Literal["auto", "torch", "vllm"] = "auto"
-    """``auto``: vLLM when the Rollouter has GPUs, else the built-in torch engine."""
+    kind: str = "auto"
+    """``auto`` | ``torch`` | ``vllm``. ``auto``: vLLM when the Rollouter has GPUs, else the
+    built-in torch engine."""
     tensor_parallel_size: int = 1
     """GPUs per engine replica (vLLM); replicas = ``placement.rollouter_gpus / tensor_parallel_size``."""
     gpu_memory_utilization: float = 0.5
     """Fraction of each GPU one vLLM replica may take."""
     max_model_len: int | None = None
     """Prompt + response token limit; None: the model's."""
-    max_running: int = 128
-    """Built-in engine: requests decoded together in one batched forward. Its KV cache is paged,
-    so slots cost memory only while requests use them; on CPU a larger batch costs less per token."""
+    max_running: int | None = None
+    """Requests decoded together in one batched forward; None: the engine's own (built-in: 128; vLLM:
+    its ``max_num_seqs`` default, which this sets when given). The built-in engine's KV cache is
+    paged, so slots cost memory only while requests use them; on CPU a larger batch costs less per token."""
     max_restarts: int = 3
     """Times one replica whose process died is started again (it joins the weight sync and gets the
     current weights before it takes a request); past them it is left out."""
@@ -113,20 +115,28 @@ class EngineConfig:
     """vLLM: skip torch.compile and CUDA graph capture (faster start, slower decode); None: True
     on CPU, False on GPU."""
     dtype: str = "auto"
-    """vLLM: dtype it computes in; ``auto`` = the checkpoint's own (config.json), so an fp32 model
-    is served in fp32 like the trainer trains it; bfloat16 | float16 | float32."""
+    """Dtype the engine computes in (both engines); ``auto`` = the checkpoint's own (config.json), so an
+    fp32 model is served in fp32 like the trainer trains it; bfloat16 | float16 | float32."""
     kv_cache_mb: float | None = None
     """vLLM: KV cache per replica in MiB; None: vLLM sizes it on GPU, 1024 MiB on CPU."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Other vLLM ``AsyncEngineArgs`` fields, passed as given."""
 
     def __post_init__(self) -> None:
+        if self.kind == "sim":
+            # `make_engine("sim")` exists for the control-plane benchmarks (docs/scale.md); it has
+            # no model, so a run would train on tokens no policy sampled.
+            raise ValueError("kind cannot be sim: that is the simulated engine of scripts/bench_scale.py (no model: "
+                             "its tokens are not the policy's, so nothing could be trained on them); use auto, "
+                             "torch or vllm")
+        if self.kind not in ("auto", "torch", "vllm"):
+            raise ValueError(f"kind must be auto, torch or vllm, got {self.kind!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1 (or None for the engine's own), got {self.max_running}")
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError(f"max_restarts and restart_backoff_s must be >= 0, got {self.max_restarts}, "
                              f"{self.restart_backoff_s}")
@@ -134,6 +144,31 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.kv_cache_mb is not None and self.kv_cache_mb <= 0:
             raise ValueError(f"kv_cache_mb must be > 0 (or None), got {self.kv_cache_mb}")
+
+
+@dataclass(kw_only=True)
+class RunSkipConfig:
+    """``skip``: the SkipManager's roles a run can use. The ``rollout`` role (a train step's
+    batch, `SkipManager.set_step`) is for a user's own loop; the launcher's Rollouter generates
+    per sample, so a run skips it with ``async_rollout``."""
+
+    experiment: str = "default"
+    """Experiment key: dumps are only ever loaded by runs with the same key (and the same shape)."""
+    async_rollout: SkipRoleConfig = field(default_factory=SkipRoleConfig)
+    """One sample's generation on the Rollouter; the step is the feed index in its ``sample_id``."""
+
+    def __post_init__(self) -> None:
+        self.skip_config()  # the experiment key's check is SkipConfig's
+
+    def skip_config(self) -> SkipConfig:
+        """The SkipManager's config for the run's processes (`SkipManager.init`)."""
+        return SkipConfig(experiment=self.experiment, async_rollout=self.async_rollout)
+
+
+_REMOVED_KEYS = {"skip.rollout": "the rollout role caches a train step's batch in your own loop "
+                                 "(SkipManager.set_step); a run's Rollouter generates per sample: use "
+                                 "skip.async_rollout (its steps are feed indices of sample_{epoch}_{index})"}
+"""Keys a user of the SkipManager may expect in a run's config, with why they are not there."""
 
 
 @dataclass(kw_only=True)
@@ -181,7 +216,7 @@ class PlacementConfig:
 # optimizer is ``trainer.optim`` as verl users type it. Fields, types and defaults are the
 # owners' own: a knob added to TrainerConfig or WorkerConfig appears here by itself.
 _FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_dir", "samples_path",
-                          "model_path", "pad_token_id", "stop_token_id", "seed", "engine_kind"}
+                          "model_path", "pad_token_id", "stop_token_id", "seed"}
 _SECTION_DEFAULTS = {"micro_batch_size": 16, "groups_per_batch": 8}
 
 
@@ -245,7 +280,7 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
-    skip: SkipConfig = field(default_factory=SkipConfig)
+    skip: RunSkipConfig = field(default_factory=RunSkipConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
@@ -300,29 +335,44 @@ class RunConfig:
                              gpus_per_rank=1.0 if self.placement.trainer_gpus else 0.0,
                              checkpoint_dir=checkpoint_dir, samples_path=samples_path, **loop)
 
+    @property
+    def workers_per_engine(self) -> int:
+        """Weight-sync group ranks per engine replica: its workers (``engine.tensor_parallel_size``
+        for vLLM; the built-in engine is one process)."""
+        return _workers_per_engine(self.engine.kind, self.placement.rollouter_gpus, self.engine.tensor_parallel_size)
+
     def weight_sync_config(self) -> WeightSyncConfig:
-        """``weight_sync`` with one group rank per engine worker (``engine.tensor_parallel_size``
-        of them for vLLM). Every engine kind takes ``broadcast`` (vLLM's in its workers,
-        `asyncrl.sync.vllm_broadcast`); vLLM on GPU may take ``vllm`` (its NCCL engine) instead."""
-        wpe = self.engine.tensor_parallel_size if self.engine_kind == "vllm" else 1
-        return dataclasses.replace(self.weight_sync, workers_per_engine=wpe)
+        """``weight_sync`` as the processes take it. Every engine kind takes ``broadcast`` (vLLM's
+        in its workers, `asyncrl.sync.vllm_broadcast`); vLLM on GPU may take ``vllm`` (its NCCL
+        engine) instead. ``workers_per_engine`` is derived by `load_config`, and `check` refuses
+        a value that contradicts the engines."""
+        return self.weight_sync
 
     def engine_kwargs(self, model_path: str) -> dict:
         """Keyword settings of one engine replica (`make_engine(kind, **these)`)."""
         e = self.engine
         if self.engine_kind == "vllm":
             nccl = {"weight_transfer": "nccl"} if self.weight_sync.method == "vllm" else {}
+            seqs = {"max_num_seqs": e.max_running} if e.max_running is not None else {}
             return dict(model_path=model_path, seed=self.seed, tensor_parallel_size=e.tensor_parallel_size,
                         gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
                         enforce_eager=e.enforce_eager, dtype=e.dtype, kv_cache_mb=e.kv_cache_mb,
-                        engine_kwargs=dict(e.engine_kwargs), **nccl)
+                        engine_kwargs=dict(e.engine_kwargs), **nccl, **seqs)
         # A long-tail workload ends each response at its own budget, not at the model's EOS.
         eos = {"eos_token_ids": ()} if self.data.long_tail > 1 else {}
-        return dict(model_path=model_path, seed=self.seed, max_running=e.max_running, max_model_len=e.max_model_len,
-                    **eos)
+        # With GPUs reserved for the Rollouter, Ray gives each replica its own (CUDA_VISIBLE_DEVICES).
+        device = "cuda" if self.gpu else "cpu"
+        slots = {"max_running": e.max_running} if e.max_running is not None else {}
+        return dict(model_path=model_path, seed=self.seed, max_model_len=e.max_model_len, device=device, dtype=e.dtype,
+                    **slots, **eos)
 
 
 # ------------------------------------------------------------------------ derived values
+
+
+def _workers_per_engine(kind: str, rollouter_gpus: int, tensor_parallel_size: int) -> int:
+    vllm = kind == "vllm" or (kind == "auto" and rollouter_gpus > 0)
+    return tensor_parallel_size if vllm else 1
 
 
 def _window(per_step: int, checkpoint_every: int, per_sync: int, staleness: float) -> int:
@@ -335,6 +385,7 @@ OmegaConf.register_resolver("asyncrl.mul", lambda *xs: _product(xs), replace=Tru
 OmegaConf.register_resolver("asyncrl.min", lambda *xs: min(xs), replace=True)
 OmegaConf.register_resolver("asyncrl.max", lambda *xs: max(xs), replace=True)
 OmegaConf.register_resolver("asyncrl.window", _window, replace=True)
+OmegaConf.register_resolver("asyncrl.workers_per_engine", _workers_per_engine, replace=True)
 
 
 def _product(xs) -> int:
@@ -353,6 +404,8 @@ DERIVED: dict[str, str] = {
     "rollout.seed": "${seed}",
     "trainer.algorithm.temperature": "${rollout.temperature}",
     "trainer.checkpoint_every": "${asyncrl.min:10,${steps}}",
+    "weight_sync.workers_per_engine": ("${asyncrl.workers_per_engine:${engine.kind},${placement.rollouter_gpus},"
+                                       "${engine.tensor_parallel_size}}"),
     "stream.window": (f"${{asyncrl.window:{_PER_STEP},${{trainer.checkpoint_every}},{_PER_SYNC},"
                       "${rollout.staleness_threshold}}"),
 }
@@ -463,6 +516,11 @@ def _read_yaml(path: str) -> DictConfig:
         raise ConfigError(f"--config {path}: not valid YAML ({_first_line(str(e))})") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections, got a list")
+    # A config.yaml printed before the run config lost its skip.rollout section holds it disabled:
+    # it asked nothing, so such a run directory still resumes; an enabled one is refused below.
+    old_role = OmegaConf.select(loaded, "skip.rollout", default=None)
+    if isinstance(old_role, DictConfig) and not old_role.get("enable", False):
+        loaded.skip.pop("rollout")
     return loaded
 
 
@@ -480,7 +538,9 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None) or ""
     msg = _first_line(getattr(e, "msg", None) or str(e))
     if "not in" in msg and key:
-        return f"unknown key {named(key)}: {msg}"
+        why = next((f"; {reason}" for prefix, reason in _REMOVED_KEYS.items()
+                    if key == prefix or key.startswith(prefix + ".")), "")
+        return f"unknown key {named(key)}: {msg}{why}"
     return f"{named(key)}: {msg}" if key else msg
 
 
@@ -512,6 +572,9 @@ def _instantiate(node: DictConfig, path: str = "") -> Any:
 
 # -------------------------------------------------------------------------------- checks
 
+VLLM_ONLY_ENGINE_SETTINGS = ("enforce_eager", "kv_cache_mb", "gpu_memory_utilization", "engine_kwargs")
+"""`EngineConfig` fields that only the vLLM engine reads: set off their default for another engine, they are refused."""
+
 
 def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     """Every cross-part invariant, in one place; raises `ConfigError` naming both sides."""
@@ -532,6 +595,13 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     if cfg.engine.tensor_parallel_size > 1 and cfg.engine_kind != "vllm":
         raise ConfigError(f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} needs engine.kind=vllm "
                           f"(the built-in engine runs on one device), got engine.kind={cfg.engine_kind}")
+    if cfg.engine_kind != "vllm":
+        default = EngineConfig()  # a printed config.yaml gives every key: refuse values, not keys
+        ignored = [k for k in VLLM_ONLY_ENGINE_SETTINGS if getattr(cfg.engine, k) != getattr(default, k)]
+        if ignored:
+            raise ConfigError(f"{', '.join('engine.' + k for k in ignored)} only apply to vLLM, and this run's engine "
+                              f"is engine.kind={cfg.engine_kind} (the built-in engine sizes its paged KV cache as "
+                              "requests need it and runs eagerly): leave them unset, or set engine.kind=vllm")
 
     per_sync = cfg.groups_per_step * t.trigger_parameter_sync_step
     if r.groups_per_sync != per_sync:
@@ -542,17 +612,17 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
         raise ConfigError(f"{named('weight_sync.method')}=vllm (vLLM's NCCL transfer engine) needs engine.kind=vllm "
                           f"on GPUs, got engine.kind={cfg.engine_kind} with {named('placement.rollouter_gpus')}="
                           f"{p.rollouter_gpus}: leave it unset (broadcast serves every engine)")
+    if cfg.weight_sync.workers_per_engine != cfg.workers_per_engine:
+        raise ConfigError(f"weight_sync.workers_per_engine={cfg.weight_sync.workers_per_engine} contradicts the "
+                          f"engines: engine.kind={cfg.engine_kind} with engine.tensor_parallel_size="
+                          f"{cfg.engine.tensor_parallel_size} has {cfg.workers_per_engine} worker(s) per replica "
+                          "(leave weight_sync.workers_per_engine unset: it follows from those)")
+    from asyncrl.rollouter.engines.backends import check_temperature
+
     try:
-        cfg.weight_sync_config()
+        check_temperature(cfg.engine_kind, r.temperature, named("rollout.temperature"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.engine_kind == "vllm":  # torch is imported only for vLLM runs, which need it anyway
-        from asyncrl.rollouter.vllm_engine import check_vllm_temperature
-
-        try:
-            check_vllm_temperature(r.temperature, named("rollout.temperature"))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
     if t.algorithm.temperature != r.temperature:
         raise ConfigError(f"trainer.algorithm.temperature={t.algorithm.temperature} differs from "
                           f"{named('rollout.temperature')}={r.temperature}: the loss would be off-policy by "
@@ -591,7 +661,3 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
                           "to module:function (the built-in task's reward only scores the built-in task)")
     if cfg.data.val is not None and cfg.data.train is None and cfg.data.reward is None:
         raise ConfigError(f"{named('data.val')} needs {named('data.reward')} (or the training data's reward)")
-    if cfg.skip.rollout.enable:
-        raise ConfigError("skip.rollout.enable=true: the rollout role replays the synchronous path's train-step "
-                          "batches; this pipeline's Rollouter is skipped with skip.async_rollout (its steps are "
-                          "feed indices of sample_{epoch}_{index})")

@@ -154,25 +154,46 @@ def check_renderable(tokenizer, rows: list[Row], path: str) -> None:
 
 @dataclass
 class Reward:
-    """A reward function and how to call it: ``await reward(row, response_text) -> float``."""
+    """A reward function and how to call it: ``reward.score(row, response_text) -> float`` for a plain
+    function (run it on a worker thread), ``await reward(row, response_text)`` for either kind."""
 
     spec: str
     fn: Callable[..., Any]
     verl_style: bool
 
-    async def __call__(self, prompt_text: str, meta: dict[str, Any], response_text: str) -> float:
+    @property
+    def is_async(self) -> bool:
+        """The user's function is a coroutine function (awaited on the event loop, not on a thread)."""
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
+
+    def _call(self, prompt_text: str, meta: dict[str, Any], response_text: str) -> Any:
         if self.verl_style:
-            out = self.fn(data_source=meta.get("data_source"), solution_str=response_text,
-                          ground_truth=meta.get("ground_truth"), extra_info=meta.get("extra_info") or {})
-        else:
-            out = self.fn(prompt_text, response_text)
-        if inspect.isawaitable(out):
-            out = await out
+            return self.fn(data_source=meta.get("data_source"), solution_str=response_text,
+                           ground_truth=meta.get("ground_truth"), extra_info=meta.get("extra_info") or {})
+        return self.fn(prompt_text, response_text)
+
+    def _value(self, out: Any) -> float:
         if isinstance(out, dict):  # verl's scorers may return {"score": ..., other diagnostics}
             if "score" not in out:
                 raise DataError(f"reward {self.spec} returned a dict without 'score': {sorted(out)}")
             out = out["score"]
         return float(out)
+
+    def score(self, prompt_text: str, meta: dict[str, Any], response_text: str) -> float:
+        """The reward of a plain (synchronous) function, called in this thread."""
+        out = self._call(prompt_text, meta, response_text)
+        if inspect.isawaitable(out):
+            close = getattr(out, "close", None)
+            if close is not None:
+                close()  # never awaited: say so once, here, not as a warning at garbage collection
+            raise DataError(f"reward {self.spec} returned an awaitable from a plain function: make it `async def`")
+        return self._value(out)
+
+    async def __call__(self, prompt_text: str, meta: dict[str, Any], response_text: str) -> float:
+        out = self._call(prompt_text, meta, response_text)
+        if inspect.isawaitable(out):
+            out = await out
+        return self._value(out)
 
 
 _VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")

@@ -32,8 +32,10 @@ from pathlib import Path
 
 WARMUP_STEPS = 3
 """Steps left out of the median that sets the deadline (start-up, first compilation)."""
-ANSWER_S = 3.0
-"""How long `dump_stacks` waits for the processes to write their stacks."""
+ANSWER_S = 10.0
+"""Deadline of the processes' answers in `dump_stacks` (a live one answers in milliseconds; on a
+loaded machine it may wait its turn for a core). A frozen one is not waited for."""
+POLL_S = 0.02
 
 
 def stacks_dir() -> Path:
@@ -115,7 +117,7 @@ def dump_stacks(run_dir: Path, root_pid: int | None = None, reason: str = "") ->
             p.send_signal(signal.SIGUSR1)
         except psutil.Error:
             pass
-    time.sleep(ANSWER_S)
+    _await_answers(others, marks, ANSWER_S)
     sections, lines = [], []
     own = _own_stacks()
     sections.append((f"{_title(root)} (pid {root.pid}, the launcher)", own))
@@ -143,6 +145,34 @@ def dump_stacks(run_dir: Path, root_pid: int | None = None, reason: str = "") ->
         for head, text in sections:
             f.write(f"\n===== {head}\n{text}")
     return out, lines
+
+
+def _await_answers(procs: list, marks: dict[int, int], deadline_s: float) -> None:
+    """Until each of ``procs`` has written its stacks (its file grew past ``marks`` and then held
+    still for one poll: the handler writes in several calls), is frozen or gone, or the deadline."""
+    import psutil
+
+    def size(p) -> int:
+        try:
+            return (stacks_dir() / f"{p.pid}.txt").stat().st_size
+        except OSError:
+            return 0
+
+    def silent(p) -> bool:  # will not answer: stopped (SIGSTOP, a debugger), a zombie, or gone
+        try:
+            return p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return True
+
+    end = time.monotonic() + deadline_s
+    last = {p.pid: -1 for p in procs}
+    waiting = list(procs)
+    while waiting and time.monotonic() < end:
+        now = {p.pid: size(p) for p in waiting}
+        waiting = [p for p in waiting if not (now[p.pid] > marks[p.pid] and now[p.pid] == last[p.pid]) and not silent(p)]
+        last.update(now)
+        if waiting:
+            time.sleep(POLL_S)
 
 
 def _title(p) -> str:

@@ -157,25 +157,34 @@ def main(argv: list[str] | None = None) -> int:
 def run_restarting(cfg, plan, cluster, run_dir: Path) -> int:
     """`run`; when it fails (a process of the run died), start it again from its last checkpoint,
     up to ``cfg.max_restarts`` times, each logged with its cause in ``<run_dir>/restarts.jsonl``.
-    The restarted run restores as ``--resume`` does, so every sample is trained once."""
+    The restarted run restores as ``--resume`` does, so every sample is trained once. A
+    programming error (`asyncrl.faults`) is not restarted: it would fail the same way again."""
     from asyncrl import placement
+    from asyncrl.faults import fault_line, programming_error
+    from asyncrl.progress import newest_checkpoint
 
     restarts = 0
     while True:
         try:
             return asyncio.run(run(cfg, plan, run_dir))
         except Exception as e:
+            bug = programming_error(e)
+            if bug is not None:
+                print(f"asyncrl: not restarting: {bug} is an error in the code, which a restart would meet again; "
+                      f"fix it, then continue with: python -m asyncrl.launch --resume {run_dir}",
+                      file=sys.stderr, flush=True)
+                raise
             if restarts >= cfg.max_restarts:
                 if cfg.max_restarts:
                     print(f"asyncrl: no restart left (max_restarts={cfg.max_restarts} used)", file=sys.stderr, flush=True)
                 raise
             restarts += 1
-            cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+            cause = fault_line(e)[:500]
             with open(run_dir / "restarts.jsonl", "a") as f:
                 f.write(json.dumps({"restart": restarts, "time": time.time(), "cause": cause}) + "\n")
             wait = cfg.restart_backoff_s * restarts
-            print(f"asyncrl: restart {restarts}/{cfg.max_restarts} of the run from its last checkpoint in {wait:g} s, "
-                  f"after {cause}", file=sys.stderr, flush=True)
+            print(f"asyncrl: restart {restarts}/{cfg.max_restarts} of the run from {newest_checkpoint(run_dir)} in "
+                  f"{wait:g} s, after {cause}", file=sys.stderr, flush=True)
             time.sleep(wait)
             # Plan again: a node may have gone with the process.
             plan = placement.make_plan(cfg, placement.Cluster(nodes=placement.alive_nodes(),

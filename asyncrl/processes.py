@@ -292,7 +292,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
             cfg.rollout, procs.engines, stream, model_path, data, resume,
             metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
-            metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip),
+            metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip.skip_config()),
             partial=partial, aggregator=procs.aggregator)
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
 

@@ -198,18 +198,26 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
     return rows
 
 
+def newest_checkpoint(run_dir: Path) -> str:
+    """The checkpoint a restart (or ``--resume``) of ``run_dir`` starts from, in words."""
+    from asyncrl.trainer import checkpoint
+
+    found = checkpoint.latest(run_dir / "checkpoints")
+    return f"its checkpoint of step {found[1].step} ({found[0]})" if found else "the start (no checkpoint yet)"
+
+
 async def checkpoint_after_failure(trainer: Any, error: Exception, run_dir: Path) -> None:
     """Make what the Trainer did durable before the run stops on ``error``, if its ranks allow."""
     where = f"continue with: python -m asyncrl.launch --resume {run_dir}"
     if trainer.broken:
-        print(f"asyncrl: stopping on {type(error).__name__}; no checkpoint ({trainer.broken}); {where} "
-              "(from the last checkpoint)", file=sys.stderr, flush=True)
+        print(f"asyncrl: stopping on {type(error).__name__}; no new checkpoint ({trainer.broken}); {where} "
+              f"(from {newest_checkpoint(run_dir)})", file=sys.stderr, flush=True)
         return
     try:
         await trainer.finish()
     except Exception as e:  # noqa: BLE001 - the original failure is what the run reports
         print(f"asyncrl: stopping on {type(error).__name__}; the checkpoint failed too ({type(e).__name__}: {e}); "
-              f"{where} (from the last checkpoint)", file=sys.stderr, flush=True)
+              f"{where} (from {newest_checkpoint(run_dir)})", file=sys.stderr, flush=True)
         return
     print(f"asyncrl: stopping on {type(error).__name__}: {error}\nasyncrl: checkpoint of step {trainer.step} "
           f"written; {where}", file=sys.stderr, flush=True)

@@ -11,16 +11,19 @@ stream as raw frames.
 
 from __future__ import annotations
 
-import bisect
 import re
-from collections.abc import Iterable, Iterator, Set
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
-FinishReason = Literal["stop", "length", "abort", "truncated"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "truncated")
+from asyncrl.committed import CommittedSet  # noqa: F401  (re-exported: asyncrl.types is its public home)
+
+FinishReason = Literal["stop", "length", "abort", "truncated", "max_turns", "context"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "truncated", "max_turns", "context")
+#: Finish reasons of a response the Trainer may learn from (an agent loop's turn or context
+#: limit ends an episode like ``length`` ends a single turn); ``abort``/``truncated`` are cut off.
+VALID_FINISH_REASONS: tuple[str, ...] = ("stop", "length", "max_turns", "context")
 GroupStatus = Literal["ok", "failed"]
 
 _SAMPLE_ID = re.compile(r"^sample_(\d+)_(\d+)$")
@@ -41,149 +44,6 @@ def parse_sample_id(sample_id: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def _split_sample_id(sample_id: str) -> tuple[int, int] | None:
-    """``(epoch, index)`` of a well-formed sample_id, else None (cheaper than the regex)."""
-    head, sep, index = sample_id.rpartition("_")
-    epoch = head[7:]
-    if not sep or not head.startswith("sample_") or not _canonical_int(index) or not _canonical_int(epoch):
-        return None
-    return int(epoch), int(index)
-
-
-def _canonical_int(text: str) -> bool:
-    # What make_sample_id writes: ASCII digits, no leading zero.
-    return text.isdigit() and text.isascii() and (text == "0" or text[0] != "0")
-
-
-class CommittedSet(Set):
-    """The ``sample_id``s a run is done with (trained or dropped), kept small however long the run.
-
-    The feed index of ``sample_{epoch}_{index}`` never restarts, so the done ids are stored as
-    a *watermark* (every index below it is done), the epoch each stretch below it belongs to
-    (one entry per epoch), and the *exceptions*: done ids above the watermark. Groups finish a
-    little out of feed order, so the exceptions stay as few as the ids in flight (the
-    staleness budget), not as many as the run has trained. Ids not of the
-    ``sample_{epoch}_{index}`` form are kept as they are.
-
-    A ``collections.abc.Set`` of str (``in``, ``len``, iteration, ``==`` and ``|`` with sets).
-    In one feed an index is one sample; ids that share an index with a done id of another epoch
-    (several producers numbering their own feeds, hand-made ids) are kept one by one, so the set
-    stays exact whatever ids it is given.
-    """
-
-    def __init__(self, ids: Iterable[str] = ()):
-        self._watermark = 0
-        self._epochs: list[tuple[int, int]] = []  # (first index, epoch) of each stretch below the watermark
-        self._above: dict[int, int] = {}  # index -> epoch, for done indices >= watermark
-        self._other: set[str] = set()
-        if isinstance(ids, CommittedSet):
-            self._watermark, self._epochs = ids._watermark, list(ids._epochs)
-            self._above, self._other = dict(ids._above), set(ids._other)
-        else:
-            self.update(ids)
-
-    @classmethod
-    def _from_iterable(cls, it: Iterable[str]) -> CommittedSet:
-        return cls(it)
-
-    @property
-    def watermark(self) -> int:
-        """Every feed index below this is done."""
-        return self._watermark
-
-    @property
-    def exceptions(self) -> int:
-        """How many done ids are kept one by one (above the watermark, or not feed ids)."""
-        return len(self._above) + len(self._other)
-
-    def max_index(self) -> int:
-        """The highest done feed index, -1 when none is done."""
-        return max(self._above, default=self._watermark - 1)
-
-    def missing(self, stop: int) -> list[int]:
-        """Feed indices below ``stop`` that are not done, in order (the pending ones of a feed at ``stop``)."""
-        return [i for i in range(self._watermark, stop) if i not in self._above]
-
-    def copy(self) -> CommittedSet:
-        return CommittedSet(self)
-
-    def _epoch_below(self, index: int) -> int:
-        return self._epochs[bisect.bisect_right(self._epochs, (index, float("inf"))) - 1][1]
-
-    def __contains__(self, sample_id: Any) -> bool:
-        if not isinstance(sample_id, str):
-            return False
-        parsed = _split_sample_id(sample_id)
-        if parsed is None:
-            return sample_id in self._other
-        epoch, index = parsed
-        if index < self._watermark:
-            return self._epoch_below(index) == epoch or sample_id in self._other
-        return self._above.get(index) == epoch or sample_id in self._other
-
-    def __len__(self) -> int:
-        return self._watermark + len(self._above) + len(self._other)
-
-    def __iter__(self) -> Iterator[str]:
-        bounds = [start for start, _ in self._epochs[1:]] + [self._watermark]
-        for (start, epoch), stop in zip(self._epochs, bounds):
-            for index in range(start, stop):
-                yield f"sample_{epoch}_{index}"
-        for index in sorted(self._above):
-            yield f"sample_{self._above[index]}_{index}"
-        yield from sorted(self._other)
-
-    def __repr__(self) -> str:
-        return f"CommittedSet(watermark={self._watermark}, exceptions={self.exceptions})"
-
-    def add(self, sample_id: str) -> None:
-        """Mark ``sample_id`` done (an index already done under another epoch: kept one by one)."""
-        parsed = _split_sample_id(sample_id)
-        if parsed is None:
-            self._other.add(sample_id)
-            return
-        epoch, index = parsed
-        known = self._epoch_below(index) if index < self._watermark else self._above.get(index, epoch)
-        if known != epoch:
-            self._other.add(sample_id)
-            return
-        if index < self._watermark:
-            return
-        self._above[index] = epoch
-        while self._watermark in self._above:  # amortised O(1): each index passes the watermark once
-            e = self._above.pop(self._watermark)
-            if not self._epochs or self._epochs[-1][1] != e:
-                self._epochs.append((self._watermark, e))
-            self._watermark += 1
-
-    def update(self, ids: Iterable[str]) -> None:
-        for sid in ids:
-            self.add(sid)
-
-    def to_json(self) -> dict:
-        """``{"watermark", "epochs": [[first_index, epoch], ...], "exceptions": [sample_id, ...]}``."""
-        above = [f"sample_{self._above[i]}_{i}" for i in sorted(self._above)]
-        return {"watermark": self._watermark, "epochs": [list(e) for e in self._epochs],
-                "exceptions": above + sorted(self._other)}
-
-    @classmethod
-    def from_json(cls, data: dict | list) -> CommittedSet:
-        """Inverse of `to_json`; a plain list of sample_ids (older sidecars) is accepted too."""
-        if isinstance(data, list):
-            return cls(data)
-        try:
-            out = cls()
-            out._watermark = int(data["watermark"])
-            out._epochs = [(int(start), int(epoch)) for start, epoch in data["epochs"]]
-            if out._watermark and (not out._epochs or out._epochs[0][0] != 0):
-                raise ValueError("the first epoch stretch must start at index 0")
-            out.update(data["exceptions"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed committed set ({type(e).__name__}: {e}): "
-                             "expected {watermark, epochs, exceptions}") from None
-        return out
-
-
 def _as_array(value, dtype, name: str) -> np.ndarray:
     # Accept torch tensors and numpy arrays; lists are refused so nothing slow reaches the wire.
     if isinstance(value, np.ndarray):
@@ -194,7 +54,22 @@ def _as_array(value, dtype, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(value).__name__}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-d, got shape {arr.shape}")
-    return arr.astype(dtype, copy=False)
+    return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
+def _mask(value, n: int, who: str) -> np.ndarray:
+    # A loss mask: one 0/1 per response token, stored as uint8 (bool or any 0/1 integers accepted).
+    try:
+        raw = _as_array(value, None, "loss_mask")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{who}: {e}") from None
+    if raw.dtype.kind not in "biu":
+        raise TypeError(f"{who}: loss_mask must be bool or integer (0/1), got {raw.dtype}")
+    if len(raw) != n:
+        raise ValueError(f"{who}: loss_mask must have one entry per response token ({n}), got {len(raw)}")
+    if len(raw) and (raw.min() < 0 or raw.max() > 1):
+        raise ValueError(f"{who}: loss_mask must hold only 0 and 1, got values in [{raw.min()}, {raw.max()}]")
+    return raw.astype(np.uint8, copy=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -214,11 +89,18 @@ class Trajectory:
     versions: np.ndarray
     """Policy version (number of weight syncs) that produced each response token, int64."""
     finish_reason: FinishReason
-    """``stop`` | ``length`` | ``abort`` | ``truncated``."""
+    """``stop`` | ``length`` | ``abort`` | ``truncated``; an agent loop's ``max_turns`` | ``context``."""
     reward: float = 0.0
     """Scalar reward; set by the Rollouter's reward function."""
     age: int = 0
     """Truncation rounds this response survived (partial rollout)."""
+    loss_mask: np.ndarray | None = None
+    """uint8 per response token: 1 on tokens the model wrote (trained), 0 on observation tokens
+    (tool output, env replies, template markers between turns), which carry log-prob 0 and
+    version -1. None: every token is the model's (a single-turn response; nothing on the wire)."""
+    turns: int = 1
+    """Model turns in the response (an agent loop's conversation; 1 for plain generation; 0 for
+    an episode that ended before its first turn, e.g. on its context limit)."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = _as_array(self.prompt_ids, np.int64, "prompt_ids")
@@ -235,22 +117,43 @@ class Trajectory:
             raise ValueError(
                 f"{self.sample_id}[{self.index}]: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}"
             )
+        if self.loss_mask is not None:
+            self.loss_mask = _mask(self.loss_mask, n, f"{self.sample_id}[{self.index}]")
+        if type(self.turns) is not int or self.turns < 0:
+            raise ValueError(f"{self.sample_id}[{self.index}]: turns must be an int >= 0, got {self.turns!r}")
 
     @classmethod
-    def _from_typed(cls, sample_id, index, prompt_ids, response_ids, logprobs, versions, finish_reason, reward, age):
+    def _from_typed(cls, sample_id, index, prompt_ids, response_ids, logprobs, versions, finish_reason, reward, age,
+                    loss_mask=None, turns=1):
         """Private fast path for the stream codec: the arrays are already 1-d int64/float32/int64
-        with matching lengths (the codec checked them), so only ``finish_reason`` is checked."""
+        (uint8 mask) with matching lengths (the codec checked them), so only ``finish_reason`` is checked."""
         if finish_reason not in FINISH_REASONS:
             raise ValueError(f"{sample_id}[{index}]: finish_reason {finish_reason!r} is not one of {FINISH_REASONS}")
         t = object.__new__(cls)
         t.sample_id, t.index, t.finish_reason, t.reward, t.age = sample_id, index, finish_reason, reward, age
         t.prompt_ids, t.response_ids, t.logprobs, t.versions = prompt_ids, response_ids, logprobs, versions
+        t.loss_mask, t.turns = loss_mask, turns
         return t
 
     @property
     def valid(self) -> bool:
         """A trajectory the Trainer may learn from: finished by the model, not cut off mid-flight."""
-        return self.finish_reason in ("stop", "length")
+        return self.finish_reason in VALID_FINISH_REASONS
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the model wrote: those the loss sees."""
+        return len(self.response_ids) if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
+
+    @property
+    def masked_tokens(self) -> int:
+        """Response tokens the loss never sees (observations)."""
+        return len(self.response_ids) - self.model_tokens
+
+    @property
+    def model_versions(self) -> np.ndarray:
+        """The versions of the tokens the model wrote (observations' -1 left out): what staleness counts."""
+        return self.versions if self.loss_mask is None else self.versions[self.loss_mask != 0]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trajectory):
@@ -261,6 +164,9 @@ class Trajectory:
             and self.finish_reason == other.finish_reason
             and self.reward == other.reward
             and self.age == other.age
+            and self.turns == other.turns
+            and (self.loss_mask is None) == (other.loss_mask is None)
+            and (self.loss_mask is None or np.array_equal(self.loss_mask, other.loss_mask))
             and all(
                 np.array_equal(getattr(self, k), getattr(other, k))
                 for k in ("prompt_ids", "response_ids", "logprobs", "versions")

@@ -120,7 +120,7 @@ class EngineRunner:
     """The built-in engine, kept across repetitions (its KV pool stays allocated, like the manager's)."""
 
     def __init__(self, model_path, slots, seeded=False):
-        from asyncrl.rollouter.torch_engine import TorchEngine
+        from asyncrl.rollouter.engines.builtin.engine import TorchEngine
         from asyncrl.types import SamplingParams
 
         self.engine = TorchEngine(model_path, max_running=slots, eos_token_ids=())
@@ -166,7 +166,7 @@ class VLLMRunner:
     def __init__(self, model_path, slots, threads, prompts, lengths):
         import os
 
-        from asyncrl.rollouter.vllm_engine import VLLMEngine
+        from asyncrl.rollouter.engines.vllm import VLLMEngine
         from asyncrl.types import SamplingParams
 
         # The worker gets OMP_NUM_THREADS=threads on cores 0..threads-1 (RESERVED_CPU applies to "auto" only).

@@ -7,7 +7,7 @@ steps are cheap and the gain of ending a step early is small. On a GPU a decode 
 model costs about the same for 8 sequences as for 128: the steps spent on a long tail are
 the waste the partial-rollout RFC removes. This benchmark shows that regime with the real
 Rollouter, staleness gate, AggregatorActor, partial buffer and engine actors over
-`asyncrl.rollouter.sim_engine.SimEngine` replicas (``max_running`` slots, one token per
+`asyncrl.rollouter.engines.sim.SimEngine` replicas (``max_running`` slots, one token per
 running request per step of ``max_running / tokens_per_s`` seconds, whatever the batch), and a
 Trainer that takes ``--train-s`` per step (training and the weight sync):
 

@@ -2,7 +2,7 @@
 
 On a cluster run the GPUs are not what breaks first; the single processes that coordinate them
 are. This benchmark drives the real coordinating code with simulated engines
-(`asyncrl.rollouter.sim_engine.SimEngine`: no model, tokens on a clock, the real pause / abort /
+(`asyncrl.rollouter.engines.sim.SimEngine`: no model, tokens on a clock, the real pause / abort /
 weight-version semantics) so that 128 replicas fit on a 2-core machine:
 
 - one process per size plays the Rollouter's: the real `Rollouter` (staleness gate, reward

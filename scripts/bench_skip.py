@@ -69,7 +69,7 @@ async def main(args) -> dict:
 
     from asyncrl.models import default_model_path
     from asyncrl.rollouter.rollouter import RolloutConfig
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
     from asyncrl.rollouter.worker import builtin_task_prompts
     from asyncrl.skip import SkipConfig, SkipManager, SkipRoleConfig, is_replayed, model_fingerprint, rollout_shape
     from asyncrl.tasks import arithmetic

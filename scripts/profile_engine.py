@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from asyncrl.models.tiny import build_tiny_model
-    from asyncrl.rollouter import kv_cache, model_runner
+    from asyncrl.rollouter.engines.builtin import kv_cache, model_runner
     from bench_engine import SHORT_MODEL, EngineRunner, short_workload, workload
 
     short = args.workload == "short"

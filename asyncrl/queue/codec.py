@@ -47,6 +47,7 @@ import numpy as np
 from asyncrl.queue.codec_base import (
     _ALIGN,
     _COLUMN_DTYPES,
+    _MASK_DTYPE,
     _NP_KINDS,
     CODEC_VERSION,
     DEFAULT_MAX_FRAME_BYTES,
@@ -76,8 +77,9 @@ _EXT_GROUP = 5
 
 _TRAJECTORY_FIELDS = (
     "sample_id", "index", "prompt_ids", "response_ids", "logprobs", "versions",
-    "finish_reason", "reward", "age",
+    "finish_reason", "reward", "age", "loss_mask", "turns",
 )
+_PLAIN_FIELDS = 9  # a record without loss_mask and turns (as before they existed) still decodes
 
 
 
@@ -155,7 +157,9 @@ class _Encoder:
         if _is_torch_tensor(obj):
             return self._tensor(obj)
         if isinstance(obj, Trajectory):
-            return msgpack.ExtType(_EXT_TRAJECTORY, self.packb([getattr(obj, f) for f in _TRAJECTORY_FIELDS]))
+            fields = [getattr(obj, f) for f in _TRAJECTORY_FIELDS]
+            plain = obj.loss_mask is None and obj.turns == 1  # nothing more on the wire than before
+            return msgpack.ExtType(_EXT_TRAJECTORY, self.packb(fields[:_PLAIN_FIELDS] if plain else fields))
         raise CodecError(f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__} (no pickle)")
 
     def _own(self, code: int, dtype: str, shape: list[int], flat_u8: Any) -> msgpack.ExtType:
@@ -185,17 +189,24 @@ class _Encoder:
         # into the pool as one array, described by a plain [dtype, shape, 1, offset] record, so
         # a message holds four arrays whatever n is; decoding slices them back into views.
         # One pass over the responses collects every per-response value and column source.
-        index, finish, reward, age, plens, rlens = [], [], [], [], [], []
+        index, finish, reward, age, plens, rlens, turns, masks = [], [], [], [], [], [], [], []
         sources: tuple[list[Any], ...] = ([], [], [], [])
         for t in g.trajectories:
             p, r = t.prompt_ids, t.response_ids
             index.append(t.index), finish.append(t.finish_reason), reward.append(t.reward), age.append(t.age)
-            plens.append(len(p)), rlens.append(len(r))
+            plens.append(len(p)), rlens.append(len(r)), turns.append(t.turns), masks.append(t.loss_mask)
             sources[0].append(p), sources[1].append(r), sources[2].append(t.logprobs), sources[3].append(t.versions)
         np_, nr = sum(plens), sum(rlens)
         columns = [[dt.str, [count], 1, self._reserve(count * dt.itemsize, src, dt)]
                    for src, dt, count in zip(sources, _COLUMN_DTYPES, (np_, nr, nr, nr))]
         body = [g.sample_id, g.expected, g.status, g.error, g.meta, index, finish, reward, age, plens, rlens, *columns]
+        flags = [m is not None for m in masks]
+        if any(flags) or any(k != 1 for k in turns):
+            # An agent's group: turns, which responses have a mask, and the masks as a column along
+            # the responses (ones where a response has none); a plain group stays as it was.
+            filled = [m if m is not None else np.ones(n, _MASK_DTYPE) for m, n in zip(masks, rlens)]
+            mask_column = [_MASK_DTYPE.str, [nr], 1, self._reserve(nr, filled, _MASK_DTYPE)] if any(flags) else None
+            body += [turns, flags, mask_column]
         return msgpack.ExtType(_EXT_GROUP, self.packb(body))
 
     def _tensor(self, t: Any) -> msgpack.ExtType:
@@ -295,12 +306,14 @@ class _Decoder:
                 raise CodecError("numpy scalar record does not hold a 0-d array")
             return arr[()]
         if code == _EXT_TRAJECTORY:
-            values = self._fields(data, "Trajectory", len(_TRAJECTORY_FIELDS))
+            values = self._fields(data, "Trajectory", len(_TRAJECTORY_FIELDS), _PLAIN_FIELDS)
             return _build(Trajectory, **dict(zip(_TRAJECTORY_FIELDS, values)))
         if code == _EXT_GROUP:
-            c = self._fields(data, "Group", _GROUP_COLUMNS)
+            c = self._fields(data, "Group", _GROUP_COLUMNS + 3, _GROUP_COLUMNS)
             if c[5]:  # a group without responses has no columns to rebuild
-                c[11:] = [self._column(rec, dt) for rec, dt in zip(c[11:], _COLUMN_DTYPES)]
+                c[11:15] = [self._column(rec, dt) for rec, dt in zip(c[11:15], _COLUMN_DTYPES)]
+                if len(c) > _GROUP_COLUMNS and c[17] is not None:
+                    c[17] = self._column(c[17], _MASK_DTYPE)
             return _group_from_columns(c)
         raise CodecError(f"unknown extension code {code} in header")
 
@@ -315,10 +328,11 @@ class _Decoder:
                     return np.frombuffer(pool, dt, count, offset)
         return self._ndarray(*self._locate(rec, "column"))
 
-    def _fields(self, data: bytes, what: str, n: int) -> list[Any]:
+    def _fields(self, data: bytes, what: str, n: int, older: int | None = None) -> list[Any]:
+        # ``older``: the field count of records made before turns and masks existed (also valid).
         values = self.unpackb(data)
-        if not isinstance(values, list) or len(values) != n:
-            raise CodecError(f"{what} record is not a list of {n} fields")
+        if not isinstance(values, list) or len(values) not in (n, older):
+            raise CodecError(f"{what} record is not a list of {n} fields" + (f" (or {older})" if older else ""))
         return values
 
     @staticmethod
@@ -390,7 +404,8 @@ _NP_DTYPES = {np.dtype(c).str: np.dtype(c) for c in "?bBhHiIlLqQefdFD"}
 
 
 def _group_from_columns(c: list[Any]) -> Group:
-    sample_id, expected, status, error, meta, index, finish, reward, age, plens, rlens, p, r, lp, v = c
+    sample_id, expected, status, error, meta, index, finish, reward, age, plens, rlens, p, r, lp, v = c[:_GROUP_COLUMNS]
+    turns, masked, m = c[_GROUP_COLUMNS:] or (None, None, None)
     n = len(index) if isinstance(index, list) else -1
     if n < 0 or not all(isinstance(col, list) and len(col) == n for col in (finish, reward, age, plens, rlens)):
         raise CodecError(f"group {sample_id!r}: per-response columns disagree in length")
@@ -403,7 +418,10 @@ def _group_from_columns(c: list[Any]) -> Group:
             raise CodecError(f"group {sample_id!r}: lengths must be non-negative ints")
         if sum(plens) != len(p) or not sum(rlens) == len(r) == len(lp) == len(v):
             raise CodecError(f"group {sample_id!r}: lengths do not add up to the token columns")
-        trajectories, _, _ = _slice_responses(sample_id, c[5:11], (p, r, lp, v), 0, 0)
+        if m is not None and not (isinstance(m, np.ndarray) and m.ndim == 1 and m.dtype == _MASK_DTYPE and len(m) == len(r)):
+            raise CodecError(f"group {sample_id!r}: the mask column must be 1-d uint8 as long as the response column")
+        extra = [turns, masked] if turns is not None or masked is not None else []
+        trajectories, _, _ = _slice_responses(sample_id, c[5:11] + extra, (p, r, lp, v, m), 0, 0)
     return _build(Group, sample_id=sample_id, trajectories=trajectories, expected=expected, status=status,
                   error=error, meta=meta)
 

@@ -20,8 +20,11 @@ _ALIGN = 16  # pool offsets keep every dtype (complex128 included) aligned
 
 # Numeric and bool numpy dtypes, keyed by `dtype.str` (byte order included).
 _NP_KINDS = set("biufc")
-_I8, _F4 = np.dtype(np.int64), np.dtype(np.float32)
+_I8, _F4, _U1 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.uint8)
 _COLUMN_DTYPES = (_I8, _I8, _F4, _I8)  # a group's token columns: prompt_ids, response_ids, logprobs, versions
+# The optional fifth column, loss masks: one byte per response token, present only when some
+# response of the message has a mask (a response without one is filled with ones there).
+_MASK_DTYPE = _U1
 
 
 class CodecError(ValueError):

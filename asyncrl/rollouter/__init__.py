@@ -1,5 +1,5 @@
-"""Rollouter: inference engines (built-in torch engine, vLLM), the EngineActor that wraps them,
-the AggregatorActor and partial rollout.
+"""Rollouter: the rollout control (the Rollouter, the EngineActor that wraps one engine replica,
+the AggregatorActor, partial rollout) over the inference engines of `asyncrl.rollouter.engines`.
 
 Names are imported lazily so ``import asyncrl.rollouter`` stays cheap (no torch/transformers/ray
 until an engine is used).
@@ -10,17 +10,18 @@ from __future__ import annotations
 from asyncrl._lazy import lazy_exports
 
 _EXPORTS = {
-    "TorchEngine": "asyncrl.rollouter.torch_engine",
-    "TorchEngineConfig": "asyncrl.rollouter.torch_engine",
+    "TorchEngine": "asyncrl.rollouter.engines.builtin",
+    "TorchEngineConfig": "asyncrl.rollouter.engines.builtin",
     "EngineActor": "asyncrl.rollouter.actor",
     "AggregatorActor": "asyncrl.rollouter.aggregator",
     "PartialRolloutConfig": "asyncrl.rollouter.partial",
     "Rollouter": "asyncrl.rollouter.rollouter",
     "RolloutConfig": "asyncrl.rollouter.rollouter",
-    "RolloutEngine": "asyncrl.rollouter.engine",
-    "EngineError": "asyncrl.rollouter.engine",
-    "EnginePausedError": "asyncrl.rollouter.engine",
-    "EngineClosedError": "asyncrl.rollouter.engine",
+    "RolloutEngine": "asyncrl.rollouter.engines.base",
+    "EngineError": "asyncrl.rollouter.engines.base",
+    "EnginePausedError": "asyncrl.rollouter.engines.base",
+    "EngineClosedError": "asyncrl.rollouter.engines.base",
+    "make_engine": "asyncrl.rollouter.engines.backends",
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -5,8 +5,8 @@ class from it. Ray runs ``async`` methods concurrently on the actor's event loop
 ``generate`` calls are in flight at once and the engine batches them. Requests and results
 cross Ray as the `asyncrl.types` dataclasses.
 
-The engine is built by kind: ``"torch"`` -> `TorchEngine` (built-in), ``"vllm"`` ->
-``asyncrl.rollouter.vllm_engine.VLLMEngine`` (imported only when asked for). Weight sync:
+The engine is built by kind through the registry (`asyncrl.rollouter.engines.backends.make_engine`:
+``torch``, ``vllm``, ``sim``). Weight sync:
 ``init_weight_sync(ReceiverInit)`` builds the receiver of the record's method
 (`asyncrl.sync.backends.make_receiver`: ``broadcast`` for either kind, into vLLM's workers for a
 vLLM engine; ``vllm``, vLLM's NCCL engine, for vLLM on GPU) and ``receive_weights`` goes to
@@ -29,32 +29,12 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from asyncrl.rollouter.engine import PauseMode
+from asyncrl.rollouter.engines.backends import make_engine
+from asyncrl.rollouter.engines.base import PauseMode
 from asyncrl.types import GenerateRequest, GenerateResult
 
-ENGINE_KINDS = ("torch", "vllm", "sim")
-
-
-def make_engine(kind: str = "torch", **engine_kwargs):
-    """Build an engine by kind (``torch`` | ``vllm`` | ``sim``, the simulated one for scale tests
-    and benchmarks) from its keyword settings."""
-    if kind == "torch":
-        from asyncrl.rollouter.torch_engine import TorchEngine
-
-        return TorchEngine(**engine_kwargs)
-    if kind == "vllm":
-        from asyncrl.rollouter.vllm_engine import VLLMEngine
-
-        return VLLMEngine(**engine_kwargs)
-    if kind == "sim":
-        from asyncrl.rollouter.sim_engine import SimEngine
-
-        return SimEngine(**engine_kwargs)
-    raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}")
-
-
 class EngineActor:
-    """One engine replica; the same methods as `asyncrl.rollouter.engine.RolloutEngine`."""
+    """One engine replica; the same methods as `asyncrl.rollouter.engines.base.RolloutEngine`."""
 
     def __init__(self, kind: str = "torch", num_threads: int | None = None, **engine_kwargs):
         from asyncrl.hang import enable_stack_dumps

@@ -644,7 +644,7 @@ def _index_of(sample_id: str) -> int:
 def _actor_died(exc: BaseException) -> bool:
     """The replica is gone: its Ray actor died, or the engine inside it did (a vLLM EngineCore
     killed under a live actor raises `EngineClosedError`; through Ray the error keeps its class)."""
-    from asyncrl.rollouter.engine import EngineClosedError
+    from asyncrl.rollouter.engines.base import EngineClosedError
 
     if isinstance(exc, EngineClosedError):
         return True

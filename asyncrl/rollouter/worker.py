@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 
 import numpy as np
 
@@ -76,15 +77,24 @@ def builtin_task_prompts(tokenizer, rows: list[dict]) -> list[Prompt]:
 
 
 def make_reward_fn(tokenizer, spec: DataSpec):
-    """``reward_fn(prompt, response_ids)`` for the `Rollouter`: decode, then the user's (or built-in) reward."""
+    """``reward_fn(prompt, response_ids)`` for the `Rollouter`: decode, then the user's (or built-in) reward.
+
+    A plain reward function gives a plain ``reward_fn``, which the Rollouter runs, decode included,
+    on its reward threads (``rollout.reward_workers``), off its event loop; an ``async def`` one
+    gives a coroutine function, awaited on the loop (it should not block)."""
     from asyncrl import data
 
     reward = data.load_reward(spec.reward or data.BUILTIN_REWARD)
+    if reward.is_async:
+        async def reward_fn(prompt: Prompt, response_ids: np.ndarray) -> float:
+            return await reward(prompt.text, prompt.meta, data.decode_response(tokenizer, response_ids))
 
-    async def reward_fn(prompt: Prompt, response_ids: np.ndarray) -> float:
-        return await reward(prompt.text, prompt.meta, data.decode_response(tokenizer, response_ids))
+        return reward_fn
 
-    return reward_fn
+    def plain_reward_fn(prompt: Prompt, response_ids: np.ndarray) -> float:
+        return reward.score(prompt.text, prompt.meta, data.decode_response(tokenizer, response_ids))
+
+    return plain_reward_fn
 
 
 class RolloutWorker:
@@ -217,7 +227,11 @@ class RolloutWorker:
             async with slots:
                 engine = self.engines[i % len(self.engines)]
                 result = await asyncio.wait_for(call_engine(engine, request), self.cfg.request_timeout_s)
-            return await self.reward_fn(prompt, result.response_ids), len(result.response_ids)
+            if inspect.iscoroutinefunction(self.reward_fn):
+                reward = await self.reward_fn(prompt, result.response_ids)
+            else:  # a plain reward runs off the event loop, as in training
+                reward = await asyncio.to_thread(self.reward_fn, prompt, result.response_ids)
+            return reward, len(result.response_ids)
 
         scored = await asyncio.gather(*(one(i, p) for i, p in enumerate(self.val_prompts)))
         rewards = np.asarray([r for r, _ in scored], dtype=np.float64)

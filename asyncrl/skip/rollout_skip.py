@@ -14,6 +14,8 @@ Failed or incomplete groups are never dumped (a transient engine error must not 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from asyncrl.skip.manager import BaseSkip, SkipCall, register_skip
@@ -33,10 +35,7 @@ def relabel(group: Group, sample_id: str, mark: dict) -> Group:
     """``group`` as the group of ``sample_id``, marked with ``mark`` under `REPLAY_KEY`."""
     trajectories = group.trajectories
     if sample_id != group.sample_id:
-        trajectories = [Trajectory(sample_id=sample_id, index=t.index, prompt_ids=t.prompt_ids,
-                                   response_ids=t.response_ids, logprobs=t.logprobs, versions=t.versions,
-                                   finish_reason=t.finish_reason, reward=t.reward, age=t.age)
-                        for t in trajectories]
+        trajectories = [dataclasses.replace(t, sample_id=sample_id) for t in trajectories]
     mark = {**mark, "source_sample_id": group.sample_id}
     return Group(sample_id=sample_id, trajectories=trajectories, expected=group.expected, status=group.status,
                  error=group.error, meta={**group.meta, REPLAY_KEY: mark})
@@ -51,14 +50,18 @@ def rebase_versions(group: Group, version: int) -> Group:
     log-probs are kept: they are the probabilities of the distribution that really sampled the
     tokens, so the loss's importance ratio against them is the correct off-policy correction.
     """
-    trajectories = [Trajectory(sample_id=t.sample_id, index=t.index, prompt_ids=t.prompt_ids,
-                               response_ids=t.response_ids, logprobs=t.logprobs,
-                               versions=np.full(len(t.response_ids), version, np.int64),
-                               finish_reason=t.finish_reason, reward=t.reward, age=t.age)
-                    for t in group.trajectories]
+    trajectories = [dataclasses.replace(t, versions=_rebased(t, version)) for t in group.trajectories]
     mark = {**group.meta[REPLAY_KEY], "rebased_to_version": version}
     return Group(sample_id=group.sample_id, trajectories=trajectories, expected=group.expected,
                  status=group.status, error=group.error, meta={**group.meta, REPLAY_KEY: mark})
+
+
+def _rebased(t: Trajectory, version: int) -> np.ndarray:
+    # Observation tokens of a conversation keep -1: no policy wrote them, now or then.
+    versions = np.full(len(t.response_ids), version, np.int64)
+    if t.loss_mask is not None:
+        versions[t.loss_mask == 0] = -1
+    return versions
 
 
 def _incomplete(groups: list[Group]) -> str:

@@ -38,7 +38,7 @@ the group (header, metadata when it changed, then the buckets; see the sender ab
 Where each bucket lands:
 
 - direct: a bucket that holds one tensor is byte-identical to it, so when the engine has
-  the optional ``weight_views()`` hook (see `asyncrl.rollouter.engine`) and that tensor's
+  the optional ``weight_views()`` hook (see `asyncrl.rollouter.engines.base`) and that tensor's
   engine parameter is contiguous with the same dtype, shape and device, the broadcast is
   received straight into the parameter's storage: no staging buffer, no copy. An alias the
   engine keeps in separate storage (untied) is then copied from it via ``load_weights``;

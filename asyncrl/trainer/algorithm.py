@@ -107,6 +107,14 @@ def policy_loss(
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs from the frozen reference")
     m = mask.bool()
+    # Tokens off the mask (padding, prompt, a conversation's observations) must not matter at
+    # all: zero what the batch carries there, so that no value (even inf or NaN) can reach the
+    # loss or, through 0 * inf in the backward pass, the gradients.
+    old_logprobs, advantages = old_logprobs.where(m, 0.0), advantages.where(m, 0.0)
+    if proximal_logprobs is not None:
+        proximal_logprobs = proximal_logprobs.where(m, 0.0)
+    if ref_logprobs is not None:
+        ref_logprobs = ref_logprobs.where(m, 0.0)
     anchor = proximal_logprobs if cfg.decoupled else old_logprobs
     # The ratio pi_theta / pi_anchor re-weights samples drawn from pi_anchor toward the current
     # policy; clamping the log keeps exp finite on tokens that drifted far.

@@ -1,7 +1,10 @@
 """``samples.jsonl``: the audit trail of exactly-once, one line per trained or dropped group.
 
-Each line is ``{"sample_id", "step", "status": "trained" | "dropped", "reason"}`` (``reason``
-is null for a trained group). The Trainer appends a step's lines only once the step is durable
+Each line is ``{"sample_id", "step", "status": "trained" | "dropped", "reason", "turns",
+"masked_tokens"}`` (``reason`` is null for a trained group); ``turns`` and ``masked_tokens`` list,
+per trajectory of the group in index order, its model turns and its response tokens the loss
+never saw (a conversation's observations): ``[1, 1, ...]`` and ``[0, 0, ...]`` for plain
+generation. Lines written before they existed lack the two keys. The Trainer appends a step's lines only once the step is durable
 (after the checkpoint holding it is published), so the file never names a group a crash could
 make the run train again. A crash between publishing a checkpoint and appending its lines, or
 in the middle of a line, is repaired at resume: `SampleLog.repair` keeps exactly the lines of
@@ -16,7 +19,9 @@ import json
 import os
 from collections.abc import Container, Iterable
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict
+
+from asyncrl.types import Group
 
 
 class SampleRecord(TypedDict):
@@ -28,14 +33,25 @@ class SampleRecord(TypedDict):
     status: Literal["trained", "dropped"]
     reason: str | None
     """Why a dropped group was dropped (the drop policy's words); None when trained."""
+    turns: NotRequired[list[int]]
+    """Model turns of each trajectory, in index order."""
+    masked_tokens: NotRequired[list[int]]
+    """Response tokens of each trajectory masked out of the loss (observations), in index order."""
 
 
-def trained(sample_ids: Iterable[str], step: int) -> list[SampleRecord]:
-    return [{"sample_id": sid, "step": step, "status": "trained", "reason": None} for sid in sample_ids]
+def _per_trajectory(group: Group) -> dict:
+    ts = sorted(group.trajectories, key=lambda t: t.index)
+    return {"turns": [t.turns for t in ts], "masked_tokens": [t.masked_tokens for t in ts]}
 
 
-def dropped(sample_id: str, step: int, reason: str) -> SampleRecord:
-    return {"sample_id": sample_id, "step": step, "status": "dropped", "reason": reason}
+def trained(groups: Iterable[Group], step: int) -> list[SampleRecord]:
+    return [{"sample_id": g.sample_id, "step": step, "status": "trained", "reason": None, **_per_trajectory(g)}
+            for g in groups]
+
+
+def dropped(group: Group, step: int, reason: str) -> SampleRecord:
+    return {"sample_id": group.sample_id, "step": step, "status": "dropped", "reason": reason,
+            **_per_trajectory(group)}
 
 
 class SampleLog:

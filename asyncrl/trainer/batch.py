@@ -12,16 +12,22 @@ key                 shape   meaning
 ==================  ======  =====================================================
 ``input_ids``       [B, L]  prompt + response, padded with ``pad_token_id``
 ``attention_mask``  [B, L]  1 on real tokens
-``response_mask``   [B, L]  1 on response tokens the loss sees (all, or up to the first stop token)
+``response_mask``   [B, L]  1 on response tokens the model wrote and the loss sees (see below)
 ``position_ids``    [B, L]  0.. over real tokens
-``old_logprobs``    [B, L]  behaviour log-prob of token t at position t (0 elsewhere)
-``versions``        [B, L]  policy version that produced token t (-1 off the response)
-``advantages``      [B, L]  the sequence's GRPO advantage on its response tokens
+``old_logprobs``    [B, L]  behaviour log-prob of token t at position t (0 off the mask)
+``versions``        [B, L]  policy version that produced token t (-1 where no policy wrote one)
+``advantages``      [B, L]  the sequence's GRPO advantage on its masked-in tokens
 ``rewards``         [B]     scalar reward of the sequence
 ``group_index``     [B]     which group of the batch the row came from
 ==================  ======  =====================================================
 
 Rows are grouped: a group's trajectories are adjacent, ordered by trajectory index.
+
+A multi-turn trajectory's observation tokens (``Trajectory.loss_mask`` 0: tool output, env
+replies, template markers) are real tokens the model reads (``attention_mask`` 1) but no policy
+wrote them: ``response_mask`` is 0 there, so the loss, the advantages, entropy, KL, clip and
+importance-ratio statistics and every token count skip them, and their version (-1) never
+counts as staleness (`oldest_version`, the ``max_version_gap`` drop).
 
 With ``stop_token_id`` (engines told not to stop at EOS: the long-tail benchmark workload) a
 response's tokens after its first stop token stay in the batch, so a step costs the same, but
@@ -59,8 +65,9 @@ class IncompleteGroupError(RuntimeError):
 
 
 def oldest_version(group: Group) -> int | None:
-    """The smallest policy version of any response token in ``group`` (None if it has no tokens)."""
-    mins = [int(t.versions.min()) for t in group.trajectories if len(t.versions)]
+    """The smallest policy version of any model-written token in ``group`` (None if it has none):
+    observation tokens (version -1, masked out of the loss) are not stale, only unwritten."""
+    mins = [int(v.min()) for v in (t.model_versions for t in group.trajectories) if len(v)]
     return min(mins) if mins else None
 
 
@@ -121,13 +128,19 @@ def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std:
         input_ids[i, :p] = torch.from_numpy(t.prompt_ids)
         input_ids[i, p:p + r] = torch.from_numpy(t.response_ids)
         attention[i, :p + r] = 1
-        response[i, p:p + r] = 1
+        if t.loss_mask is None:  # every response token is the model's
+            response[i, p:p + r] = 1
+            old_logprobs[i, p:p + r] = torch.from_numpy(t.logprobs.astype("float32"))
+            versions[i, p:p + r] = torch.from_numpy(t.versions)
+        else:  # observation tokens keep 0 / 0 / -1, whatever the record carries there
+            mask = torch.from_numpy(t.loss_mask != 0)
+            response[i, p:p + r] = mask.long()
+            old_logprobs[i, p:p + r] = torch.from_numpy(t.logprobs.astype("float32")).where(mask, 0.0)
+            versions[i, p:p + r] = torch.from_numpy(t.versions).where(mask, -1)
         if stop_token_id is not None:
             stops = np.flatnonzero(t.response_ids == stop_token_id)
             if len(stops):
                 response[i, p + int(stops[0]) + 1:p + r] = 0  # the stop token itself is the model's choice
-        old_logprobs[i, p:p + r] = torch.from_numpy(t.logprobs.astype("float32"))
-        versions[i, p:p + r] = torch.from_numpy(t.versions)
     return TensorDict(
         {
             "input_ids": input_ids,

@@ -197,7 +197,7 @@ class Trainer:
                 self.source.ack([sid], reason=reason)
                 self.committed.add(sid)
                 self.dropped += 1
-                self._records.append(audit.dropped(sid, self.step + 1, reason))
+                self._records.append(audit.dropped(group, self.step + 1, reason))
                 dropped.append((sid, reason))
             if out and self.on_dropped is not None:
                 await _maybe_await(self.on_dropped([sid for sid, _ in out]))
@@ -261,7 +261,7 @@ class Trainer:
         self.step += 1
         self.committed.update(ids)
         self._unacked.extend(ids)
-        self._records.extend(audit.trained(ids, self.step))
+        self._records.extend(audit.trained(groups, self.step))
         t_trained = time.perf_counter()
         if self.syncer is not None and self.step % cfg.trigger_parameter_sync_step == 0:
             self.sync_due = True  # until it finishes: a checkpoint after a failed sync says so
@@ -338,7 +338,7 @@ def _partial_metrics(groups: list[Group]) -> dict[str, float]:
     truncation, their share, the most versions one trajectory spans, and their ages."""
     trajectories = [t for g in groups for t in g.trajectories]
     ages = [t.age for t in trajectories]
-    spans = [int(t.versions.max() - t.versions.min()) for t in trajectories if len(t.versions)]
+    spans = [int(v.max() - v.min()) for v in (t.model_versions for t in trajectories) if len(v)]
     partial = sum(a > 0 for a in ages)
     return {
         "fully_async/partial/total_partial_num": float(partial),

@@ -11,7 +11,8 @@ import ray
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.rollouter.actor import EngineActor, make_engine, remote_engine_actor
+from asyncrl.rollouter.actor import EngineActor, remote_engine_actor
+from asyncrl.rollouter.engines import make_engine
 from asyncrl.types import GenerateRequest, SamplingParams
 
 

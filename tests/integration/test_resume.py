@@ -33,6 +33,7 @@ import psutil
 import pytest
 import torch
 
+from asyncrl.hang import WARMUP_STEPS
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.types import CommittedSet, parse_sample_id
 
@@ -239,11 +240,14 @@ def _check_exactly_once(run_dir: Path, steps: int = STEPS, groups: int = GROUPS)
 def test_a_frozen_engine_is_named_in_the_hang_dump_and_the_run_restarts(tmp_path):
     model = build_tiny_model(tmp_path / "model")
     run_dir = tmp_path / "run"
+    # The deadline is the run's own: 10x its median step after the warm-up steps, at least 30 s.
+    # A step slowed by a loaded machine stays far inside it; only a frozen engine passes it (and
+    # the restarted run gets the start-up deadline, 600 s, as any start does).
     run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON, "--engines", "1", "--max-restarts", "1",
-                 "restart_backoff_s=0.5", "watchdog_s=8")
+                 "restart_backoff_s=0.5", "watchdog_floor_s=30", "watchdog_factor=10", "watchdog_startup_s=600")
     frozen = None
     try:
-        run.wait_step(3)
+        run.wait_step(WARMUP_STEPS + 3)  # steady steps seen: the deadline is the derived one
         frozen = run.actor_pids("EngineActor")[0]
         os.kill(frozen, signal.SIGSTOP)  # the Rollouter waits on it forever: no step completes
         run.wait_line("asyncrl: hang: no train step completed for")
@@ -268,6 +272,11 @@ def test_a_frozen_engine_is_named_in_the_hang_dump_and_the_run_restarts(tmp_path
     assert "===== ray::RolloutWorker" in text and 'File "' in text  # the stacks themselves
     causes = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert len(causes) == 1 and causes[0]["cause"].startswith("HangError: no train step completed")
+    # Taken at the freeze (a step or so after it, which the engine may have generated already), not
+    # at a slow step before it, and after the derived deadline with its room.
+    after = int(causes[0]["cause"].split(" after step ")[1].split(";")[0])
+    deadline = float(causes[0]["cause"].split("(deadline ")[1].split(" s)")[0])
+    assert after >= WARMUP_STEPS + 3 and deadline >= 30, causes[0]["cause"]
     _check_exactly_once(run_dir)
 
 

@@ -21,7 +21,7 @@ T = 600.0
 
 async def rollouter_run(model_path, dump_dir, cfg) -> tuple[list[Group], int]:
     from asyncrl.rollouter.rollouter import Prompt, Rollouter
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 
     SkipManager.init(SkipConfig(experiment="trainer", async_rollout=SkipRoleConfig(
         enable=True, dump_dir=str(dump_dir), steps=[0, 1])),

@@ -69,7 +69,29 @@ async def _send_batch(rogue: zmq.asyncio.Socket, session: str, sample_ids: list[
     await rogue.send_multipart([envelope("groups", {"session": session, "sample_ids": sample_ids}), *frames])
 
 
+def conversation(i: int) -> Group:
+    """A multi-turn group: a masked response of two turns beside a plain one."""
+    g = group(i, n=2, length=6)
+    first = g.trajectories[0]
+    g.trajectories[0] = dataclasses.replace(first, loss_mask=np.array([1, 1, 0, 0, 1, 1], np.uint8), turns=2,
+                                            finish_reason="max_turns")
+    return g
+
+
 # ----------------------------------------------------------------------------- batching
+
+
+async def test_turns_and_loss_masks_cross_the_stream_among_plain_groups(config):
+    sent = [group(0), conversation(1), group(2), conversation(3)]
+    async with StreamConsumer(config) as consumer, StreamProducer(config, producer_id="p") as producer:
+        for g in sent:
+            await producer.send(g, timeout=10)
+        got = await _recv_all(consumer, len(sent))
+    assert got == sent
+    assert [t.turns for t in got[1].trajectories] == [2, 1] and got[1].trajectories[1].loss_mask is None
+    assert got[3].trajectories[0].loss_mask.tolist() == [1, 1, 0, 0, 1, 1]
+    assert all(t.loss_mask is None for t in got[0].trajectories + got[2].trajectories)
+
 
 
 async def test_groups_sent_in_a_row_share_messages_and_arrive_once_in_order(config):

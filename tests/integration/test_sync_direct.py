@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.rollouter.engine import EngineError
-from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.rollouter.engines.base import EngineError
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.sync.broadcast import BroadcastReceiver as WeightReceiver
 from asyncrl.sync.broadcast import BroadcastSender as WeightSender
 

@@ -18,7 +18,7 @@ import asyncio, hashlib, sys, torch
 from transformers import AutoModelForCausalLM
 from asyncrl.sync.broadcast import BroadcastSender as WeightSender
 from asyncrl.sync.broadcast import BroadcastReceiver as WeightReceiver
-from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 
 role, path, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 group = dict(master_addr="127.0.0.1", world_size=2, backend="auto", timeout_s=120.0)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.sync.broadcast import BroadcastReceiver as WeightReceiver
 from asyncrl.sync.broadcast import BroadcastSender as WeightSender
 from asyncrl.sync.wire import WeightSyncError

@@ -150,7 +150,7 @@ async def test_recomputed_logprobs_match_engine_behaviour_logprobs(ray_ranks):
     # response token must equal the engine's behaviour log-prob (this catches any off-by-one
     # in positions, masks or padding). Prompts and responses of mixed lengths pad differently.
     from asyncrl.models.tiny import build_tokenizer
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
     from asyncrl.trainer.batch import assemble
     from asyncrl.types import GenerateRequest, SamplingParams
 

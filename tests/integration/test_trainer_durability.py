@@ -107,6 +107,25 @@ async def test_resume_repairs_samples_jsonl_to_exactly_what_the_checkpoint_made_
     assert await resumed.restore() and lines(log) == good  # repairing twice changes nothing
 
 
+async def test_a_run_restarted_before_its_first_checkpoint_clears_samples_jsonl(local_rank, tmp_path):
+    # The first attempt trained two steps, staged step 2's checkpoint and wrote its lines, and died
+    # before publishing it (no ``latest``): nothing it did is durable, and the restarted run trains
+    # every id again, so a line left in samples.jsonl would list an id twice.
+    path, ranks = local_rank
+    log = tmp_path / "samples.jsonl"
+    cfg = trainer_config(path, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1, samples_path=str(log))
+    first = Trainer(cfg, ranks, MemorySource(make_group(i) for i in range(4)))
+    await first.run(2)
+    assert len(lines(log)) == 4
+    (tmp_path / "ckpt" / "latest").unlink()
+    assert checkpoint.latest(cfg.checkpoint_dir) is None
+    again = Trainer(cfg, ranks, MemorySource(make_group(i) for i in range(4)))
+    assert not await again.restore()
+    assert again.step == 0 and lines(log) == []
+    await again.run(1)
+    assert [r["sample_id"] for r in lines(log)] == ["sample_0_0", "sample_0_1"]
+
+
 async def test_a_stop_abandons_a_step_still_collecting_and_finish_makes_the_rest_durable(local_rank, tmp_path):
     path, ranks = local_rank
     log = tmp_path / "samples.jsonl"
@@ -142,7 +161,7 @@ async def test_a_run_stopped_in_its_weight_sync_runs_that_sync_at_resume(local_r
     # fails): step 1 is trained and checkpointed, but its weights never became version 1. The
     # resume must publish them as version 1, as an uninterrupted run would; republishing them as
     # version 0 leaves an on-policy Rollouter's staleness budget spent, and the run waits forever.
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
     from asyncrl.sync.inprocess import InProcessSyncer
 
     path, ranks = local_rank

@@ -17,7 +17,7 @@ import torch
 
 from asyncrl.models import default_model_path
 from asyncrl.models.tiny import build_tokenizer
-from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.tasks import arithmetic
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
 from asyncrl.queue.memory import MemorySource

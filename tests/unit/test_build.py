@@ -47,3 +47,21 @@ def test_a_wheel_ships_the_default_model(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         for name in shipped:
             assert zf.read(f"asyncrl/models/tiny_arith/{name}") == (DEFAULT_MODEL_DIR / name).read_bytes(), name
+
+
+def test_the_cluster_extra_brings_rays_job_server_and_the_readme_says_so_at_the_command():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    rays = [Requirement(r) for r in extras["cluster"] if Requirement(r).name == "ray"]
+    assert rays and "default" in rays[0].extras, extras["cluster"]
+    # Where the README shows `ray job submit`, the install line before it names the extra.
+    readme = (root / "README.md").read_text()
+    before = readme[:readme.index("ray job submit --address")]
+    install = before[before.rindex("```bash"):]
+    assert re.search(r"pip install -e '\.\[[^\]]*\bcluster\b[^\]]*\]'", install), install

@@ -153,6 +153,54 @@ def test_forged_group_records_raise_codec_error(mutate, message):
         unpack(_forge_group(g, mutate))
 
 
+def _agent_group(sid: str = "sample_3_5") -> Group:
+    """Multi-turn responses: masked with several turns, plain, turns without a mask, empty and masked."""
+    ts = [_traj(sid, k, 4, n) for k, n in enumerate((7, 3, 2, 0))]
+    ts[0].loss_mask, ts[0].turns, ts[0].finish_reason = np.array([1, 1, 0, 0, 0, 1, 1], np.uint8), 2, "max_turns"
+    ts[0].versions[2:5] = -1
+    ts[2].turns, ts[2].finish_reason = 3, "context"
+    ts[3].loss_mask, ts[3].turns = np.zeros(0, np.uint8), 0
+    return Group(sid, ts, expected=4)
+
+
+def test_group_with_turns_and_masks_round_trips_bit_for_bit():
+    g = _agent_group()
+    frames = _as_bytearrays(pack(g))
+    out = unpack(frames)
+    assert out == g
+    masks = [t.loss_mask for t in out.trajectories]
+    assert masks[1] is None and [t.turns for t in out.trajectories] == [2, 1, 3, 0]
+    assert masks[0].dtype == np.uint8 and masks[0].tobytes() == g.trajectories[0].loss_mask.tobytes()
+    assert np.shares_memory(masks[0], np.frombuffer(frames[1], np.uint8))  # a view on the pool, as the others
+    assert unpack(pack(g.trajectories[0])) == g.trajectories[0]  # a lone Trajectory carries them too
+
+
+def test_plain_records_keep_their_old_size_and_old_records_still_decode():
+    g = Group("sample_1_2", [_traj("sample_1_2", k, 5, 9) for k in range(3)], expected=3)
+    fields = []
+    _forge_group(g, fields.extend)
+    assert len(fields) == 15  # no turns, no masks: the record of before they existed
+    t = _traj("sample_1_2", 0, 5, 9)
+    ext = msgpack.unpackb(msgpack.unpackb(pack(t)[0], raw=False)[3], raw=False)
+    assert len(msgpack.unpackb(ext.data, raw=False)) == 9
+    out = unpack(pack(t))
+    assert out.loss_mask is None and out.turns == 1
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda f: f[15].__setitem__(1, -2), "turns must be an int >= 0"),
+    (lambda f: f[16].__setitem__(0, 1), "masked flag must be a bool"),
+    (lambda f: f.__setitem__(17, None), "has a loss mask but the message has no mask column"),
+    (lambda f: f[17].__setitem__(0, "|i1"), "mask column must be 1-d uint8"),
+    (lambda f: f.__setitem__(16, [True]), "turns and masked must be lists"),
+])
+def test_forged_turns_and_masks_raise_codec_error(mutate, message):
+    g = _agent_group()
+    assert unpack(_forge_group(g, lambda f: None)) == g
+    with pytest.raises(CodecError, match=message):
+        unpack(_forge_group(g, mutate))
+
+
 def test_decoded_group_records_are_typed_trajectories_viewing_the_pool():
     g = Group("sample_1_3", [_traj("sample_1_3", k, 5, 9) for k in range(2)], expected=2)
     frames = _as_bytearrays(pack(g))

@@ -96,6 +96,49 @@ def test_a_batch_of_failed_groups_only_has_an_empty_pool():
     assert out == groups and len(frames[1]) == 0
 
 
+def agent_group(i: int) -> Group:
+    """A multi-turn group: masked responses with several turns, a plain one, an empty masked one."""
+    g = group(i, n=4, rlen=6)
+    ts = g.trajectories
+    ts[0].loss_mask, ts[0].turns, ts[0].finish_reason = np.array([1, 1, 0, 0, 1, 1], np.uint8), 2, "max_turns"
+    ts[2].loss_mask, ts[2].turns, ts[2].finish_reason = (np.arange(8) % 2).astype(np.uint8), 4, "context"
+    ts[3].turns = 0
+    ts[3].response_ids, ts[3].logprobs, ts[3].versions = ts[3].response_ids[:0], ts[3].logprobs[:0], ts[3].versions[:0]
+    ts[3].loss_mask = np.zeros(0, np.uint8)
+    return g
+
+
+def test_groups_with_turns_and_masks_round_trip_bit_for_bit_among_plain_ones():
+    groups = [group(0), agent_group(1), failed(2), group(3, n=3), agent_group(4)]
+    out, frames = round_trip(groups)
+    assert out == groups
+    assert_views_on(out, frames[1])
+    pool = np.frombuffer(frames[1], np.uint8)
+    for got, sent in zip(out, groups):
+        for a, b in zip(got.trajectories, sent.trajectories):
+            assert a.turns == b.turns and (a.loss_mask is None) == (b.loss_mask is None)
+            if a.loss_mask is not None:
+                assert a.loss_mask.dtype == np.uint8 and a.loss_mask.tobytes() == b.loss_mask.tobytes()
+                assert np.shares_memory(a.loss_mask, pool) or len(a.loss_mask) == 0  # zero-copy
+    assert [t.loss_mask is None for t in out[1].trajectories] == [False, True, False, False]
+    assert len(_header(frames)[3]) == 5  # the mask column
+
+
+def test_a_batch_without_masks_has_the_wire_of_before():
+    groups = [group(0), group(1, n=3)]
+    _, frames = round_trip(groups)
+    header = _header(frames)
+    assert len(header[3]) == 4 and all(len(msgpack.unpackb(r, raw=False)) == 11 for r in header[4])
+    out = unpack_groups(frames)
+    assert all(t.loss_mask is None and t.turns == 1 for g in out for t in g.trajectories)
+    masked = [group(0), agent_group(1)]
+    _, with_masks = round_trip(masked)
+    # the mask column costs one byte per response token of the batch (plus alignment), no more
+    response_tokens = sum(len(t.response_ids) for g in masked for t in g.trajectories)
+    _, without = round_trip([group(0), group(1, n=4, rlen=6)])
+    assert len(with_masks[1]) - len(without[1]) <= response_tokens + 16
+
+
 def test_numpy_scalars_in_reward_and_meta_come_back_as_python_numbers():
     g = group(0, n=2)
     g.trajectories[0].reward = np.float32(0.25)
@@ -180,6 +223,10 @@ def _broken(attr: str, value) -> Group:
         ("versions", np.zeros(8, np.uint64), ("versions", "uint64")),
         ("logprobs", np.zeros(8, np.float64), ("logprobs", "float64")),
         ("logprobs", np.zeros(3, np.float32), ("logprobs",)),  # length no longer matches response_ids
+        ("loss_mask", np.ones(8, bool), ("loss_mask", "bool")),
+        ("loss_mask", np.ones(3, np.uint8), ("loss_mask", "one entry per response token")),
+        ("loss_mask", [1, 1], ("loss_mask", "list")),
+        ("turns", "2", ("turns", "'2'")),
     ],
 )
 def test_prepare_group_names_the_bad_field(attr, value, words):

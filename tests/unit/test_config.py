@@ -113,7 +113,6 @@ def test_bad_keys_and_values_are_named_by_dotted_path(override, expected):
      ("threshold=1000", "rollout.max_concurrent", "rollout.n")),
     (["metrics.sinks=[jsonl,graphite]"], ("metrics.sinks", "graphite")),
     (["stream.endpoint=tcp://0.0.0.0:1"], ("stream.endpoint",)),
-    (["skip.rollout.enable=true"], ("skip.rollout.enable", "skip.async_rollout")),
     (["weight_sync.method=vllm"], ("weight_sync.method=vllm", "engine.kind=torch")),
     (["placement.rollouter_gpus=2", "placement.trainer_gpus=2", "rollout.temperature=3.0"],
      ("rollout.temperature", "=3.0 is outside [0.01, 2.0]")),
@@ -166,6 +165,53 @@ def test_weight_sync_backend_and_geometry_follow_the_engines():
     assert nccl.weight_sync_config().method == "vllm" and nccl.engine_kwargs("/m")["weight_transfer"] == "nccl"
 
 
+def test_workers_per_engine_follows_the_engines_and_a_contradicting_value_is_refused(tmp_path):
+    # Derived, so the resolved config.yaml says what the sync group is built with.
+    gpu, resolved = load_config([], ["placement.rollouter_gpus=4", "placement.trainer_gpus=2",
+                                     "engine.tensor_parallel_size=2"])
+    assert resolved.weight_sync.workers_per_engine == 2 == gpu.weight_sync_config().workers_per_engine
+    assert load_config([], ["engine.kind=vllm", "engine.tensor_parallel_size=2", "placement.rollouter_gpus=2",
+                            "placement.trainer_gpus=1"])[0].weight_sync.workers_per_engine == 2
+    assert load_config([], [])[0].weight_sync.workers_per_engine == 1
+    # Given and agreeing: accepted; given and contradicting: refused, naming both (not overwritten).
+    assert load_config([], ["weight_sync.workers_per_engine=1"])[0].weight_sync.workers_per_engine == 1
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["weight_sync.workers_per_engine=2"])
+    assert "weight_sync.workers_per_engine=2" in str(e.value) and "engine.tensor_parallel_size=1" in str(e.value)
+    with pytest.raises(ConfigError, match="workers_per_engine=1 contradicts"):
+        load_config([], ["placement.rollouter_gpus=4", "placement.trainer_gpus=2", "engine.tensor_parallel_size=2",
+                         "weight_sync.workers_per_engine=1"])
+
+
+def test_engine_kind_sim_is_refused_with_its_reason():
+    # docs/scale.md's simulated replicas are `make_engine("sim")`, a benchmark's engine with no model.
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["engine.kind=sim"])
+    assert str(e.value).startswith("engine.kind cannot be sim") and "bench_scale" in str(e.value)
+    with pytest.raises(ConfigError, match="engine.kind must be auto, torch or vllm, got 'tpu'"):
+        load_config([], ["engine.kind=tpu"])
+
+
+def test_the_run_config_has_no_skip_rollout_role_and_says_why():
+    cfg, resolved = load_config([], ["skip.async_rollout.enable=true"])
+    assert "rollout" not in resolved.skip and cfg.skip.skip_config().async_rollout.enable
+    for key in ("enable=true", "steps=[1]", "dump_dir=d", "action=repeat"):
+        with pytest.raises(ConfigError) as e:
+            load_config([], [f"skip.rollout.{key}"])
+        assert "unknown key skip.rollout" in str(e.value) and "use skip.async_rollout" in str(e.value)
+
+
+def test_trainer_keys_set_by_placement_or_run_are_fields_of_the_trainer():
+    # Each name left out of the trainer section must be one the section would otherwise show.
+    import dataclasses
+
+    from asyncrl.config import _FROM_PLACEMENT_OR_RUN
+    from asyncrl.trainer.config import WorkerConfig
+
+    owned = {f.name for owner in (WorkerConfig, TrainerConfig) for f in dataclasses.fields(owner)}
+    assert _FROM_PLACEMENT_OR_RUN <= owned, _FROM_PLACEMENT_OR_RUN - owned
+
+
 def test_vllm_engines_need_vllm_installed_not_gpus(monkeypatch):
     import importlib.util
 
@@ -184,6 +230,39 @@ def test_restart_settings_are_checked_and_default_to_a_few_restarts(override, ex
     assert load_config([], [])[0].max_restarts == 2
     with pytest.raises(ConfigError, match=expected):
         load_config([], [override])
+
+
+def test_the_built_in_engine_gets_the_device_and_dtype_and_vllm_gets_max_running():
+    cpu, _ = load_config([], ["engine.kind=torch", "engine.dtype=bfloat16"])
+    kw = cpu.engine_kwargs("/m")
+    assert kw["device"] == "cpu" and kw["dtype"] == "bfloat16" and "max_running" not in kw  # the engine's own 128
+    gpu, _ = load_config([], ["engine.kind=torch", "placement.rollouter_gpus=2", "placement.trainer_gpus=2",
+                              "engine.max_running=64"])
+    kw = gpu.engine_kwargs("/m")
+    assert kw["device"] == "cuda" and kw["dtype"] == "auto" and kw["max_running"] == 64
+    vllm, _ = load_config([], ["placement.rollouter_gpus=2", "placement.trainer_gpus=2", "engine.max_running=64"])
+    assert vllm.engine_kind == "vllm" and vllm.engine_kwargs("/m")["max_num_seqs"] == 64
+    unset, _ = load_config([], ["placement.rollouter_gpus=2", "placement.trainer_gpus=2"])
+    assert "max_num_seqs" not in unset.engine_kwargs("/m")  # vLLM's own default
+
+
+@pytest.mark.parametrize("setting", ["engine.enforce_eager=true", "engine.kv_cache_mb=256",
+                                     "engine.gpu_memory_utilization=0.9", "engine.engine_kwargs={block_size:16}"])
+def test_vllm_only_engine_settings_are_refused_for_the_built_in_engine(setting):
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["engine.kind=torch", setting])
+    assert setting.split("=")[0] in str(e.value) and "engine.kind=torch" in str(e.value)
+
+
+def test_a_config_yaml_printed_with_the_old_disabled_skip_rollout_role_still_loads(tmp_path):
+    """Run directories written before ``skip.rollout`` left the run config resume; an enabled one is refused."""
+    old = tmp_path / "config.yaml"
+    old.write_text("steps: 3\nskip:\n  rollout:\n    enable: false\n    dump_dir: null\n    steps: null\n"
+                   "    action: cache\n")
+    assert load_config([str(old)], [])[0].steps == 3
+    old.write_text("skip:\n  rollout:\n    enable: true\n")
+    with pytest.raises(ConfigError, match="skip.async_rollout"):
+        load_config([str(old)], [])
 
 
 def test_a_long_tail_run_trains_only_up_to_eos_because_its_engines_run_past_it():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import sys
 import textwrap
@@ -136,6 +137,48 @@ def test_rewards_of_both_signatures_sync_and_async(reward_module):
     assert asyncio.run(data.load_reward(f"{reward_module}:short_async")("p", meta, "r")) == 2.0
     with pytest.raises(DataError, match="without 'score'"):
         asyncio.run(data.load_reward(f"{reward_module}:bad_dict")("p", meta, "r"))
+    assert short.score("p", meta, "abc") == 3.0 and not short.is_async
+    assert data.load_reward(f"{reward_module}:short_async").is_async
+    with pytest.raises(DataError, match="without 'score'"):
+        data.load_reward(f"{reward_module}:bad_dict").score("p", meta, "r")
+
+
+async def test_a_slow_plain_reward_runs_off_the_rollouters_event_loop(tmp_path, monkeypatch):
+    """`rollout.reward_workers` from the launcher's path: a plain reward that blocks 0.3 s per call
+    runs on the reward threads, so the event loop keeps turning (a timer task measures its lag)."""
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.engines.sim import SimEngine
+    from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter
+
+    (tmp_path / "slow_rewards.py").write_text(
+        "import time\n\ndef slow(prompt, response):\n    time.sleep(0.3)\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tok = build_tokenizer()
+    spec = DataSpec(seed=0, reward="slow_rewards:slow")
+    prompts = load_prompts(tok, spec)[:8]
+    engine = SimEngine(tokens_per_s=1e5, max_running=64, median_tokens=4, long_tail=1)
+    sink = MemorySink()
+    cfg = RolloutConfig(n=4, max_tokens=8, groups_per_sync=100, max_concurrent=8, reward_workers=8)
+    r = Rollouter(cfg, [engine], sink, prompts, make_reward_fn(tok, spec))
+    lags, done = [], asyncio.Event()
+
+    async def timer() -> None:
+        loop = asyncio.get_running_loop()
+        while not done.is_set():
+            t0 = loop.time()
+            await asyncio.sleep(0.01)
+            lags.append(loop.time() - t0 - 0.01)
+
+    tick = asyncio.create_task(timer())
+    try:
+        await asyncio.wait_for(r.run(num_groups=8), 60)
+    finally:
+        done.set()
+        await tick
+        await engine.close()
+    assert len(sink.groups) == 8 and all(t.reward == 1.0 for g in sink.groups for t in g.trajectories)
+    # 32 rewards of 0.3 s: on the loop they would hold it 0.3 s at a time (9.6 s in all).
+    assert max(lags) < 0.15, f"event loop held {max(lags):.3f} s by a plain reward"
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -159,10 +202,14 @@ def test_rollouter_prompts_carry_the_reward_meta_and_score_with_it(tmp_path, rew
     prompts = load_prompts(tok, spec)
     assert prompts[0].meta == {"data_source": "toy", "ground_truth": "3", "extra_info": {}}
     reward_fn = make_reward_fn(tok, spec)
+    # A plain reward gives a plain reward_fn: the Rollouter runs it, decode and all, on its reward threads.
+    assert not inspect.iscoroutinefunction(reward_fn)
     right = np.asarray(tok("3", add_special_tokens=False)["input_ids"] + [tok.eos_token_id, 5], dtype=np.int64)
     wrong = np.asarray(tok("4", add_special_tokens=False)["input_ids"], dtype=np.int64)
-    assert asyncio.run(reward_fn(prompts[0], right)) == 1.0  # decoded up to EOS
-    assert asyncio.run(reward_fn(prompts[0], wrong)) == 0.0
+    assert reward_fn(prompts[0], right) == 1.0  # decoded up to EOS
+    assert reward_fn(prompts[0], wrong) == 0.0
+    async_fn = make_reward_fn(tok, DataSpec(train=str(path), reward=f"{reward_module}:async_score"))
+    assert inspect.iscoroutinefunction(async_fn) and asyncio.run(async_fn(prompts[0], wrong)) == 0.5
 
 
 def test_builtin_task_prompts_and_reward():
@@ -172,7 +219,7 @@ def test_builtin_task_prompts_and_reward():
     assert len(prompts) == 4096 and prompts[0].meta["data_source"] == "asyncrl/arithmetic"
     answer = prompts[0].meta["ground_truth"]
     ids = np.asarray(tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], dtype=np.int64)
-    assert asyncio.run(make_reward_fn(tok, spec)(prompts[0], ids)) == 1.0
+    assert make_reward_fn(tok, spec)(prompts[0], ids) == 1.0
 
 
 def test_model_dir_check_names_the_path(tmp_path):
@@ -187,7 +234,7 @@ def test_model_dir_check_names_the_path(tmp_path):
 
 async def test_validation_scores_each_prompt_greedily_with_ids_apart_from_training(tmp_path, reward_module):
     from asyncrl.rollouter.rollouter import RolloutConfig
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
     from asyncrl.rollouter.worker import RolloutWorker
     from asyncrl.models.tiny import build_tiny_model
 

@@ -21,7 +21,8 @@ from asyncrl.types import FINISH_REASONS, Group, Trajectory
 fast = codec._fast
 pytestmark = pytest.mark.skipif(fast is None, reason="asyncrl.queue._fastgroups is not built")
 
-FIELDS = ("sample_id", "index", "prompt_ids", "response_ids", "logprobs", "versions", "finish_reason", "reward", "age")
+FIELDS = ("sample_id", "index", "prompt_ids", "response_ids", "logprobs", "versions", "finish_reason", "reward", "age",
+          "loss_mask", "turns")
 
 
 def traj(sid: str, k: int, plen: int, rlen: int, finish: str = "stop") -> Trajectory:
@@ -35,18 +36,34 @@ def group(i: int, lengths=((3, 5), (0, 0), (4, 1))) -> Group:
     return Group(sid, [traj(sid, k, p, r) for k, (p, r) in enumerate(lengths)], expected=max(1, len(lengths)))
 
 
+def agent_group(i: int) -> Group:
+    """A multi-turn group: a masked response, a plain one, one with turns but no mask, an empty masked one."""
+    g = group(i, ((3, 6), (2, 4), (1, 2), (2, 0)))
+    ts = g.trajectories
+    ts[0].loss_mask, ts[0].turns = np.array([1, 1, 0, 0, 0, 1], np.uint8), 2
+    ts[2].turns = 3
+    ts[3].loss_mask, ts[3].turns = np.zeros(0, np.uint8), 0
+    return g
+
+
 ARRAYS = ("prompt_ids", "response_ids", "logprobs", "versions")
+
+
+def same_masks(a: list[Trajectory], b: list[Trajectory]) -> bool:
+    return all((x.loss_mask is None and y.loss_mask is None)
+               or (x.loss_mask.dtype == y.loss_mask.dtype == np.uint8 and np.array_equal(x.loss_mask, y.loss_mask))
+               for x, y in zip(a, b))
 
 
 def same_trajectories(a: list[Trajectory], b: list[Trajectory]) -> bool:
     """Field by field: the same objects for the values (NaN included), equal typed arrays."""
     return len(a) == len(b) and all(
         type(x) is type(y) is Trajectory
-        and all(getattr(x, f) is getattr(y, f) for f in FIELDS if f not in ARRAYS)
+        and all(getattr(x, f) is getattr(y, f) for f in FIELDS if f not in ARRAYS and f != "loss_mask")
         and all(getattr(x, f).dtype == getattr(y, f).dtype and np.array_equal(getattr(x, f), getattr(y, f))
                 for f in ARRAYS)
         for x, y in zip(a, b)
-    )
+    ) and same_masks(a, b)
 
 
 def python_slice(*args):
@@ -85,8 +102,9 @@ def test_columns_and_records_match_the_python_path(lengths):
     g = group(1, lengths)
     laid_out = fast.columns(g.trajectories)
     assert laid_out is not None
-    p, r, lp, v, index, finish, reward, age, plens, rlens, np_, nr = laid_out
+    p, r, lp, v, index, finish, reward, age, plens, rlens, np_, nr, turns, masks, extended = laid_out
     ts = g.trajectories
+    assert turns == [1] * len(ts) and masks == [None] * len(ts) and extended is False
     assert all(a is t.prompt_ids for a, t in zip(p, ts)) and all(a is t.versions for a, t in zip(v, ts))
     assert all(a is t.response_ids for a, t in zip(r, ts)) and all(a is t.logprobs for a, t in zip(lp, ts))
     assert index == [t.index for t in ts] and finish == [t.finish_reason for t in ts]
@@ -101,6 +119,32 @@ def test_columns_and_records_match_the_python_path(lengths):
         codec._fast = fast
     assert accelerated.record == plain.record and accelerated.counts == plain.counts
     assert pack_groups([accelerated]) == pack_groups([plain])
+
+
+def test_columns_of_an_agent_group_carry_turns_and_masks_as_python_does():
+    g = agent_group(1)
+    laid_out = fast.columns(g.trajectories)
+    assert laid_out is not None
+    *_, turns, masks, extended = laid_out
+    assert turns == [2, 1, 3, 0] and extended is True
+    assert masks[0] is g.trajectories[0].loss_mask and masks[1] is None and masks[3] is g.trajectories[3].loss_mask
+    accelerated = prepare_group(g)
+    codec._fast = None
+    try:
+        plain = prepare_group(g)
+    finally:
+        codec._fast = fast
+    assert accelerated.record == plain.record and accelerated.counts == plain.counts
+    assert pack_groups([accelerated]) == pack_groups([plain])
+
+
+def test_turns_alone_extend_the_record_but_add_no_mask_column():
+    g = group(1)
+    g.trajectories[1].turns = 2
+    *_, extended = fast.columns(g.trajectories)
+    header = codec.msgpack.unpackb(pack_groups([prepare_group(g)])[0], raw=False)
+    assert extended is True and len(header[3]) == 4
+    assert len(codec.msgpack.unpackb(header[4][0], raw=False)) == 13
 
 
 class TrajectoryChild(Trajectory):
@@ -144,6 +188,12 @@ def _subclass():
         pytest.param(lambda: _with("versions", np.zeros(4, np.int64)), id="versions longer"),
         pytest.param(lambda: _deleted("reward"), id="a deleted slot"),
         pytest.param(lambda: _deleted("prompt_ids"), id="a deleted array slot"),
+        pytest.param(lambda: _with("loss_mask", np.ones(5, bool)), id="a bool mask"),
+        pytest.param(lambda: _with("loss_mask", np.ones(4, np.uint8)), id="a mask shorter"),
+        pytest.param(lambda: _with("loss_mask", np.ones(5, np.uint8).view(ArrayChild)), id="a mask subclass"),
+        pytest.param(lambda: _with("turns", 2.0), id="turns a float"),
+        pytest.param(lambda: _with("turns", True), id="turns a bool"),
+        pytest.param(lambda: _with("turns", -1), id="turns negative"),
     ],
 )
 def test_columns_leaves_anything_unusual_to_python(trajectories):
@@ -233,9 +283,44 @@ def test_trajectories_leaves_anything_malformed_to_python(args):
     assert fast.trajectories(*args) is None
 
 
-def test_trajectories_wants_thirteen_arguments():
+def test_trajectories_wants_thirteen_or_sixteen_arguments():
     assert fast.trajectories() is None
     assert fast.trajectories(*_bad()[:-1]) is None
+    assert fast.trajectories(*_bad(), [1, 1, 1], [False, False, False]) is None
+
+
+def mask_column(n_resp: int = 30) -> np.ndarray:
+    return (np.arange(n_resp) % 3 != 1).astype(np.uint8)
+
+
+def test_trajectories_with_turns_and_masks_match_the_python_path():
+    cols, m = columns(), mask_column()
+    per = per_response([4, 0, 16], [10, 3, 0]) + [[2, 1, 0], [True, False, True]]
+    got = fast.trajectories("sample_0_9", *per[:6], *cols, 0, 2, *per[6:], m)
+    want = python_slice("sample_0_9", per, (*cols, m), 0, 2)
+    assert got[1:] == want[1:] == (20, 15)
+    assert same_trajectories(got[0], want[0])
+    first, second, third = got[0]
+    assert (first.turns, second.turns, third.turns) == (2, 1, 0) and second.loss_mask is None
+    assert np.array_equal(first.loss_mask, m[2:12]) and np.shares_memory(first.loss_mask, m)
+    assert third.loss_mask.dtype == np.uint8 and len(third.loss_mask) == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(([1, 1, 1], [True, False, False], None), id="a mask flagged without a mask column"),
+        pytest.param(([1, 1], [False, False, False], None), id="turns shorter"),
+        pytest.param(([1, 1, 1], (False, False, False), None), id="flags a tuple"),
+        pytest.param(([1, -1, 1], [False, False, False], None), id="negative turns"),
+        pytest.param(([1, True, 1], [False, False, False], None), id="turns a bool"),
+        pytest.param(([1, 1, 1], [False, 1, False], None), id="a flag an int"),
+        pytest.param(([1, 1, 1], [True, False, False], mask_column(29)), id="a mask column too short"),
+        pytest.param(([1, 1, 1], [True, False, False], mask_column().astype(bool)), id="a bool mask column"),
+    ],
+)
+def test_trajectories_leaves_malformed_turns_and_masks_to_python(extra):
+    assert fast.trajectories(*_bad(), *extra) is None
 
 
 def test_python_names_what_the_accelerator_refused():
@@ -254,7 +339,7 @@ _VALUES = [0, 1, 2, 3, 5, 8, 30, -1, -7, 2**63, 2**70, True, False, 1.0, 2.5, No
 
 def test_fuzz_never_crashes_and_never_disagrees_with_python():
     rng = random.Random(1234)
-    cols = columns()
+    cols, masks = columns(), mask_column()
     taken = 0
     for _ in range(3000):
         n = rng.randrange(0, 5)
@@ -270,11 +355,16 @@ def test_fuzz_never_crashes_and_never_disagrees_with_python():
             per.append(column if rng.random() < 0.97 else tuple(column))
         po = rng.randrange(0, 8) if rng.random() < 0.9 else rng.choice(_VALUES)
         ro = rng.randrange(0, 8) if rng.random() < 0.9 else rng.choice(_VALUES)
-        got = fast.trajectories("sample_0_1", *per, *cols, po, ro)
+        extra: list = []
+        if rng.random() < 0.4:  # a record with turns and masks
+            turns = [rng.randrange(0, 4) if rng.random() < 0.9 else rng.choice(_VALUES) for _ in range(n)]
+            flags = [rng.random() < 0.5 if rng.random() < 0.9 else rng.choice(_VALUES) for _ in range(n)]
+            extra = [turns, flags, masks if rng.random() < 0.8 else None]
+        got = fast.trajectories("sample_0_1", *per, *cols, po, ro, *extra)
         if got is None:
             continue
         taken += 1
-        want = python_slice("sample_0_1", per, cols, po, ro)
+        want = python_slice("sample_0_1", per + extra[:2], (*cols, *extra[2:]), po, ro)
         assert got[1:] == want[1:]
         assert same_trajectories(got[0], want[0])
     assert taken > 300  # the fast path was really exercised

@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.models.tiny import build_tiny_model, build_tokenizer
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
-from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.trainer.config import OptimConfig, TrainerConfig, WorkerConfig
 from asyncrl.trainer.ranks import RankGroup
 from asyncrl.sync.inprocess import InProcessSyncer

@@ -2,9 +2,22 @@
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
-from asyncrl.hang import WARMUP_STEPS, Watchdog, _waiting_in, enable_stack_dumps, stacks_dir
+import pytest
+
+from asyncrl.hang import ANSWER_S, WARMUP_STEPS, Watchdog, _waiting_in, dump_stacks, enable_stack_dumps, stacks_dir
+
+
+def _wait_for(predicate, timeout_s: float = 30.0, what: str = "the condition") -> None:
+    """Until ``predicate()`` holds (re-checked every 10 ms); AssertionError after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.01)
 
 
 def test_the_deadline_is_the_startup_one_then_a_multiple_of_the_steady_median_above_the_floor():
@@ -42,9 +55,8 @@ def test_sigusr1_writes_this_processes_stacks_to_its_file():
     path = stacks_dir() / f"{os.getpid()}.txt"
     before = path.stat().st_size
     os.kill(os.getpid(), signal.SIGUSR1)
-    time.sleep(0.1)
-    text = path.read_text()
-    assert path.stat().st_size > before and "test_sigusr1_writes_this_processes_stacks_to_its_file" in text
+    name = "test_sigusr1_writes_this_processes_stacks_to_its_file"
+    _wait_for(lambda: name in path.read_text()[before:], what="this process's stacks in its file")
 
 
 def test_registering_removes_the_stacks_files_of_processes_gone():
@@ -54,3 +66,41 @@ def test_registering_removes_the_stacks_files_of_processes_gone():
     enable_stack_dumps._file = None  # register again, as a new process would
     enable_stack_dumps()
     assert not gone.exists() and (stacks_dir() / f"{os.getpid()}.txt").exists()
+
+
+_CHILD = ("from asyncrl.hang import enable_stack_dumps; enable_stack_dumps(); import time\n"
+          "def parked_in_child():\n    time.sleep(600)\n"
+          "print('ready', flush=True); parked_in_child()")
+
+
+@pytest.fixture
+def two_children():
+    """Two processes that answer SIGUSR1, started by this test (and stopped by it, by pid)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        yield procs
+    finally:
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def test_the_dump_waits_for_the_answers_not_a_fixed_time_and_names_a_frozen_process(two_children, tmp_path):
+    live, frozen = two_children
+    os.kill(frozen.pid, signal.SIGSTOP)
+    _wait_for(lambda: open(f"/proc/{frozen.pid}/stat").read().split(") ")[1][0] == "T", what="the child stopped")
+    start = time.monotonic()
+    path, lines = dump_stacks(tmp_path, reason="test")
+    took = time.monotonic() - start
+    mine = {int(line.split(" pid ")[1].split(":")[0]): line for line in lines if " pid " in line
+            and not line.startswith("launcher")}
+    assert "parked_in_child" in mine[live.pid], lines
+    assert mine[frozen.pid].endswith("no answer (state stopped): frozen"), lines
+    # The live child answers in milliseconds and the frozen one is not waited for.
+    assert took < ANSWER_S / 2, took
+    assert "parked_in_child" in path.read_text()

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from asyncrl.rollouter.kv_cache import SCRATCH, PagedKVCache, step_masks
+from asyncrl.rollouter.engines.builtin.kv_cache import SCRATCH, PagedKVCache, step_masks
 
 
 def kv(rows, heads, q, dim, seed):

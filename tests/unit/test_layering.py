@@ -50,3 +50,57 @@ def test_weight_sync_backends_are_chosen_in_one_place():
             found[f.name] = hits
     assert found == {}
     assert not any(m.startswith(tuple(backends)) for m in imported_modules(PACKAGE / "sync" / "base.py"))
+
+
+ENGINES = PACKAGE / "rollouter" / "engines"
+ENGINE_BACKENDS = ("asyncrl.rollouter.engines.builtin", "asyncrl.rollouter.engines.vllm", "asyncrl.rollouter.engines.sim")
+
+
+def _own_backend(path: Path) -> str | None:
+    """The backend a file of the engines package belongs to (it may import its own files)."""
+    rel = path.relative_to(ENGINES).with_suffix("")
+    name = "asyncrl.rollouter.engines." + ".".join(rel.parts)
+    return next((b for b in ENGINE_BACKENDS if name == b or name.startswith(b + ".")), None)
+
+
+def test_engines_import_nothing_of_the_rollout_control():
+    """The engines serve requests and take weights; the Rollouter, EngineActor, aggregator and
+    partial buffer drive them from outside (`asyncrl.rollouter.*` outside `engines/`)."""
+    files = sorted(ENGINES.rglob("*.py"))
+    assert len(files) >= 12  # base, backends, builtin's six files, vllm's three, sim
+    bad = {}
+    for f in files:
+        hits = sorted(m for m in imported_modules(f)
+                      if m.startswith("asyncrl.rollouter") and not m.startswith("asyncrl.rollouter.engines"))
+        if hits:
+            bad[str(f.relative_to(PACKAGE))] = hits
+    assert bad == {}
+
+
+def test_engine_backends_are_chosen_in_one_place():
+    """Only the registry (`engines/backends.py`) imports the backends, in the whole package; a
+    backend imports the interface (`engines/base.py`) and its own files."""
+    found = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        if f == ENGINES / "backends.py" or f.name == "__init__.py" and f.parent == ENGINES:
+            continue
+        own = _own_backend(f) if f.is_relative_to(ENGINES) else None
+        hits = sorted(m for m in imported_modules(f)
+                      if m.startswith(ENGINE_BACKENDS) and (own is None or not m.startswith(own)))
+        if hits:
+            found[str(f.relative_to(PACKAGE))] = hits
+    assert found == {}
+    assert not any(m.startswith(ENGINE_BACKENDS) for m in imported_modules(ENGINES / "base.py"))
+
+
+def test_no_module_or_function_of_the_rollouter_outgrows_its_size():
+    """STYLE.md: around 400 lines a module is a sign to split, a function over 60 hides two."""
+    too_long = {}
+    for f in sorted((PACKAGE / "rollouter").rglob("*.py")):
+        src = f.read_text()
+        if len(src.splitlines()) > 400:
+            too_long[str(f.relative_to(PACKAGE))] = len(src.splitlines())
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                too_long[f"{f.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert too_long == {}

@@ -12,7 +12,7 @@ from asyncrl.queue.memory import MemorySink
 
 ListProducer = MemorySink  # main's partial-rollout tests still use the old name
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
-from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.types import parse_sample_id
 
 

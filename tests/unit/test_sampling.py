@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.rollouter.sampling import sample_tokens, seeded_uniform
+from asyncrl.rollouter.engines.builtin.sampling import sample_tokens, seeded_uniform
 from asyncrl.types import SamplingParams
 
 

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from asyncrl.rollouter.engine import EngineClosedError, EngineError, EnginePausedError, RolloutEngine
-from asyncrl.rollouter.sim_engine import SimEngine, SimEngineConfig
+from asyncrl.rollouter.engines.base import EngineClosedError, EngineError, EnginePausedError, RolloutEngine
+from asyncrl.rollouter.engines.sim import SimEngine, SimEngineConfig
 from asyncrl.types import GenerateRequest, SamplingParams
 
 

@@ -280,7 +280,7 @@ def length_reward(text, response_ids):
 async def run_rollouter(model_path, dump_dir, steps, num_groups, action="cache"):
     """One Rollouter run with ``async_rollout`` on ``steps``; returns (groups by id, engine requests)."""
     from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 
     SkipManager.init(SkipConfig(experiment="t", async_rollout=SkipRoleConfig(
         enable=True, dump_dir=str(dump_dir), steps=steps, action=action)), shape={"model": str(model_path)})
@@ -327,7 +327,7 @@ async def test_concurrent_async_samples_resolve_their_own_steps(model_path, tmp_
 
 async def test_sync_rollout_role_replays_a_train_steps_batch(model_path, tmp_path, rollout_batch):
     from asyncrl.models.tiny import build_tokenizer
-    from asyncrl.rollouter.torch_engine import TorchEngine
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
     from asyncrl.tasks import arithmetic
 
     tok = build_tokenizer()

@@ -1,14 +1,17 @@
-"""The ``vllm`` weight-sync backend on CPU, with stand-ins for what needs CUDA and vLLM.
+"""The ``vllm`` weight-sync backend on CPU, with stand-ins for what needs CUDA (NCCL, vLLM's NCCL engine).
 
 The trainer half (`VLLMWeightSender`) runs for real except its NCCL communicator; the engine
 half runs inside a real `EngineActor` whose `VLLMEngine` holds the stand-in ``AsyncLLM`` of
-test_vllm_engine.py; the `WeightSyncCoordinator` drives both through actor-handle stand-ins
-(``handle.method.remote(...)`` returns an awaitable, as a Ray handle's ObjectRef is).
+test_vllm_engine.py (reporting vLLM 0.33, and 0.32 where a branch differs); the
+`WeightSyncCoordinator` drives both through actor-handle stand-ins (``handle.method.remote(...)``
+returns an awaitable, as a Ray handle's ObjectRef is). vLLM's CPU build cannot run this path
+(it has no NCCL); the vLLM engine itself runs against it in tests/integration/test_vllm_real.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -89,9 +92,13 @@ def cpu_sender(monkeypatch):
     return comm
 
 
-async def test_two_workers_per_engine_geometry_and_engine_dtype_on_the_wire(fake_vllm, cpu_sender, tmp_path):  # noqa: F811
+# vLLM 0.32's packed receiver has no ordering between its buffers: its engines unpack with one
+@pytest.mark.parametrize("vllm_version, engine_buffers", [("0.33.0", 2), ("0.32.0", 1)])
+async def test_two_workers_per_engine_geometry_and_engine_dtype_on_the_wire(fake_vllm, cpu_sender, tmp_path,  # noqa: F811
+                                                                            monkeypatch, vllm_version, engine_buffers):
     from asyncrl.rollouter.actor import EngineActor
 
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", vllm_version)
     (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
     engines = {n: EngineActor(kind="vllm", model_path=tmp_path, dtype="bfloat16") for n in ("e0", "e1")}
     model = _model()
@@ -105,6 +112,7 @@ async def test_two_workers_per_engine_geometry_and_engine_dtype_on_the_wire(fake
     assert init.wire_dtype == "bfloat16"  # asked from the engines (WeightSyncConfig.wire_dtype="engine")
     infos = [next(c[1] for c in a.engine.llm.calls if c[0] == "init") for a in engines.values()]
     assert [i["rank_offset"] for i in infos] == [1, 3] and {i["world_size"] for i in infos} == {5}
+    assert trainer.sender.config.num_buffers == 2 and {i["packed_num_buffers"] for i in infos} == {engine_buffers}
     # vLLM's worker rank is rank_offset + rank within the engine (tp=2): 1..4 once each, after the trainer's 0
     assert sorted(i["rank_offset"] + r for i in infos for r in range(2)) == [1, 2, 3, 4]
     for actor in engines.values():

@@ -22,7 +22,7 @@ from asyncrl.models.warm_start import (
     file_sha256,
     warm_start,
 )
-from asyncrl.rollouter.torch_engine import TorchEngine
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.tasks import ArithmeticTaskConfig, decode_response, encode_prompt, generate_dataset, reward, solve
 from asyncrl.types import GenerateRequest, SamplingParams
 

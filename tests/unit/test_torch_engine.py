@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.rollouter import model_runner
-from asyncrl.rollouter.engine import EngineClosedError, EngineError, EnginePausedError
-from asyncrl.rollouter.torch_engine import TorchEngine, TorchEngineConfig
+from asyncrl.rollouter.engines.builtin import model_runner
+from asyncrl.rollouter.engines.base import EngineClosedError, EngineError, EnginePausedError
+from asyncrl.rollouter.engines.builtin.engine import TorchEngine, TorchEngineConfig
 from asyncrl.types import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(greedy=True)
@@ -488,6 +488,33 @@ async def test_both_forwards_equal_generate_with_shared_prompts(model_path, ref,
         np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, q.prompt_ids, q.max_tokens))
         assert np.abs(full_forward_logprobs(ref, q.prompt_ids, r.response_ids) - r.logprobs).max() <= 1e-4
     assert engine.stats()["shared_prefill_tokens"] > 0
+def test_dtype_by_name_or_auto_and_a_bad_one_named(model_path):
+    assert TorchEngineConfig(model_path=model_path, dtype="bfloat16").dtype is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be .*'auto', got 'bf17'"):
+        TorchEngineConfig(model_path=model_path, dtype="bf17")
+    engine = TorchEngine(model_path, dtype="auto")  # the checkpoint's own: the tiny model is saved in float32
+    assert {d for _, d, _ in engine.param_meta()} == {torch.float32}
+    half = TorchEngine(model_path, dtype="bfloat16")
+    assert {d for _, d, _ in half.param_meta()} == {torch.bfloat16}
+
+
+@pytest.mark.gpu
+async def test_the_launchers_engine_settings_put_the_built_in_engine_on_the_gpu(model_path):
+    """`engine.kind=torch` with Rollouter GPUs: the replica runs on CUDA in the configured dtype."""
+    from asyncrl.config import load_config
+
+    cfg, _ = load_config([], ["engine.kind=torch", "placement.rollouter_gpus=1", "placement.trainer_gpus=1",
+                              "engine.dtype=bfloat16"])
+    engine = TorchEngine(**cfg.engine_kwargs(str(model_path)))
+    try:
+        assert next(engine.model.parameters()).device.type == "cuda"
+        assert {d for _, d, _ in engine.param_meta()} == {torch.bfloat16}
+        result = await engine.generate(req("g0", prompts([5], seed=3)[0], 8))
+        assert len(result.response_ids) >= 1 and np.isfinite(result.logprobs).all()
+    finally:
+        await engine.close()
+
+
 @pytest.mark.gpu
 async def test_cuda_greedy_and_logprobs_match_transformers(model_path):
     ref_cuda = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to("cuda").eval()

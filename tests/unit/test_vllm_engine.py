@@ -1,8 +1,8 @@
 """vLLM engine and vLLM's NCCL weight-transfer sender: the parts that need no vLLM process.
 
 CPU tests (no vLLM import): request translation, finish reasons, logprob/version extraction,
-checkpoint metadata, engine arguments, vLLM's packed-bucket geometry and bytes, the sender's
-metadata; the NCCL path's failure handling against a stand-in ``AsyncLLM`` (NCCL cannot run
+checkpoint metadata, engine arguments, vLLM's packed-bucket geometry and bytes (against vLLM's own
+packer in ``tests/integration/test_vllm_real.py``), the sender's metadata; the NCCL path's failure handling against a stand-in ``AsyncLLM`` (NCCL cannot run
 here). GPU tests (``gpu`` marker, and skipped without vLLM): with two GPUs, a real NCCL weight
 transfer from this process into a real engine. The engine itself, against a real vLLM (its
 CPU build here, any build elsewhere), is tested in ``tests/integration/test_vllm_real.py``.
@@ -22,16 +22,10 @@ import pytest
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.rollouter.engine import EngineError
-from asyncrl.rollouter.vllm_engine import (
-    VLLMEngineConfig,
-    checkpoint_param_meta,
-    expand_version_spans,
-    map_finish_reason,
-    model_eos_token_ids,
-    sampled_logprobs,
-    sampling_kwargs,
-)
+from asyncrl.rollouter.engines.base import EngineError
+from asyncrl.rollouter.engines.vllm.config import VLLMEngineConfig, model_eos_token_ids, sampling_kwargs
+from asyncrl.rollouter.engines.vllm.engine import expand_version_spans, map_finish_reason, sampled_logprobs
+from asyncrl.sync.vllm_broadcast import checkpoint_param_meta
 from asyncrl.sync.base import GroupInit, SenderInit
 from asyncrl.sync.vllm import (
     TensorMeta,
@@ -57,7 +51,7 @@ def _request(**sampling) -> GenerateRequest:
 
 
 def test_modules_import_without_vllm():
-    code = "import sys, asyncrl.rollouter.vllm_engine, asyncrl.sync.vllm; assert 'vllm' not in sys.modules"
+    code = "import sys, asyncrl.rollouter.engines.vllm, asyncrl.sync.vllm; assert 'vllm' not in sys.modules"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
@@ -299,7 +293,7 @@ def gpu_model_dir(tmp_path_factory):
 
 def _engine(path, **kw):
     pytest.importorskip("vllm")
-    from asyncrl.rollouter.vllm_engine import VLLMEngine
+    from asyncrl.rollouter.engines.vllm import VLLMEngine
 
     return VLLMEngine(path, dtype="float32", gpu_memory_utilization=0.15, enforce_eager=True, max_model_len=256, **kw)
 
@@ -379,28 +373,13 @@ async def test_vllm_nccl_weight_transfer_into_kept_request(tmp_path, gpu_model_d
         await engine.close()
 
 
-@gpu
-def test_geometry_matches_vllms_own_packer():
-    # vLLM's trainer-side pack_tensors, run on CPU tensors: same buckets, same bytes.
-    pytest.importorskip("vllm")
-    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
-
-    tensors = _tensors()
-    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
-    for bucket_bytes in (1, 100, 600, 16384, 10**9):
-        it, theirs = iter(tensors), []
-        while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
-            theirs.append(chunk.packed_tensor)
-        ours = []
-        broadcast_packed(iter(tensors), metas, bucket_bytes=bucket_bytes, broadcast=lambda b, s: ours.append(b.clone()),
-                         device=CPU, streams=[None])  # fmt: skip
-        assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
-
-
 # ----------------------------------------------------------------------- glue, on a stand-in AsyncLLM
 #
-# vLLM cannot be installed here, so these run VLLMEngine's own code against a small stand-in
-# for ``AsyncLLM`` that follows vLLM 0.33's contract as read from its source: DELTA outputs
+# The failure handling of vLLM's NCCL transfer path (``weight_sync.method=vllm``) needs CUDA on
+# both sides, so these run VLLMEngine's and VLLMWeightReceiver's own code against a small
+# stand-in for ``AsyncLLM`` (the engine itself runs against vLLM's CPU build in
+# tests/integration/test_vllm_real.py). It follows vLLM 0.33's contract as read from its source
+# (``vllm.__version__`` 0.33.0; a test sets 0.32.0 to run 0.32's branch): DELTA outputs
 # (new token ids + their logprobs per step), a final output with finish_reason and
 # ``weight_versions`` spans, pause keep/abort/wait, abort(ids), the weight-update calls, and
 # the engine's weight-version label ("default" until finish_weight_update sets one).
@@ -523,7 +502,7 @@ def fake_vllm(monkeypatch):
 
 
 def _fake_engine(tmp_path, **kw):
-    from asyncrl.rollouter.vllm_engine import VLLMEngine
+    from asyncrl.rollouter.engines.vllm import VLLMEngine
 
     (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
     return VLLMEngine(tmp_path, dtype="float32", **kw)
@@ -540,7 +519,7 @@ def _receiver(engine, *, join_timeout_s=30.0, timeout_s=30.0):
 
 
 def test_sampling_outside_vllms_temperature_range_is_refused():
-    from asyncrl.rollouter.vllm_engine import check_vllm_temperature
+    from asyncrl.rollouter.engines.vllm import check_vllm_temperature
 
     for t in (2.5, 0.005):
         with pytest.raises(ValueError, match=f"sampling.temperature={t} is outside \\[0.01, 2.0\\]"):

@@ -1,6 +1,6 @@
 """The model side of the built-in engine: one step = one forward over every running request.
 
-`ModelRunner` owns the paged KV cache (`asyncrl.rollouter.kv_cache`), the forward and the
+`ModelRunner` owns the paged KV cache (`asyncrl.rollouter.engines.builtin.kv_cache`), the forward and the
 sampler. In a step, every request in decode state feeds its last token and every newly
 admitted one (or one re-prefilled after ``clear_cache``) feeds its whole prompt; the queries
 are right-padded to the longest and run in ONE forward with a 4-d mask and per-row
@@ -15,10 +15,10 @@ admitted later, while a request with its prompt still runs and the weights are t
 version: it takes that request's blocks for all but the prompt's last token and feeds only
 that one.
 
-The forward is `asyncrl.rollouter.decoder.LlamaDecoder` for Llama-layout models, else the
+The forward is `asyncrl.rollouter.engines.builtin.decoder.LlamaDecoder` for Llama-layout models, else the
 model's own ``forward``. `plan` (bookkeeping) runs on the engine's event loop between steps;
 `forward` runs in a worker thread. Scheduling (who runs, pauses, finishing) is in
-`torch_engine`.
+`asyncrl.rollouter.engines.builtin.engine`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.rollouter.decoder import LlamaDecoder
-from asyncrl.rollouter.kv_cache import PagedKVCache, step_masks
-from asyncrl.rollouter.sampling import sample_tokens
+from asyncrl.rollouter.engines.builtin.decoder import LlamaDecoder
+from asyncrl.rollouter.engines.builtin.kv_cache import PagedKVCache, step_masks
+from asyncrl.rollouter.engines.builtin.sampling import sample_tokens
 from asyncrl.types import GenerateRequest, GenerateResult
 
 

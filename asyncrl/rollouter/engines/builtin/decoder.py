@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from asyncrl.rollouter.kv_cache import PagedKVCache
+from asyncrl.rollouter.engines.builtin.kv_cache import PagedKVCache
 
 #: ``config.model_type`` values whose decoder layers have the Llama layout.
 MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})

@@ -20,18 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncrl.rollouter.engines.base import mix64
 from asyncrl.types import SamplingParams
-
-_M64 = 0xFFFFFFFFFFFFFFFF
-
-
-def mix64(x: int) -> int:
-    """SplitMix64's finaliser: a well-mixed 64-bit value from any integer."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
 
 def seeded_uniform(seed: int, counter: int) -> float:
     """A uniform in [0, 1) from ``(seed, counter)``: 53 bits of a double mix."""

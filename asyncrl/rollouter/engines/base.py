@@ -45,6 +45,17 @@ def engine_config(config_cls: type, model_path, config, kwargs: dict):
     return config
 
 
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finaliser: a well-mixed 64-bit value from any integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
 class EngineError(RuntimeError):
     """Base class of the errors an engine raises to its callers."""
 

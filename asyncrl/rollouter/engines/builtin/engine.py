@@ -1,13 +1,14 @@
 """The built-in inference engine: continuous batching over any Hugging Face causal LM.
 
-``TorchEngine`` implements `asyncrl.rollouter.engine.RolloutEngine` in-process on asyncio.
+``TorchEngine`` implements `asyncrl.rollouter.engines.base.RolloutEngine` in-process on asyncio.
 One scheduler task, owned by the engine, repeats a *step* under the engine's lock:
 
 1. admit queued requests while fewer than ``max_running`` run;
-2. run ONE forward over every running request: the newly admitted ones feed their prompt,
-   the others their last token, each into its own row of a preallocated KV cache
-   (`asyncrl.rollouter.kv_batch`), with per-row positions and a 4-d mask; sample one token
-   per request (`asyncrl.rollouter.model_runner`);
+2. run ONE forward over every running request: the newly admitted ones feed their prompt
+   (the ``n`` requests of a group share one prefill), the others their last token, each into
+   its own blocks of the paged KV cache (`asyncrl.rollouter.engines.builtin.kv_cache`), with
+   per-row positions and a 4-d mask; sample one token per request
+   (`asyncrl.rollouter.engines.builtin.model_runner`, `sampling`);
 3. append tokens, finish requests on a stop token / ``max_tokens`` / the context limit, and
    hand results back. Requests join and leave between steps: continuous batching.
 
@@ -25,13 +26,13 @@ produced it, after temperature and before top-k/top-p (greedy: ``T = 1``). This 
 with ``logprobs_mode="processed_logprobs"`` when top-k/top-p are off; a trainer recomputes it
 as ``log_softmax(logits / T)`` of a full forward over prompt + response.
 
-Pause modes are vLLM's (see `asyncrl.rollouter.engine`): ``abort`` ends everything now,
+Pause modes are vLLM's (see `asyncrl.rollouter.engines.base`): ``abort`` ends everything now,
 ``wait`` drains (``pause`` returns when drained, new requests are refused), ``keep`` freezes
 running requests with their KV cache and queues new ones. ``clear_cache=True`` with
 ``keep`` drops the KV; on resume the engine re-prefills prompt + generated tokens (counted
 in ``stats()["reprefill_tokens"]``). Figures and where a step's time goes: ``docs/engine.md``.
-Left out: paged KV memory, prefix caching, chunked
-prefill, speculative decoding, tensor parallelism.
+Left out: prefix caching across groups (only a group's own requests share their prompt's
+blocks), chunked prefill, speculative decoding, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -40,12 +41,11 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from asyncrl.rollouter.engine import (
+from asyncrl.rollouter.engines.base import (
     PAUSE_MODES,
     EngineClosedError,
     EngineError,
@@ -53,46 +53,9 @@ from asyncrl.rollouter.engine import (
     PauseMode,
     engine_config,
 )
-from asyncrl.rollouter.model_runner import ModelRunner, Sequence
+from asyncrl.rollouter.engines.builtin.config import TorchEngineConfig
+from asyncrl.rollouter.engines.builtin.model_runner import ModelRunner, Sequence
 from asyncrl.types import GenerateRequest, GenerateResult
-
-
-@dataclass(kw_only=True)
-class TorchEngineConfig:
-    """Settings of the built-in engine."""
-
-    model_path: str | Path
-    """Local directory of a Hugging Face causal LM (config.json + weights)."""
-    device: str = "cpu"
-    """Torch device the model runs on (``cpu``, ``cuda``, ``cuda:1``...)."""
-    dtype: torch.dtype = torch.float32
-    """Model dtype; float32 gives log-probs exact to ~1e-6 against a full forward."""
-    max_running: int = 128
-    """Most requests decoded together in one batched forward (KV blocks are taken as they fill,
-    so an idle slot holds no memory)."""
-    max_model_len: int | None = None
-    """Prompt + response token limit; None takes the model's ``max_position_embeddings``."""
-    eos_token_ids: tuple[int, ...] | None = None
-    """Tokens that end every request (besides its own stop ids); None takes the model's EOS."""
-    seed: int = 0
-    """Seed of the sampler used by requests that carry no seed of their own."""
-    pause_timeout_s: float = 600.0
-    """How long ``pause("wait")`` may wait for in-flight requests to drain."""
-    attn_implementation: str | None = None
-    """Passed to ``from_pretrained`` (None: transformers' default, ``sdpa`` on most setups)."""
-    decoder: str = "auto"
-    """``auto``: the lean Llama-layout forward (`asyncrl.rollouter.decoder`) where the model has
-    that layout, else the model's own; ``hf``: always the model's own ``forward``."""
-
-    def __post_init__(self) -> None:
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (or None for the model's), got {self.max_model_len}")
-        if self.decoder not in ("auto", "hf"):
-            raise ValueError(f"decoder must be 'auto' or 'hf', got {self.decoder!r}")
-        if self.pause_timeout_s <= 0:
-            raise ValueError(f"pause_timeout_s must be > 0, got {self.pause_timeout_s}")
 
 
 class TorchEngine:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.rollouter.engine import PAUSE_MODES, EngineClosedError, EngineError, EnginePausedError, PauseMode
-from asyncrl.rollouter.sampling import mix64
+from asyncrl.rollouter.engines.base import (PAUSE_MODES, EngineClosedError, EngineError, EnginePausedError, PauseMode,
+                                           mix64)
 from asyncrl.tasks.arithmetic import long_tail_probs
 from asyncrl.types import GenerateRequest, GenerateResult
 

@@ -1,0 +1,171 @@
+"""The built-in agent loops: `EnvLoop` (an `Env` drives the conversation) and `SingleTurnLoop`
+(plain generation: one turn, no env).
+
+`EnvLoop.run(prompt, llm)`:
+
+1. ``env.reset(prompt)`` -> messages, rendered once with the chat template (tools shown) into
+   the prompt ids;
+2. a turn: ``llm.generate(all ids so far, max_tokens=..., stop=end-of-turn)``; its exact token
+   ids are appended with ``loss_mask`` 1 and their behaviour log-probs and versions;
+3. ``env.step(turn text)`` -> `Step`; unless the episode ends, only the observation (with the
+   template's markers around it) is tokenized and appended, ``loss_mask`` 0, log-prob 0,
+   version -1; then back to 2.
+
+Finish reasons: ``stop`` (the env said done), ``length`` (a turn used its whole
+``max_tokens_per_turn``), ``max_turns`` (the env was not done after ``max_turns`` turns),
+``context`` (the next turn or observation would not fit ``max_context_tokens``), and the
+engine's ``abort`` / ``truncated`` passed through. ``step`` is called for every finished turn,
+the last included, so the env's reward covers it. An observation that does not fit is not
+appended: a trajectory never ends on tokens nobody reads.
+
+Left out until the Rollouter runs agent loops (issue 35): resuming a truncated turn, KV reuse
+between turns, sessions numbered per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncrl.agent.base import OBSERVATION_VERSION, LLM, AgentLoop, AgentTrajectory, Env, Step, Turn
+from asyncrl.agent.render import ChatRenderer, PlainRenderer
+
+
+@dataclass(kw_only=True)
+class EnvLoopConfig:
+    """Limits of one episode."""
+
+    max_turns: int = 8
+    """Most model turns per episode; an env not done by then ends with ``max_turns``."""
+    max_tokens_per_turn: int = 512
+    """Token budget of one model turn; a turn that uses all of it ends the episode with ``length``."""
+    max_context_tokens: int = 4096
+    """Prompt + every turn and observation; what would not fit ends the episode with ``context``."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tokens_per_turn", "max_context_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class _Episode:
+    """The growing trajectory of one `EnvLoop.run`."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    reward: float | None = None
+    final_text: str = ""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+    def add_turn(self, turn: Turn) -> None:
+        self.ids += turn.token_ids.tolist()
+        self.mask += [1] * len(turn.token_ids)
+        self.logprobs += turn.logprobs.tolist()
+        self.versions += turn.versions.tolist()
+        self.turns += 1
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [OBSERVATION_VERSION] * len(ids)
+
+    def record(self, step: Step) -> None:
+        self.tool_calls += step.tool_calls
+        self.tool_errors += step.tool_errors
+        if step.reward is not None:
+            self.reward = float(step.reward)
+
+    def finish(self, reason: str) -> AgentTrajectory:
+        return AgentTrajectory(
+            prompt_ids=np.asarray(self.prompt_ids, np.int64), response_ids=np.asarray(self.ids, np.int64),
+            loss_mask=np.asarray(self.mask, np.uint8), logprobs=np.asarray(self.logprobs, np.float32),
+            versions=np.asarray(self.versions, np.int64), finish_reason=reason, reward=self.reward,
+            turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors, final_text=self.final_text)
+
+
+class EnvLoop(AgentLoop):
+    """The Env-driven loop (see the module docstring).
+
+    ``make_env()`` builds one `Env` per episode; ``tokenizer`` renders with its chat template
+    when it has one (`ChatRenderer`), else as plain text (`PlainRenderer`); ``renderer``
+    overrides that choice.
+    """
+
+    def __init__(self, make_env: Callable[[], Env], tokenizer: Any, config: EnvLoopConfig | None = None, *,
+                 renderer: ChatRenderer | PlainRenderer | None = None):
+        self.make_env = make_env
+        self.config = config or EnvLoopConfig()
+        if renderer is None:
+            renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else PlainRenderer(tokenizer)
+        self.renderer = renderer
+
+    async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory:
+        env = self.make_env()
+        try:
+            opening = await env.reset(prompt)
+            ep = _Episode(prompt_ids=self.renderer.prompt_ids(opening, getattr(env, "tools", ())))
+            return await self._converse(env, ep, llm)
+        finally:
+            await env.close()
+
+    async def _converse(self, env: Env, ep: _Episode, llm: LLM) -> AgentTrajectory:
+        cfg = self.config
+        while True:
+            room = cfg.max_context_tokens - len(ep)
+            if room < 1:
+                return ep.finish("context")
+            budget = min(cfg.max_tokens_per_turn, room)
+            turn = await llm.generate(np.asarray(ep.prompt_ids + ep.ids, np.int64), max_tokens=budget,
+                                      stop=self.renderer.stop_ids)
+            ep.add_turn(turn)
+            if turn.finish_reason != "stop":
+                if turn.finish_reason == "length" and budget < cfg.max_tokens_per_turn:
+                    return ep.finish("context")
+                return ep.finish(turn.finish_reason)
+            turn_ids = turn.token_ids.tolist()
+            ep.final_text = self.renderer.turn_text(turn_ids)
+            step = await env.step(ep.final_text)
+            if not isinstance(step, Step):
+                raise TypeError(f"{type(env).__name__}.step must return a Step, got {type(step).__name__}")
+            ep.record(step)
+            if step.done:
+                return ep.finish("stop")
+            if ep.turns >= cfg.max_turns:
+                return ep.finish("max_turns")
+            obs = self.renderer.observation_ids(turn_ids, step.observation)
+            if len(ep) + len(obs) >= cfg.max_context_tokens:
+                return ep.finish("context")
+            ep.add_observation(obs)
+
+
+class SingleTurnLoop(AgentLoop):
+    """Plain generation as an agent loop: one turn on the prompt's ids, no env, every token trained."""
+
+    def __init__(self, max_tokens: int, stop: tuple[int, ...] = ()):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens, self.stop = max_tokens, tuple(stop)
+
+    async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory:
+        ids = getattr(prompt, "prompt_ids", prompt)
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise ValueError(f"SingleTurnLoop: the prompt needs 1-d, non-empty prompt_ids, got shape {ids.shape}")
+        budget = getattr(prompt, "max_tokens", None) or self.max_tokens
+        turn = await llm.generate(ids, max_tokens=budget, stop=self.stop)
+        ep = _Episode(prompt_ids=ids.tolist())
+        ep.add_turn(turn)
+        return ep.finish(turn.finish_reason)

@@ -1,0 +1,56 @@
+"""A tiny tool-capable chat tokenizer, built from code (nothing downloaded): for tests and demos.
+
+Character-level over printable ASCII and newline, plus ChatML's markers and the Hermes/Qwen tool
+tags as single tokens, with a Qwen-style ChatML chat template that has a tools section and the
+``tool`` role (consecutive tool results share one ``user`` turn, each in ``<tool_response>``).
+The tags are added tokens, so ``<tool_call>`` is one token in a prompt and one token sampled.
+"""
+
+from __future__ import annotations
+
+PAD, EOS = "<pad>", "<|endoftext|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+# Qwen 2.5's template, shortened: one system turn (the system message and/or the tools), then
+# ChatML turns; tool results grouped into one user turn.
+CHATML_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_chat_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` with `CHATML_TOOLS_TEMPLATE` as its chat template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD, EOS, IM_START, IM_END]
+    vocab = {tok: i for i, tok in enumerate([*specials, *TAGS, *CHARS])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=PAD)
+    tok.chat_template = CHATML_TOOLS_TEMPLATE
+    return tok

@@ -1,0 +1,52 @@
+"""Settings of the built-in engine (`asyncrl.rollouter.engines.builtin.engine.TorchEngine`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(kw_only=True)
+class TorchEngineConfig:
+    """Settings of the built-in engine."""
+
+    model_path: str | Path
+    """Local directory of a Hugging Face causal LM (config.json + weights)."""
+    device: str = "cpu"
+    """Torch device the model runs on (``cpu``, ``cuda``, ``cuda:1``...)."""
+    dtype: torch.dtype | str = torch.float32
+    """Model dtype: a torch.dtype or its name (``bfloat16``...), or ``auto`` for the checkpoint's own
+    (config.json's). float32 gives log-probs exact to ~1e-6 against a full forward."""
+    max_running: int = 128
+    """Most requests decoded together in one batched forward (KV blocks are taken as they fill,
+    so an idle slot holds no memory)."""
+    max_model_len: int | None = None
+    """Prompt + response token limit; None takes the model's ``max_position_embeddings``."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """Tokens that end every request (besides its own stop ids); None takes the model's EOS."""
+    seed: int = 0
+    """Seed of the sampler used by requests that carry no seed of their own."""
+    pause_timeout_s: float = 600.0
+    """How long ``pause("wait")`` may wait for in-flight requests to drain."""
+    attn_implementation: str | None = None
+    """Passed to ``from_pretrained`` (None: transformers' default, ``sdpa`` on most setups)."""
+    decoder: str = "auto"
+    """``auto``: the lean Llama-layout forward (`asyncrl.rollouter.engines.builtin.decoder`) where the model has
+    that layout, else the model's own; ``hf``: always the model's own ``forward``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str) and self.dtype != "auto":
+            if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+                raise ValueError(f"dtype must be a torch dtype, its name (bfloat16, float16, float32) or 'auto', "
+                                 f"got {self.dtype!r}")
+            self.dtype = getattr(torch, self.dtype)
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (or None for the model's), got {self.max_model_len}")
+        if self.decoder not in ("auto", "hf"):
+            raise ValueError(f"decoder must be 'auto' or 'hf', got {self.decoder!r}")
+        if self.pause_timeout_s <= 0:
+            raise ValueError(f"pause_timeout_s must be > 0, got {self.pause_timeout_s}")
