@@ -125,3 +125,12 @@ def test_tokens_after_the_first_stop_token_stay_in_the_batch_but_leave_the_loss(
     assert b["response_mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 0]  # the answer and its EOS
     assert b["response_mask"][1].tolist() == [0, 0, 1, 1, 1, 1, 1]
     assert b["advantages"][0].tolist() == pytest.approx([0, 0, 0.7071, 0.7071, 0, 0, 0], abs=1e-4)
+
+
+def test_the_stop_token_mask_keeps_observation_tokens_out_as_well():
+    t = traj("sample_0_0", 0, [1, 5], [9, 3, 3, 2, 8], reward=1.0)
+    t.loss_mask = np.array([1, 0, 0, 1, 1], dtype=np.uint8)  # two observation tokens, then EOS and one past it
+    g = Group(sample_id="sample_0_0", expected=2, trajectories=[t, traj("sample_0_0", 1, [1, 5], [8, 8], reward=0.0)])
+    b = assemble([g], stop_token_id=2)
+    assert b["response_mask"][0].tolist() == [0, 0, 1, 0, 0, 1, 0]
+    assert b["versions"][0].tolist() == [-1, -1, 0, -1, -1, 0, 0]  # observations carry none; past EOS was generated
