@@ -216,7 +216,7 @@ class PlacementConfig:
 # optimizer is ``trainer.optim`` as verl users type it. Fields, types and defaults are the
 # owners' own: a knob added to TrainerConfig or WorkerConfig appears here by itself.
 _FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_dir", "samples_path",
-                          "model_path", "pad_token_id", "seed"}
+                          "model_path", "pad_token_id", "stop_token_id", "seed"}
 _SECTION_DEFAULTS = {"micro_batch_size": 16, "groups_per_batch": 8}
 
 
@@ -323,9 +323,11 @@ class RunConfig:
         return self.trainer.groups_per_batch * self.trainer.require_batches
 
     def trainer_config(self, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None,
-                       samples_path: str | None = None) -> TrainerConfig:
+                       samples_path: str | None = None, eos_token_id: int | None = None) -> TrainerConfig:
         t = self.trainer
-        worker = WorkerConfig(model_path=model_path, pad_token_id=pad_token_id, seed=self.seed,
+        # The engines run past EOS on a long-tail workload (`engine_kwargs`); what follows it is not trained.
+        stop = eos_token_id if self.data.long_tail > 1 else None
+        worker = WorkerConfig(model_path=model_path, pad_token_id=pad_token_id, stop_token_id=stop, seed=self.seed,
                               **{k: getattr(t, k) for k in _WORKER_KEYS})
         loop = {f.name: getattr(t, f.name) for f in dataclasses.fields(TrainerConfig)
                 if f.name not in _FROM_PLACEMENT_OR_RUN}

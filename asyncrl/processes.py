@@ -256,7 +256,8 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         engines_ready = [e.ready.remote() for e in procs.engines]  # they start while the ranks do
 
         net = addresses(cfg, plan)
-        tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=_pad_token_id(model_path),
+        pad_id, eos_id = _special_token_ids(model_path)
+        tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=pad_id, eos_token_id=eos_id,
                                   checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"))
         procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks],
                                           across_nodes=net.ranks_across_nodes)
@@ -377,8 +378,14 @@ def _default_model() -> str:
     return str(default_model_path())
 
 
-def _pad_token_id(model_path: str) -> int:
+def _special_token_ids(model_path: str) -> tuple[int, int | None]:
+    """The tokenizer's pad id (its EOS when it has none) and its EOS id."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    eos = tok.eos_token_id
+    return int(tok.pad_token_id if tok.pad_token_id is not None else eos), None if eos is None else int(eos)
+
+
+def _pad_token_id(model_path: str) -> int:
+    return _special_token_ids(model_path)[0]

@@ -12,10 +12,10 @@ key                 shape   meaning
 ==================  ======  =====================================================
 ``input_ids``       [B, L]  prompt + response, padded with ``pad_token_id``
 ``attention_mask``  [B, L]  1 on real tokens
-``response_mask``   [B, L]  1 on response tokens the model wrote (the only ones the loss sees)
+``response_mask``   [B, L]  1 on response tokens the model wrote and the loss sees (see below)
 ``position_ids``    [B, L]  0.. over real tokens
 ``old_logprobs``    [B, L]  behaviour log-prob of token t at position t (0 off the mask)
-``versions``        [B, L]  policy version that produced token t (-1 off the mask)
+``versions``        [B, L]  policy version that produced token t (-1 where no policy wrote one)
 ``advantages``      [B, L]  the sequence's GRPO advantage on its masked-in tokens
 ``rewards``         [B]     scalar reward of the sequence
 ``group_index``     [B]     which group of the batch the row came from
@@ -28,12 +28,18 @@ replies, template markers) are real tokens the model reads (``attention_mask`` 1
 wrote them: ``response_mask`` is 0 there, so the loss, the advantages, entropy, KL, clip and
 importance-ratio statistics and every token count skip them, and their version (-1) never
 counts as staleness (`oldest_version`, the ``max_version_gap`` drop).
+
+With ``stop_token_id`` (engines told not to stop at EOS: the long-tail benchmark workload) a
+response's tokens after its first stop token stay in the batch, so a step costs the same, but
+leave the loss: no reward reads them, and trained they are noise that grows with the budget and
+that on-policy steps (ratio 1, PPO's clip idle) take in full (``docs/bench_e2e.md``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -95,7 +101,8 @@ def screen_groups(
     return kept, dropped
 
 
-def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std: bool = True) -> TensorDict:
+def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std: bool = True,
+             stop_token_id: int | None = None) -> TensorDict:
     """Build the training batch of ``groups`` (all complete) with GRPO advantages; see the module doc."""
     if not groups:
         raise ValueError("assemble needs at least one group")
@@ -130,6 +137,10 @@ def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std:
             response[i, p:p + r] = mask.long()
             old_logprobs[i, p:p + r] = torch.from_numpy(t.logprobs.astype("float32")).where(mask, 0.0)
             versions[i, p:p + r] = torch.from_numpy(t.versions).where(mask, -1)
+        if stop_token_id is not None:
+            stops = np.flatnonzero(t.response_ids == stop_token_id)
+            if len(stops):
+                response[i, p + int(stops[0]) + 1:p + r] = 0  # the stop token itself is the model's choice
     return TensorDict(
         {
             "input_ids": input_ids,

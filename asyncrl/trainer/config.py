@@ -95,6 +95,9 @@ class WorkerConfig:
     """Sequences per forward/backward on one rank; gradients accumulate over micro-batches."""
     pad_token_id: int = 0
     """Token id used to pad batches (masked out everywhere)."""
+    stop_token_id: int | None = None
+    """Response tokens after the first one of these leave the loss (`asyncrl.trainer.batch.assemble`):
+    the launcher sets the EOS id when the engines do not stop at EOS (``data.long_tail``); None: all count."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA when available (bf16 mixed precision, nccl), else CPU (fp32, gloo)."""
     seed: int = 0

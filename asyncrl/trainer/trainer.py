@@ -248,7 +248,8 @@ class Trainer:
         for i in range(cfg.require_batches):
             chunk = groups[i * cfg.groups_per_batch:(i + 1) * cfg.groups_per_batch]
             batch = assemble(chunk, pad_token_id=cfg.worker.pad_token_id,
-                             norm_adv_by_std=cfg.worker.algorithm.norm_adv_by_std)
+                             norm_adv_by_std=cfg.worker.algorithm.norm_adv_by_std,
+                             stop_token_id=cfg.worker.stop_token_id)
             batches.append(batch)
             try:
                 per_batch.append(await self._train_minibatch(batch))
@@ -347,7 +348,7 @@ def _partial_metrics(groups: list[Group]) -> dict[str, float]:
 def _step_metrics(per_batch: list[dict], batches: list, dropped: list[tuple[str, str]]) -> dict:
     """Combine the ranks' per-mini-batch sums into the step's metrics."""
     tokens = sum(b["tokens"] for b in per_batch) or 1.0
-    resp = torch.cat([b["response_mask"].sum(-1) for b in batches]).float()
+    resp = torch.cat([(b["versions"] >= 0).sum(-1) for b in batches]).float()  # generated, trained or not
     gaps = torch.cat([
         (b["_batch_version"] - bt["versions"])[bt["response_mask"].bool()] for b, bt in zip(per_batch, batches)
     ]).float()

@@ -108,3 +108,29 @@ def test_micro_batches_trim_padding_columns():
     assert [mb["input_ids"].shape[1] for mb in mbs] == [2, 7]
     assert mbs[0]["input_ids"].tolist() == [[5, 8]]
     assert mbs[0]["rewards"].shape == (1,)
+
+
+def test_tokens_after_the_first_stop_token_stay_in_the_batch_but_leave_the_loss():
+    # Engines that run past EOS (the long-tail workload): EOS is 2; what follows it no reward reads.
+    g = Group(sample_id="sample_0_0", expected=2, trajectories=[
+        traj("sample_0_0", 0, [1, 5], [9, 2, 7, 2, 8], reward=1.0),
+        traj("sample_0_0", 1, [1, 5], [8, 8, 8, 8, 8], reward=0.0),  # no EOS: every token counts
+    ])
+    plain = assemble([g])
+    b = assemble([g], stop_token_id=2)
+    assert b["input_ids"].tolist() == plain["input_ids"].tolist()  # the forward sees the same tokens
+    assert b["attention_mask"].tolist() == plain["attention_mask"].tolist()
+    assert b["versions"].tolist() == plain["versions"].tolist()  # they were generated all the same
+    assert plain["response_mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 1]
+    assert b["response_mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 0]  # the answer and its EOS
+    assert b["response_mask"][1].tolist() == [0, 0, 1, 1, 1, 1, 1]
+    assert b["advantages"][0].tolist() == pytest.approx([0, 0, 0.7071, 0.7071, 0, 0, 0], abs=1e-4)
+
+
+def test_the_stop_token_mask_keeps_observation_tokens_out_as_well():
+    t = traj("sample_0_0", 0, [1, 5], [9, 3, 3, 2, 8], reward=1.0)
+    t.loss_mask = np.array([1, 0, 0, 1, 1], dtype=np.uint8)  # two observation tokens, then EOS and one past it
+    g = Group(sample_id="sample_0_0", expected=2, trajectories=[t, traj("sample_0_0", 1, [1, 5], [8, 8], reward=0.0)])
+    b = assemble([g], stop_token_id=2)
+    assert b["response_mask"][0].tolist() == [0, 0, 1, 0, 0, 1, 0]
+    assert b["versions"][0].tolist() == [-1, -1, 0, -1, -1, 0, 0]  # observations carry none; past EOS was generated

@@ -263,3 +263,16 @@ def test_a_config_yaml_printed_with_the_old_disabled_skip_rollout_role_still_loa
     old.write_text("skip:\n  rollout:\n    enable: true\n")
     with pytest.raises(ConfigError, match="skip.async_rollout"):
         load_config([str(old)], [])
+
+
+def test_a_long_tail_run_trains_only_up_to_eos_because_its_engines_run_past_it():
+    long_tail, _ = load_config([], ["data.long_tail=16"])
+    assert long_tail.engine_kwargs("/m")["eos_token_ids"] == ()
+    tc = long_tail.trainer_config(model_path="/m", pad_token_id=0, eos_token_id=2, checkpoint_dir=None)
+    assert tc.worker.stop_token_id == 2
+    plain, _ = load_config([], [])
+    assert "eos_token_ids" not in plain.engine_kwargs("/m")  # the engines stop at EOS: nothing follows it
+    assert plain.trainer_config(model_path="/m", pad_token_id=0, eos_token_id=2,
+                                checkpoint_dir=None).worker.stop_token_id is None
+    with pytest.raises(ConfigError):  # the launcher sets it, not the user
+        load_config([], ["trainer.stop_token_id=2"])
