@@ -242,9 +242,12 @@ def test_a_frozen_engine_is_named_in_the_hang_dump_and_the_run_restarts(tmp_path
     run_dir = tmp_path / "run"
     # The deadline is the run's own: 10x its median step after the warm-up steps, at least 30 s.
     # A step slowed by a loaded machine stays far inside it; only a frozen engine passes it (and
-    # the restarted run gets the start-up deadline, 600 s, as any start does).
+    # the restarted run gets the start-up deadline, 600 s, as any start does). The weight sync's own
+    # pause deadline, which a frozen engine also passes, is set past it: this test is the watchdog's
+    # (on a loaded machine 10x the median step can outlast the default 60 s pause timeout).
     run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON, "--engines", "1", "--max-restarts", "1",
-                 "restart_backoff_s=0.5", "watchdog_floor_s=30", "watchdog_factor=10", "watchdog_startup_s=600")
+                 "restart_backoff_s=0.5", "watchdog_floor_s=30", "watchdog_factor=10", "watchdog_startup_s=600",
+                 "weight_sync.pause_timeout_s=900")
     frozen = None
     try:
         run.wait_step(WARMUP_STEPS + 3)  # steady steps seen: the deadline is the derived one
