@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import traceback
 
 import numpy as np
@@ -31,7 +32,10 @@ def _refused(groups) -> IncompleteGroupError:
 async def test_a_reward_with_a_type_error_reaches_the_trainer_as_a_programming_error(model_path):
     torch.set_num_threads(1)
 
-    def reward(prompt, response_ids):
+    threads = []
+
+    def reward(prompt, response_ids):  # a plain function: it runs on the Rollouter's reward threads
+        threads.append(threading.current_thread().name)
         return "1" + len(response_ids)  # the bug: str + int
 
     engine = TorchEngine(model_path, eos_token_ids=())
@@ -43,7 +47,8 @@ async def test_a_reward_with_a_type_error_reaches_the_trainer_as_a_programming_e
     finally:
         await engine.close()
     (group,) = producer.groups
-    assert group.status == "failed"
+    assert threads and all(t.startswith("asyncrl-reward") for t in threads), threads
+    assert group.status == "failed" and "TypeError: can only concatenate str" in group.error, group.error
     assert programming_error(_refused([group])) == "TypeError"
 
 
