@@ -109,7 +109,11 @@ async def _quietly(ref) -> None:
 
 class EngineRestarter:
     """Starts a dead engine replica again in its own placement bundle (``max_restarts`` times each,
-    ``backoff_s`` x k before restart k); `NotifyingSyncer` adds it back at the next sync."""
+    ``backoff_s`` x k before restart k); `NotifyingSyncer` adds it back at the next sync.
+
+    A start that fails (the new actor dies, or ``start_engine`` raises) uses up a restart like a
+    death does: the replica, still dead to the coordinator, is started again at the next
+    `notice`, and past ``max_restarts`` it is left out with a line naming it and why."""
 
     def __init__(self, start_engine: Callable[[int], Any], max_restarts: int, backoff_s: float):
         self.start_engine, self.max_restarts, self.backoff_s = start_engine, max_restarts, backoff_s
@@ -117,6 +121,8 @@ class EngineRestarter:
         self.starting: dict[int, asyncio.Task] = {}
         self.died_at: dict[int, float] = {}
         self.left_out: set[int] = set()
+        self.start_errors: dict[int, BaseException] = {}
+        """Replica -> why its last start failed (cleared when a start succeeds)."""
 
     def notice(self, dead: dict[str, str]) -> None:
         """Start again every replica in ``dead`` (the coordinator's) not yet being started."""
@@ -126,15 +132,18 @@ class EngineRestarter:
             i = engine_index(name)
             if i is None or i in self.starting or i in self.left_out:
                 continue
+            failed_start = self.start_errors.get(i)
+            what = f"did not start again ({failed_start!r})" if failed_start is not None else f"died ({why})"
             k = self.restarts.get(i, 0) + 1
             if k > self.max_restarts:
                 self.left_out.add(i)
-                print(f"asyncrl: {name} died ({why}); left out: engine.max_restarts={self.max_restarts} used",
+                print(f"asyncrl: {name} {what}; left out: engine.max_restarts={self.max_restarts} used",
                       flush=True)
                 continue
             self.restarts[i] = k
-            self.died_at[i] = time.monotonic()
-            print(f"asyncrl: {name} died ({why}); starting it again ({k}/{self.max_restarts}) in "
+            if failed_start is None:  # (a retry keeps the time it was first found dead)
+                self.died_at[i] = time.monotonic()
+            print(f"asyncrl: {name} {what}; starting it again ({k}/{self.max_restarts}) in "
                   f"{self.backoff_s * k:g} s", flush=True)
             self.starting[i] = asyncio.ensure_future(self._start(i, self.backoff_s * k))
 
@@ -152,9 +161,11 @@ class EngineRestarter:
                 continue
             del self.starting[i]
             if task.exception() is not None:
+                self.start_errors[i] = task.exception()
                 log.warning("engine[%d] did not start again: %r", i, task.exception())
                 print(f"asyncrl: engine[{i}] did not start again ({task.exception()!r})", flush=True)
                 continue
+            self.start_errors.pop(i, None)
             out[i] = task.result()
         return out
 

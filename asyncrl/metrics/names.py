@@ -66,6 +66,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine/{i}/running": (R, "requests running on replica i (per-replica load)"),
     "engine/{i}/queued": (R, "requests queued on replica i"),
     "engine/{i}/kv_tokens": (R, "tokens in replica i's KV cache"),
+    "engine/{i}/requests": (R, "requests replica i's engine accepted so far (a restarted replica counts from 0)"),
+    "engine/{i}/tokens_generated": (R, "tokens replica i's engine generated so far (a restarted replica counts from 0)"),
     "engine/reprefill_tokens": (R, "tokens prefilled again after a pause, all engines, so far"),
     "engine/requests_spread": (R, "(max - min) / mean of the requests sent to each live engine replica so far (0: even)"),
     "engine/prefill_tokens_per_group": (R, "prompt tokens the built-in engine prefilled per group call (mean over the calls "

@@ -69,7 +69,7 @@ class RolloutReporter:
         out: dict[str, float] = prefill_metrics(self._last_counters, counters)
         self._last_counters = counters
         for i, s in enumerate(stats):
-            for key in ("running", "queued", "kv_tokens"):
+            for key in ("running", "queued", "kv_tokens", "requests", "tokens_generated"):
                 out[f"engine/{i}/{key}"] = s.get(key, 0)
         for key in ("running", "queued", "kv_tokens", "reprefill_tokens", "preempted"):
             out[f"engine/{key}"] = sum(s.get(key, 0) for s in stats)

@@ -329,6 +329,7 @@ def test_killed_engine_replicas_start_again_take_the_current_weights_and_serve(t
     run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON, "--steps", str(steps),
                  "engine.restart_backoff_s=0.5")
     windows = []  # (step killed at, version it serves again at)
+    replicas = []  # the index of the replica started again, each time
     try:
         at = 20
         for _ in range(2):  # a replica, then one of the two (possibly the restarted one)
@@ -339,6 +340,7 @@ def test_killed_engine_replicas_start_again_take_the_current_weights_and_serve(t
                 back = run.wait_line("asyncrl: engine[")
             assert "serves again at version" in back, run.output[-3000:]
             print(back.strip())
+            replicas.append(int(back.split("engine[")[1].split("]")[0]))
             windows.append((at, int(back.split("at version ")[1].split(",")[0])))
             at = windows[-1][1] + 20
             assert at < steps, back
@@ -348,6 +350,15 @@ def test_killed_engine_replicas_start_again_take_the_current_weights_and_serve(t
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     restarts = [e["value"] for e in events if e["name"] == "fault/engine_restarts"]
     assert max(restarts) == 2, restarts
+    # It serves: the restarted replica's own counters (its actor counts from 0; the Rollouter's
+    # reports read replica i's current actor, and a report at version >= the one it serves again
+    # at comes after the Rollouter took it) grow while the run goes on: it is sent requests and
+    # generates tokens. (The "serves again" line is printed before any request reaches it.)
+    ends = [w[0] for w in windows[1:]] + [steps]
+    for i, (_, back_at), until in zip(replicas, windows, ends):
+        for counter in ("requests", "tokens_generated"):
+            seen = [e["value"] for e in events if e["name"] == f"engine/{i}/{counter}" and back_at <= e["version"] < until]
+            assert len(seen) >= 2 and seen[-1] > seen[0], (i, counter, back_at, seen[:5], seen[-5:])
     _check_exactly_once(run_dir, steps)
     rate = {m["step"]: m["tokens_per_s"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import traceback
 
 import numpy as np
@@ -31,7 +32,10 @@ def _refused(groups) -> IncompleteGroupError:
 async def test_a_reward_with_a_type_error_reaches_the_trainer_as_a_programming_error(model_path):
     torch.set_num_threads(1)
 
-    def reward(prompt, response_ids):
+    threads = []
+
+    def reward(prompt, response_ids):  # a plain function: it runs on the Rollouter's reward threads
+        threads.append(threading.current_thread().name)
         return "1" + len(response_ids)  # the bug: str + int
 
     engine = TorchEngine(model_path, eos_token_ids=())
@@ -43,7 +47,8 @@ async def test_a_reward_with_a_type_error_reaches_the_trainer_as_a_programming_e
     finally:
         await engine.close()
     (group,) = producer.groups
-    assert group.status == "failed"
+    assert threads and all(t.startswith("asyncrl-reward") for t in threads), threads
+    assert group.status == "failed" and "TypeError: can only concatenate str" in group.error, group.error
     assert programming_error(_refused([group])) == "TypeError"
 
 
@@ -157,3 +162,47 @@ async def test_a_run_that_stops_without_a_new_checkpoint_names_the_one_it_contin
     await checkpoint_after_failure(broken, RuntimeError("rank died"), tmp_path)
     err = capsys.readouterr().err
     assert f"from its checkpoint of step 4 ({tmp_path / 'checkpoints' / 'step_000004'})" in err
+
+
+async def test_a_replica_that_fails_to_start_again_is_retried_with_backoff_then_left_out_by_name(capsys):
+    """`EngineRestarter`: a new replica that dies before it is ready uses up a restart
+    (engine.max_restarts), the next sync's `notice` (the replica is still dead to the coordinator)
+    starts it again after a longer backoff, and past the limit it is left out with a line naming
+    it and why; nothing waits on it, nothing raises."""
+    from asyncrl.processes import EngineRestarter
+
+    tries: list[float] = []
+
+    class NeverReady:  # the new actor's constructor fails: its ready() call raises
+        class ready:
+            @staticmethod
+            async def remote():
+                raise RuntimeError("CUDA out of memory while loading the model")
+
+    def start_engine(i: int):
+        assert i == 1
+        tries.append(asyncio.get_running_loop().time())
+        return NeverReady
+
+    restarter = EngineRestarter(start_engine, max_restarts=2, backoff_s=0.2)
+    dead = {"engine[1]": "actor died"}  # what the coordinator lists after each sync
+    loop = asyncio.get_running_loop()
+    noticed = []
+    for _ in range(2):
+        noticed.append(loop.time())
+        restarter.notice(dead)  # a sync ends with the replica dead
+        assert restarter.ready() == {}  # the next sync begins: the start is not done yet
+        await asyncio.wait_for(asyncio.gather(restarter.starting[1], return_exceptions=True), 30)
+        assert restarter.ready() == {} and not restarter.starting  # it failed: nothing joins
+    restarter.notice(dead)
+    assert restarter.left_out == {1} and not restarter.starting and restarter.restarts == {1: 2}
+    assert [t - n >= 0.2 * k for k, (t, n) in enumerate(zip(tries, noticed), 1)] == [True, True]  # backoff k x 0.2 s
+    restarter.notice(dead)  # left out for good: no further try
+    assert len(tries) == 2
+    out = capsys.readouterr().out
+    assert "asyncrl: engine[1] died (actor died); starting it again (1/2) in 0.2 s" in out
+    assert ("asyncrl: engine[1] did not start again (RuntimeError('CUDA out of memory while loading the model')); "
+            "starting it again (2/2) in 0.4 s") in out
+    assert ("asyncrl: engine[1] did not start again (RuntimeError('CUDA out of memory while loading the model')); "
+            "left out: engine.max_restarts=2 used") in out
+    assert out.count("left out") == 1

@@ -20,6 +20,7 @@ from asyncrl.rollouter.aggregator import AggregatorActor
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
 from asyncrl.queue.memory import MemorySink
+from asyncrl.types import GenerateRequest, SamplingParams
 
 N, GROUPS_PER_SYNC, SHORT, LONG = 2, 2, 3, 48
 
@@ -335,3 +336,47 @@ async def test_a_checkpoint_keeps_the_partial_buffer_and_a_resume_continues_each
     # weights that sampled it (no sync here: version 0 throughout).
     worst, checked = worst_logprob_error(model_path, weights, group.trajectories)
     assert checked == N * LONG and worst <= 1e-4, worst
+
+
+class _SignalSpy(EngineActor):
+    """An `EngineActor` that records the round signals it is sent."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.signals: list[tuple] = []
+
+    async def truncate(self, version, queued=False):
+        self.signals.append(("truncate", version, queued))
+        return await super().truncate(version, queued)
+
+    async def reopen(self, version):
+        self.signals.append(("reopen", version))
+        await super().reopen(version)
+
+
+async def test_a_replica_started_again_gets_the_round_signals_and_the_dead_one_none(model_path):
+    """Engine restart in ``mode=sync`` with partial rollout: once `AggregatorActor.replace_engine`
+    took the new replica, a round's end stops the new replica's running request (it comes back
+    truncated, with its tokens) and nothing is sent to the dead one."""
+    live, dead, fresh = (_SignalSpy(kind="torch", model_path=model_path, eos_token_ids=(), seed=0) for _ in range(3))
+    aggregator = AggregatorActor([live, dead], threshold=None)
+    running = None
+    try:
+        await dead.close()  # its engine died; the restarter started `fresh` in its place
+        await aggregator.replace_engine(1, fresh)
+        await aggregator.start_round(0, need=N)
+        assert dead.signals == [] and fresh.signals == [("reopen", 0)]
+        request = GenerateRequest("g/0", np.array([1, 4, 5], dtype=np.int64), max_tokens=240,
+                                  sampling=SamplingParams(seed=0))
+        running = asyncio.ensure_future(fresh.generate(request, True))
+        await fresh.wait_for_tokens("g/0", 1, timeout_s=60)
+        assert await aggregator.report(0, {0: 1, 1: 1}) is True  # the round has its N trajectories
+        assert dead.signals == [] and fresh.signals[-1] == ("truncate", 0, True) == live.signals[-1]
+        result = await asyncio.wait_for(running, 60)
+        assert result.finish_reason == "truncated" and 0 < len(result.response_ids) < 240
+        assert aggregator.truncated_rounds == {0: 1}
+    finally:
+        if running is not None:
+            running.cancel()
+        for e in (live, dead, fresh):
+            await e.close()

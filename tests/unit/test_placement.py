@@ -93,3 +93,42 @@ def test_the_plan_of_the_cpu_demo_is_one_line():
     assert plan.describe().splitlines()[1:] == [
         "  node 127.0.0.1 (cccccccccccc)  GPUs 0/0  CPUs 3/8  rollouter (rollout 0); engine 0 (rollout 1); "
         "trainer rank 0 (trainer 0)"]
+
+
+def _ray_node(i: int, gpus: int, alive: bool) -> dict:
+    """One entry of ``ray.nodes()``, as Ray reports it."""
+    res = {"CPU": 32.0, "GPU": float(gpus), **({"node:__internal_head__": 1.0} if i == 0 else {})}
+    return {"NodeID": f"n{i}" + "0" * 20, "NodeManagerAddress": f"10.0.0.{i}", "Alive": alive, "Resources": res}
+
+
+def test_a_run_restarted_after_a_node_died_is_planned_on_the_nodes_left(tmp_path, monkeypatch):
+    """The restart loop plans again from the nodes Ray reports alive (`alive_nodes`): the node
+    that went with the dead process hosts nothing in the new plan."""
+    import ray
+    import ray.exceptions
+
+    from asyncrl import launch, placement
+
+    cfg, _ = load_config([], ["placement.rollouter_gpus=8", "placement.trainer_gpus=8", "placement.nodes=2",
+                              "max_restarts=1", "restart_backoff_s=0"])
+    ray_nodes = [_ray_node(i, 8, alive=True) for i in range(3)]
+    monkeypatch.setattr(ray, "nodes", lambda: ray_nodes)
+    cluster = placement.Cluster(nodes=placement.alive_nodes(), started_here=False)
+    first = make_plan(cfg, cluster)
+    rollout_node = first.rollouter.node.address
+    assert rollout_node == "10.0.0.1" and {s.node.address for s in first.engines} == {rollout_node}
+    plans = []
+
+    async def run(cfg_, plan, run_dir):
+        plans.append(plan)
+        if len(plans) == 1:  # the Rollouter's node goes, and the Rollouter with it
+            ray_nodes[1] = _ray_node(1, 8, alive=False)
+            raise ray.exceptions.ActorDiedError()
+        return 0
+
+    monkeypatch.setattr(launch, "run", run)
+    assert launch.run_restarting(cfg, first, cluster, tmp_path) == 0
+    again = plans[1]
+    used = {s.node.address for s in [again.rollouter, *again.engines, *again.ranks]}
+    assert rollout_node not in used and used == {"10.0.0.0", "10.0.0.2"}
+    assert {s.node.address for s in again.ranks} == {"10.0.0.0"} and len(again.engines) == 8

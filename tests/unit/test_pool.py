@@ -120,3 +120,42 @@ async def test_results_of_a_call_come_back_in_batches_as_they_end():
         assert len(one) == 1 and len(one[0]) == 8  # within batch_s of the first: one message
     finally:
         await actor.close()
+
+
+async def _until(condition, timeout_s: float) -> None:
+    """Return once ``condition()`` holds; fail after ``timeout_s``."""
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+async def test_a_replica_started_again_is_sent_groups_again_and_the_in_flight_counts_stay_right():
+    """`Rollouter.replace_engine` alone: a replica whose engine died under its calls is marked dead
+    (what was on it goes whole to the other), and once replaced the pool sends it groups again; no
+    request stays counted in flight on either index."""
+    live, dying, fresh = (SpyActor(max_running=32, tokens_per_s=4000.0, seed=0) for _ in range(3))
+    cfg = RolloutConfig(n=4, max_tokens=8, groups_per_sync=100, max_concurrent=4)
+    r = Rollouter(cfg, [live, dying], MemorySink(), _prompts(8), _reward)
+    try:
+        await dying.pause("keep")  # its requests stay in flight until it dies
+        run = asyncio.ensure_future(r.run(num_groups=8))
+        await _until(lambda: dying.group_calls and r.pool.load[1] > 0, 30)
+        await dying.close()  # its engine dies under the call: EngineClosedError, the replica is dead
+        await asyncio.wait_for(run, 60)
+        assert r.pool.dead_engines == 1 and r.pool.load == [0, 0] and not r.pool._in_flight
+        assert len(r.producer.groups) == 8 and all(g.status != "failed" for g in r.producer.groups)
+        to_dead = len(dying.group_calls)
+
+        await r.replace_engine(1, fresh)
+        await asyncio.wait_for(r.run(num_groups=12), 60)
+        groups = r.producer.groups[8:]
+        assert len(groups) == 12 and all(g.status != "failed" for g in groups)
+        assert len(fresh.group_calls) >= 3, (len(live.group_calls), len(fresh.group_calls))  # it serves again
+        assert len(dying.group_calls) == to_dead  # nothing more to the dead actor
+        assert (await fresh.stats())["tokens_generated"] > 0
+        assert r.pool.load == [0, 0] and not r.pool._in_flight
+    finally:
+        for a in (live, dying, fresh):
+            await a.close()
