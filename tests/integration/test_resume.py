@@ -316,6 +316,16 @@ def test_a_seeded_schedule_of_kills_is_survived_with_no_person_and_each_sample_t
     assert run.output.count("asyncrl: restart ") == 2, run.output[-3000:]
     causes = [json.loads(line)["cause"] for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert len(causes) == 2 and all(causes), causes
+    # Each line names the process that died and the checkpoint the run goes on from (with --resume's
+    # words for none), and that checkpoint is the step the restarted run restored.
+    assert "a trainer rank (TrainerWorker, pid" in causes[0] and "the Rollouter (RolloutWorker, pid" in causes[1], causes
+    restarts = [line for line in run.output.splitlines() if line.startswith("asyncrl: restart ")]
+    restored = [int(line.split()[4].rstrip(",")) for line in run.output.splitlines()
+                if line.startswith("asyncrl: resumed at step ")]
+    for line, step in zip(restarts, restored, strict=True):
+        assert f"from its checkpoint of step {step} (" in line and f"step_{step:06d})" in line, line
+    engines = [line for line in run.output.splitlines() if line.startswith("asyncrl: engine[") and " died" in line]
+    assert len(engines) == 2, run.output[-3000:]
     assert run.output.count("; starting it again (1/3)") == 2, run.output[-3000:]
     _check_exactly_once(run_dir, steps, groups)
 
