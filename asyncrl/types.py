@@ -277,6 +277,10 @@ class GenerateRequest:
     prompt_ids: np.ndarray
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str | None = None
+    """The conversation this request is a turn of (an agent loop's trajectory), or None. An engine
+    may keep a finished turn's KV under it, so that the next turn of the same session, on the same
+    weights, prefills only its new tokens; `RolloutEngine.end_session` lets it go."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = _as_array(self.prompt_ids, np.int64, "prompt_ids")

@@ -165,6 +165,9 @@ class EngineActor:
     async def resume(self) -> None:
         await self.engine.resume()
 
+    async def end_session(self, session_id: str) -> None:
+        await self.engine.end_session(session_id)
+
     async def abort(self, request_ids: Iterable[str]) -> None:
         await self.engine.abort(list(request_ids))
 

@@ -93,6 +93,11 @@ class RolloutEngine(Protocol):
         """End the named requests now with their partial output (``finish_reason="abort"``)."""
         ...
 
+    async def end_session(self, session_id: str) -> None:
+        """The conversation ``session_id`` ended: drop whatever the engine kept for its next turn
+        (a no-op for an engine that keeps nothing, or whose prefix cache does the work)."""
+        ...
+
     def progress(self, request_ids: Iterable[str]) -> dict[str, int]:
         """Tokens generated so far by each named request in flight (0 while it waits for a
         slot); ids not in flight are left out."""

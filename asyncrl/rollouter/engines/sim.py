@@ -222,6 +222,9 @@ class SimEngine:
         logprobs = self._logprob_table[start:start + n].copy()
         return _Request(request, asyncio.get_running_loop().create_future(), ids, logprobs, stops)
 
+    async def end_session(self, session_id: str) -> None:
+        """The simulator keeps no KV."""
+
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
         wanted = set(request_ids)

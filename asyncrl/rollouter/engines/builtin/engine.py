@@ -154,6 +154,9 @@ class TorchEngine:
         # Cancelling the caller cancels the future; the scheduler then drops the request.
         return await seq.future
 
+    async def end_session(self, session_id: str) -> None:
+        """Nothing is kept between a session's turns yet: each turn prefills its whole prompt."""
+
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
         cond = self._start()

@@ -322,6 +322,9 @@ class VLLMEngine:
         await self.llm.resume_generation()
         self._paused = None
 
+    async def end_session(self, session_id: str) -> None:
+        """Nothing to drop: vLLM's prefix cache (salted per weight version) serves a session's next turn."""
+
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
         ids = [r for r in request_ids if r in self._live]
