@@ -1,5 +1,4 @@
-"""`VLLMEngine`: the `RolloutEngine` interface over vLLM's ``AsyncLLM`` (GPU, or vLLM's CPU build; written
-against vLLM 0.33, run on 0.32's CPU build).
+"""`VLLMEngine`: the `RolloutEngine` interface over vLLM's ``AsyncLLM`` (GPU, or the CPU build; 0.33 and 0.32).
 
 One engine replica = one ``AsyncLLM`` (its EngineCore and GPU workers run in processes
 vLLM starts). What maps onto what:
@@ -75,9 +74,9 @@ _VLLM_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 def map_finish_reason(request_id: str, reason: str | None) -> str:
     """vLLM's finish reason -> asyncrl's (stop | length | abort); anything else is an EngineError."""
-    if reason not in _VLLM_FINISH:
+    if (ours := _VLLM_FINISH.get(reason)) is None:
         raise EngineError(f"request {request_id}: vLLM finished it with {reason!r}, not stop/length/abort")
-    return _VLLM_FINISH[reason]
+    return ours
 
 
 def sampled_logprobs(request_id: str, token_ids: Sequence[int], logprobs) -> np.ndarray:
@@ -113,8 +112,7 @@ def expand_version_spans(spans, num_tokens: int, initial_version: int) -> np.nda
             raise EngineError(f"vLLM returned {num_tokens} tokens without weight-version spans")
         return versions
     for span in spans:
-        label = span.version
-        if label == "default":
+        if (label := span.version) == "default":
             v = initial_version
         else:
             try:
@@ -323,7 +321,7 @@ class VLLMEngine:
         self._paused = None
 
     async def end_session(self, session_id: str) -> None:
-        """Nothing to drop: vLLM's prefix cache (salted per weight version) serves a session's next turn."""
+        """Nothing to drop: the prefix cache (salted per version) serves a session's next turn."""
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
