@@ -13,7 +13,9 @@ the same tokens: the first runs the prompt, the others take its blocks (shared, 
 write) and sample their first token, each with its own seed, from its logits. A request
 admitted later, while a request with its prompt still runs and the weights are the same
 version: it takes that request's blocks for all but the prompt's last token and feeds only
-that one.
+that one. A turn of a conversation (``session_id``) whose earlier turn's blocks are kept
+(`asyncrl.rollouter.engines.builtin.sessions`) adopts them and feeds only the tokens past them,
+among the prompts; a finished turn hands its blocks to the session (`keep`).
 
 The forward is `asyncrl.rollouter.engines.builtin.decoder.LlamaDecoder` for Llama-layout models, else the
 model's own ``forward``. `plan` (bookkeeping) runs on the engine's event loop between steps;
