@@ -267,3 +267,51 @@ async def test_requests_without_a_session_keep_nothing(model_path):
         assert used_blocks(engine) == request_blocks(engine) > 0  # released at the next step, as before
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize("pad_budget", [256, 0])  # 0: the resumed turn runs in a forward of its own
+async def test_a_resumed_turn_beside_decodes_and_new_prompts(model_path, ref, monkeypatch, pad_budget):
+    # One step runs a decoding request, a group's new prompt (leader + follower) and a resumed turn
+    # (its rows start at the kept length): each as if alone.
+    from asyncrl.rollouter.engines.builtin import model_runner
+
+    monkeypatch.setattr(model_runner, "PAD_BUDGET", pad_budget)
+    p1, pl, pg = tokens(11, seed=16), tokens(7, seed=17), tokens(19, seed=18)
+    engine = TorchEngine(model_path, eos_token_ids=(), max_running=8)
+    try:
+        r1 = await engine.generate(turn("t1", p1, 8, seed=1, session="s"))
+        p2 = next_prompt(p1, r1, obs_seed=2, obs_len=9)
+        long = asyncio.create_task(engine.generate(turn("long", pl, 40, seed=2)))
+        await asyncio.sleep(0)
+        await engine.wait_for_tokens("long", 3, timeout_s=60)
+        plans, plan = [], engine._runner.plan
+        engine._runner.plan = lambda *a: plans.append(plan(*a)) or plans[-1]
+        r2, *group = await asyncio.gather(engine.generate(turn("t2", p2, 10, seed=3, session="s")),
+                                          *(engine.generate(turn(f"g{k}", pg, 10, seed=4 + k)) for k in range(2)))
+        # Their first step: the decoding request, the group's leader, the resumed turn; one follower.
+        first = next(p for p in plans if len(p.order) > 1)
+        assert (len(first.rows), first.n_decode, len(first.followers), first.starts[1:]) == (3, 1, 1, [0, 18])
+        assert first.starts[0] >= len(pl) + 2  # the decoding request, at its last token
+        assert r2.prefill_tokens == len(p2) - (len(p1) + 7)
+        assert [g.prefill_tokens for g in group] == [len(pg), 0]
+        rl = await long
+        assert_same(r2, await engine.generate(turn("scratch", p2, 10, seed=3)), ref, p2)
+        for g in group:
+            assert np.abs(full_forward_logprobs(ref, pg, g.response_ids) - g.logprobs).max() <= 1e-4
+        assert np.abs(full_forward_logprobs(ref, pl, rl.response_ids) - rl.logprobs).max() <= 1e-4
+    finally:
+        await engine.close()
+
+
+async def test_a_prompt_equal_to_the_kept_tokens_feeds_its_last_one(model_path, ref):
+    # The conversation so far is exactly the kept tokens: the last one is fed again, for its logits.
+    p1 = tokens(10, seed=19)
+    engine = TorchEngine(model_path, eos_token_ids=())
+    try:
+        r1 = await engine.generate(turn("t1", p1, 9, seed=1, session="s"))
+        p2 = p1 + r1.response_ids.tolist()[:-1]
+        r2 = await engine.generate(turn("t2", p2, 6, seed=3, session="s"))
+        assert r2.prefill_tokens == 1 and engine.stats()["session_tokens_reused"] == len(p2) - 1
+        assert_same(r2, await engine.generate(turn("scratch", p2, 6, seed=3)), ref, p2)
+    finally:
+        await engine.close()
