@@ -315,3 +315,22 @@ async def test_a_prompt_equal_to_the_kept_tokens_feeds_its_last_one(model_path, 
         assert_same(r2, await engine.generate(turn("scratch", p2, 6, seed=3)), ref, p2)
     finally:
         await engine.close()
+
+
+@pytest.mark.gpu
+async def test_cuda_group_sessions_turn_two_equals_scratch(model_path):
+    p1 = tokens(21, seed=20)
+    engine = TorchEngine(model_path, device="cuda", eos_token_ids=(), max_running=8)
+    try:
+        first = await asyncio.gather(*(engine.generate(turn(f"a{k}", p1, n, seed=10 + k, session=f"s{k}"))
+                                       for k, n in enumerate([1, 12])))
+        p2 = [next_prompt(p1, r, obs_seed=20 + k) for k, r in enumerate(first)]
+        second = await asyncio.gather(*(engine.generate(turn(f"b{k}", p, 9, seed=30 + k, session=f"s{k}"))
+                                        for k, p in enumerate(p2)))
+        for k, (p, r, n) in enumerate(zip(p2, second, [1, 12])):
+            assert r.prefill_tokens == len(p) - (len(p1) + n - 1)
+            scratch = await engine.generate(turn(f"c{k}", p, 9, seed=30 + k))
+            np.testing.assert_array_equal(r.response_ids, scratch.response_ids)
+            assert np.abs(r.logprobs - scratch.logprobs).max() <= 1e-3  # TF32 matmuls on GPU
+    finally:
+        await engine.close()
