@@ -310,10 +310,9 @@ class TorchEngine:
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> dict[str, int]:
-        """running, queued, requests (accepted so far), tokens_generated, kv_tokens, reprefill_tokens
-        (+ prefill_tokens: prompt tokens computed; shared_prefill_tokens: prompt tokens a request
-        took from another's prefill; steps, version; session_live (kept turns) and session_blocks now, the
-        conversations' counters `asyncrl.rollouter.engines.builtin.sessions.COUNTERS`)."""
+        """running, queued, requests (accepted so far), tokens_generated, kv_tokens, reprefill_tokens,
+        prefill_tokens (prompt tokens computed), shared_prefill_tokens (taken from another's prefill), steps,
+        version; session_live, session_blocks (kept turns now) and `sessions.COUNTERS`."""
         sessions = self._runner.sessions
         return dict(running=len(self._running), queued=len(self._queued),
                     kv_tokens=sum(seq.cached for seq in self._running.values()), version=self._version,
