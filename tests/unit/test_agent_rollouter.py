@@ -1,0 +1,195 @@
+"""Agent loops through the Rollouter, in-process: a real tiny chat model (`test_agent_loop`'s, trained
+in seconds to hold a tool conversation) on the built-in engine behind an `EngineActor`, groups
+assembled as in a run. Each response is one run of the loop; every turn a request of the group's
+call with its own id, seed and session; the loss mask is 0 exactly on the observations; behaviour
+log-probs equal a recompute under the weights of each token's version; failures fail the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.agent import OBSERVATION_VERSION
+from asyncrl.queue.memory import MemorySink
+from asyncrl.rollouter.actor import EngineActor
+from asyncrl.rollouter.agents import build_agent, last_turn
+from asyncrl.rollouter.config import AgentConfig
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+from tests.unit import agent_envs
+from tests.unit.test_agent_loop import QUESTION, model_path, recompute, ref, render, spans, tok  # noqa: F401
+
+OBSERVATION = re.compile(r"\n<\|im_start\|>user\n<tool_response>\n.*\n</tool_response><\|im_end\|>\n"
+                         r"<\|im_start\|>assistant\n", re.S)
+
+
+class SpyEngine(EngineActor):
+    """The built-in engine's actor, in-process, noting each request and each ended session."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.requests, self.ended = [], []
+
+    async def generate_group(self, requests, truncatable=False, batch_s=0.0):
+        self.requests.extend(requests)
+        async for batch in super().generate_group(requests, truncatable, batch_s):
+            yield batch
+
+    async def end_session(self, session_id):
+        self.ended.append(session_id)
+        await super().end_session(session_id)
+
+
+def prompts(tok, *texts):
+    return [Prompt(text=t, prompt_ids=np.asarray(render(tok, [{"role": "user", "content": t}], True)))
+            for t in texts]
+
+
+def env_agent(tok, env: str, **kw):
+    return build_agent(AgentConfig(env=f"tests.unit.agent_envs:{env}", max_turns=4, max_tokens_per_turn=80,
+                                   max_context_tokens=1024, **kw), tok)
+
+
+def conversation(tok, t) -> list[dict]:
+    """The messages a trajectory holds, read back from its mask: 1-runs are the assistant's, 0-runs tool replies."""
+    messages = [{"role": "user", "content": QUESTION}]
+    for start, stop in sorted(spans(t.loss_mask, 1) + spans(t.loss_mask, 0)):
+        text = tok.decode(t.response_ids[start:stop])
+        if t.loss_mask[start]:
+            messages.append({"role": "assistant", "content": text.removesuffix("<|im_end|>")})
+        else:
+            assert OBSERVATION.fullmatch(text), text  # nothing but one tool reply and its markers
+            messages.append({"role": "tool", "content": text.split("<tool_response>\n")[1].split("\n</tool_response>")[0]})
+    return messages
+
+
+async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = env_agent(tok, "LookupEnv")
+    scored = []
+
+    def reward(prompt, ids):
+        scored.append(ids.tolist())
+        return float(tok.decode(ids) == "AB CD<|im_end|>")
+
+    r = Rollouter(RolloutConfig(n=3, max_tokens=8, groups_per_sync=100, max_concurrent=2), [engine], MemorySink(),
+                  prompts(tok, QUESTION), reward, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=2), 180)
+    finally:
+        await engine.close()
+        agent.close()
+    groups = r.producer.groups
+    assert len(groups) == 2 and all(g.complete and g.expected == 3 for g in groups), [g.missing() for g in groups]
+    trajectories = [t for g in groups for t in g.trajectories]
+    assert sum(t.turns for t in trajectories) > len(trajectories)  # tools were called: several turns each
+    for t in trajectories:
+        model = t.loss_mask == 1
+        assert len(spans(t.loss_mask, 1)) == t.turns and t.finish_reason in ("stop", "max_turns")
+        # The trajectory is exactly the template's rendering of its conversation, masked 0 exactly on
+        # the tool replies with their markers (conversation() checks each 0-run is one reply).
+        messages = conversation(tok, t)
+        full = render(tok, messages)
+        np.testing.assert_array_equal(np.concatenate([t.prompt_ids, t.response_ids]), full[:len(full) - 1])
+        np.testing.assert_allclose(t.logprobs[model], recompute(ref, t)[model], atol=1e-4, rtol=0)
+        assert (t.logprobs[~model] == 0).all() and (t.versions[~model] == OBSERVATION_VERSION).all()
+        assert (t.versions[model] == 0).all()
+        assert t.reward == float(messages[-1]["content"] == "AB CD")
+    # The task's reward read each episode's last model turn.
+    assert sorted(scored) == sorted(last_turn(t.response_ids, t.loss_mask).tolist() for t in trajectories)
+    # Each turn one request: its id, the response's session, a seed of its own; every session ended.
+    by_id = {q.request_id: q for q in engine.requests}
+    for t in trajectories:
+        own = [by_id[f"{t.sample_id}/{t.index}/t{j}"] for j in range(t.turns)]
+        assert {q.session_id for q in own} == {f"{t.sample_id}/{t.index}"}
+        assert len({q.sampling.seed for q in own}) == t.turns
+    assert len(engine.requests) == sum(t.turns for t in trajectories)
+    assert sorted(engine.ended) == sorted(f"{t.sample_id}/{t.index}" for t in trajectories)
+
+
+async def test_an_env_that_raises_fails_its_group_with_the_error_named_and_the_run_goes_on(model_path, tok):
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = env_agent(tok, "ExplodingEnv")
+    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=2), 120)
+    finally:
+        await engine.close()
+        agent.close()
+    assert len(r.producer.groups) == 2 and r.failed == 2
+    for g in r.producer.groups:
+        assert g.status == "failed" and not g.complete
+        assert ("AgentLoopError: rollout.agent.env=tests.unit.agent_envs:ExplodingEnv raised RuntimeError: "
+                "env exploded") in g.error
+    assert len(engine.ended) == 4  # the sessions of failed conversations are ended too
+
+
+async def test_a_multi_output_loop_counts_sessions_and_a_missing_one_fails_its_group_closed(model_path, tok):
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:TwoSessions", sessions=2), tok)
+    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION, "drop one"), lambda p, ids: 1.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=2), 120)
+    finally:
+        await engine.close()
+    ok, dropped = sorted(r.producer.groups, key=lambda g: g.sample_id)
+    assert ok.complete and ok.expected == 4 and sorted(t.index for t in ok.trajectories) == [0, 1, 2, 3]
+    assert {q.session_id for q in engine.requests if q.request_id.startswith(ok.sample_id + "/")} == {
+        f"{ok.sample_id}/{k}{s}" for k in range(2) for s in ("", "/s1")}
+    assert dropped.status == "failed" and not dropped.complete
+    assert (f"SessionCountError: {dropped.sample_id}/0: rollout.agent.loop=tests.unit.agent_envs:TwoSessions "
+            "returned 1 trajectories, rollout.agent.sessions=2") in dropped.error
+
+
+async def sync(engine: EngineActor, version: int) -> dict:
+    """An in-process weight sync (perturb, pause keeping requests, load, resume); the new weights."""
+    sd = engine.engine.model.state_dict()
+    gen = torch.Generator().manual_seed(version)
+    names = {n for n, _, _ in await engine.param_meta()}
+    await engine.pause("keep", clear_cache=True)
+    await engine.load_weights([(k, v + 0.01 * torch.randn(v.shape, generator=gen)) for k, v in sd.items() if k in names])
+    await engine.finish_weight_update(version)
+    await engine.resume()
+    return {k: v.clone() for k, v in engine.engine.model.state_dict().items()}
+
+
+async def test_a_weight_sync_during_a_tool_call_gives_the_next_turn_the_new_version(model_path, tok):
+    engine = EngineActor(kind="torch", model_path=str(model_path))
+    weights = {0: {k: v.clone() for k, v in engine.engine.model.state_dict().items()}}
+    agent = env_agent(tok, "GatedLookupEnv")
+    agent_envs.GatedLookupEnv.called, agent_envs.GatedLookupEnv.go = asyncio.Event(), asyncio.Event()
+    r = Rollouter(RolloutConfig(n=1, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        task = asyncio.create_task(r.run(num_groups=1))
+        await asyncio.wait_for(agent_envs.GatedLookupEnv.called.wait(), 60)  # the first turn ended in a tool call
+        await r.on_pause()
+        weights[1] = await sync(engine, 1)
+        await r.on_sync(1)
+        agent_envs.GatedLookupEnv.go.set()
+        await asyncio.wait_for(task, 120)
+    finally:
+        await engine.close()
+        agent.close()
+    (t,) = r.producer.groups[0].trajectories
+    turns = spans(t.loss_mask, 1)
+    assert len(turns) >= 2
+    assert [set(t.versions[a:b].tolist()) for a, b in turns] == [{0}] + [{1}] * (len(turns) - 1)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    for version, (a, b) in zip([0] + [1] * (len(turns) - 1), turns):
+        model.load_state_dict(weights[version], strict=False)
+        np.testing.assert_allclose(t.logprobs[a:b], recompute(model, t)[a:b], atol=1e-4, rtol=0)
+
+
+def test_agent_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="set one of them"):
+        AgentConfig(env="a:B", loop="c:D")
+    with pytest.raises(ValueError, match="sessions=2: only an AgentLoop"):
+        AgentConfig(env="a:B", sessions=2)
