@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncrl.agent import AgentLoop, Env, Step, ToolEnv, tool
+from asyncrl.agent import AgentLoop, Env, ToolEnv, tool
 
 
 @tool

@@ -21,8 +21,10 @@ from asyncrl.rollouter.actor import EngineActor
 from asyncrl.rollouter.agents import build_agent, last_turn
 from asyncrl.rollouter.config import AgentConfig
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
-from tests.unit import agent_envs
-from tests.unit.test_agent_loop import QUESTION, model_path, recompute, ref, render, spans, tok  # noqa: F401
+from tests.unit import agent_envs, test_agent_loop
+from tests.unit.test_agent_loop import QUESTION, recompute, render, spans
+
+tok, model_path, ref = test_agent_loop.tok, test_agent_loop.model_path, test_agent_loop.ref  # its fixtures
 
 OBSERVATION = re.compile(r"\n<\|im_start\|>user\n<tool_response>\n.*\n</tool_response><\|im_end\|>\n"
                          r"<\|im_start\|>assistant\n", re.S)
