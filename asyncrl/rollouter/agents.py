@@ -207,3 +207,27 @@ def last_turn(response_ids: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     observed = np.flatnonzero(loss_mask[:end] == 0)
     start = observed[-1] + 1 if len(observed) else 0
     return response_ids[start:end]
+
+
+def check_agent(cfg: AgentConfig, model_path: str) -> None:
+    """The launcher's preflight, before Ray starts: the path imports and is an `Env` (``reset``,
+    ``step``) or an `AgentLoop` (``run``); the class builds with no arguments (a `ToolEnv`'s tools
+    with type hints and descriptions); a `ToolEnv` gets a tokenizer whose chat template shows
+    tools. Raises `AgentSpecError`, one line each."""
+    from asyncrl.agent import AgentSpecError, ToolEnv, check_tool_template, load_agent_loop_class, load_env_class
+
+    field, path = ("rollout.agent.loop", cfg.loop) if cfg.loop is not None else ("rollout.agent.env", cfg.env)
+    if path is None:
+        return
+    cls = load_agent_loop_class(path) if cfg.loop is not None else load_env_class(path)
+    if isinstance(cls, type) and issubclass(cls, ToolEnv):
+        from transformers import AutoTokenizer
+
+        check_tool_template(AutoTokenizer.from_pretrained(model_path), field=f"{field}={path} with model {model_path}")
+    try:
+        built = cls()
+    except Exception as e:  # noqa: BLE001 - the user's constructor; reported in one line
+        raise AgentSpecError(f"{field}={path!r}: {cls.__name__}() fails ({type(e).__name__}: {e}); the Rollouter "
+                             "builds it with no arguments") from None
+    if hasattr(built, "close"):
+        asyncio.run(built.close())

@@ -69,3 +69,38 @@ class TwoSessions(AgentLoop):
 class NoStep:
     async def reset(self, prompt):
         return prompt.text
+
+
+def _no_hints(key):
+    """Look up a key.
+
+    Args:
+        key: the key
+    """
+    return key
+
+
+class UnhintedToolEnv(ToolEnv):
+    def __init__(self):
+        super().__init__([_no_hints])
+
+
+class LongSecondTurn(AgentLoop):
+    """Two turns around a fixed two-token observation; the second is long for prompts named "long"
+    (the partial-rollout test's long tail, inside a conversation)."""
+
+    async def run(self, prompt, llm):
+        import numpy as np
+
+        from asyncrl.agent import OBSERVATION_VERSION, AgentTrajectory
+
+        first = await llm.generate(prompt.prompt_ids, max_tokens=3)
+        obs = np.array([6, 7], dtype=np.int64)
+        ids = np.concatenate([prompt.prompt_ids, first.token_ids, obs])
+        second = await llm.generate(ids, max_tokens=48 if prompt.text == "long" else 3)
+        return AgentTrajectory(
+            prompt_ids=prompt.prompt_ids, response_ids=np.concatenate([first.token_ids, obs, second.token_ids]),
+            loss_mask=np.concatenate([np.ones(len(first.token_ids)), np.zeros(2), np.ones(len(second.token_ids))]),
+            logprobs=np.concatenate([first.logprobs, np.zeros(2), second.logprobs]),
+            versions=np.concatenate([first.versions, [OBSERVATION_VERSION] * 2, second.versions]),
+            finish_reason=second.finish_reason, turns=2, reward=1.0)

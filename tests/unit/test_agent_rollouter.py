@@ -195,3 +195,46 @@ def test_agent_config_errors_name_the_field():
         AgentConfig(env="a:B", loop="c:D")
     with pytest.raises(ValueError, match="sessions=2: only an AgentLoop"):
         AgentConfig(env="a:B", sessions=2)
+
+
+async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_next_round(tmp_path):
+    from asyncrl.models.tiny import build_tiny_model
+    from asyncrl.rollouter.aggregator import AggregatorActor
+    from asyncrl.rollouter.partial import PartialRolloutConfig
+    from tests.unit.test_partial_rollout import run_with_syncs
+
+    path = build_tiny_model(tmp_path / "m")
+    engines = [EngineActor(kind="torch", model_path=path, eos_token_ids=(), seed=0) for _ in range(2)]
+    snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
+    # The synchronous workflow: a round keeps 4 prompts in flight and ends at the step's 2 groups,
+    # so the long second turns are stopped mid-turn and resume in the next round.
+    partial = PartialRolloutConfig(enable=True, max_age=3, truncate_at="threshold")
+    aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(2, 2))
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
+    prompts = [Prompt(text="long" if i % 4 == 0 else "short", prompt_ids=np.array([1, 4 + i % 20, 5]))
+               for i in range(40)]
+    r = Rollouter(RolloutConfig(n=2, max_tokens=3, groups_per_sync=2, staleness_threshold=0.0, max_concurrent=4),
+                  engines, MemorySink(), prompts, lambda p, ids: 0.0, partial=partial, aggregator=aggregator, agent=agent)
+    try:
+        await run_with_syncs(r, engines, r.producer, 8, snapshots)
+    finally:
+        for e in engines:
+            await e.close()
+    assert all(g.complete for g in r.producer.groups) and len(r.producer.groups) == 8
+    assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
+    assert not r.snapshot()["partials"]  # a conversation's truncated turn is never checkpointed
+    resumed = [t for g in r.producer.groups for t in g.trajectories if t.age >= 1]
+    assert resumed and all(t.prompt_ids[1] in (4, 8, 12, 16, 20) for t in resumed)  # the long ones
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    checked = 0
+    for t in resumed:
+        assert len(t.response_ids) == 3 + 2 + 48 and t.finish_reason == "length"
+        second = t.versions[5:]
+        assert len(set(second.tolist())) >= 2 and np.all(np.diff(second) >= 0)  # later tokens, later weights
+        # Every model token's behaviour log-prob equals a recompute under its own version's weights.
+        for v in sorted(set(t.versions[t.loss_mask == 1].tolist())):
+            model.load_state_dict(snapshots[v], strict=False)
+            at = (t.versions == v) & (t.loss_mask == 1)
+            np.testing.assert_allclose(t.logprobs[at], recompute(model, t)[at], atol=1e-4, rtol=0)
+            checked += int(at.sum())
+    assert checked == sum(int(t.loss_mask.sum()) for t in resumed)
