@@ -238,3 +238,22 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
             np.testing.assert_allclose(t.logprobs[at], recompute(model, t)[at], atol=1e-4, rtol=0)
             checked += int(at.sum())
     assert checked == sum(int(t.loss_mask.sum()) for t in resumed)
+
+
+async def test_step_metrics_read_the_versions_of_model_tokens_only():
+    from asyncrl.metrics.report import MeteredSource
+    from asyncrl.types import Group, Trajectory
+
+    a = np.asarray
+    t = Trajectory(sample_id="sample_0_0", index=0, prompt_ids=a([1]), response_ids=a([5, 6, 7, 8]),
+                   logprobs=np.zeros(4, np.float32), versions=a([2, -1, -1, 3]), finish_reason="stop",
+                   loss_mask=a([1, 0, 0, 1], np.uint8), turns=2)
+
+    class Source:
+        async def recv(self, timeout=None):
+            return Group(sample_id="sample_0_0", trajectories=[t], expected=1)
+
+    src = MeteredSource(Source())
+    await src.recv()
+    (sample,) = src.take(["sample_0_0"]).samples
+    assert (sample.oldest, sample.span) == (2, 1)  # the observations' -1 is no version
