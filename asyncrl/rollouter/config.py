@@ -58,7 +58,8 @@ class RolloutConfig:
     n: int = 8
     """Responses per prompt (the group size)."""
     max_tokens: int = 8
-    """Response budget per request (a prompt may carry its own, `Prompt.max_tokens`)."""
+    """Response budget per request (a prompt may carry its own, `Prompt.max_tokens`); an agent loop's
+    turns have their own (``agent.max_tokens_per_turn``, or what the loop asks)."""
     temperature: float = 1.0
     """Sampling temperature (behaviour logprobs are taken after it)."""
     top_p: float = 1.0

@@ -58,3 +58,8 @@ def test_the_launcher_prints_the_mistake_in_one_line(chat_model, capsys):
     err = capsys.readouterr().err
     assert err == (f"asyncrl: error: rollout.agent.env='{ENVS}:NoStep': class NoStep has no step method; an Env "
                    "needs async def reset(...) and async def step(...)\n")
+
+
+def test_per_prompt_budgets_of_the_long_tail_task_are_refused_with_an_agent_loop():
+    with pytest.raises(ConfigError, match="data.long_tail sets single-turn response budgets; it does not apply"):
+        load_config([], [f"rollout.agent.env={ENVS}:LookupEnv", "data.long_tail=4"])

@@ -257,3 +257,19 @@ async def test_step_metrics_read_the_versions_of_model_tokens_only():
     await src.recv()
     (sample,) = src.take(["sample_0_0"]).samples
     assert (sample.oldest, sample.span) == (2, 1)  # the observations' -1 is no version
+
+
+async def test_an_engine_error_in_a_turn_fails_the_group_as_the_engines_not_the_loops(tok):
+    class BrokenEngine:
+        async def generate(self, request):
+            raise RuntimeError("engine out of memory")
+
+    agent = env_agent(tok, "LookupEnv")
+    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100), [BrokenEngine()], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=1), 60)
+    finally:
+        agent.close()
+    (g,) = r.producer.groups
+    assert g.status == "failed" and g.error == "0: RuntimeError: engine out of memory; 1: RuntimeError: engine out of memory"
