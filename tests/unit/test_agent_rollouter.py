@@ -273,3 +273,38 @@ async def test_an_engine_error_in_a_turn_fails_the_group_as_the_engines_not_the_
         agent.close()
     (g,) = r.producer.groups
     assert g.status == "failed" and g.error == "0: RuntimeError: engine out of memory; 1: RuntimeError: engine out of memory"
+
+
+async def test_a_conversation_in_flight_at_a_checkpoint_is_generated_again_from_its_start(model_path, tok):
+    from asyncrl.rollouter.rollouter import RolloutState
+    from asyncrl.types import CommittedSet
+
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    gated, plain = env_agent(tok, "GatedLookupEnv"), env_agent(tok, "LookupEnv")
+    agent_envs.GatedLookupEnv.called, agent_envs.GatedLookupEnv.go = asyncio.Event(), asyncio.Event()
+    cfg = RolloutConfig(n=1, max_tokens=8, groups_per_sync=100, seed=5)
+    try:
+        first = Rollouter(cfg, [engine], MemorySink(), prompts(tok, QUESTION), lambda p, ids: 0.0, agent=gated)
+        task = asyncio.create_task(first.run(num_groups=1))
+        await asyncio.wait_for(agent_envs.GatedLookupEnv.called.wait(), 60)  # in a tool call, after turn 0
+        saved = first.snapshot()  # the checkpoint
+        await first.stop()
+        await asyncio.wait_for(task, 30)
+        assert saved["in_flight"] == ["sample_0_0"] and saved["partials"] == {} and first.producer.groups == []
+        before = list(engine.requests)
+        state = RolloutState.resume(saved, CommittedSet(), 0, rows=1)
+        again = Rollouter(cfg, [engine], MemorySink(), prompts(tok, QUESTION), lambda p, ids: 0.0, state=state,
+                          agent=plain)
+        await asyncio.wait_for(again.run(num_groups=1), 120)
+    finally:
+        await engine.close()
+        gated.close()
+        plain.close()
+    (g,) = again.producer.groups
+    assert g.sample_id == "sample_0_0" and g.complete and g.trajectories[0].turns >= 2
+    # From its start: the same first request (same ids, same seed) as before the checkpoint, then the rest.
+    (t0,) = [q for q in before if q.request_id == "sample_0_0/0/t0"]
+    redone = [q for q in engine.requests[len(before):]]
+    assert redone[0].request_id == "sample_0_0/0/t0" and np.array_equal(redone[0].prompt_ids, t0.prompt_ids)
+    assert redone[0].sampling.seed == t0.sampling.seed and len(redone) == g.trajectories[0].turns
+    assert engine.ended == ["sample_0_0/0", "sample_0_0/0"]  # the stopped conversation's session ended too
