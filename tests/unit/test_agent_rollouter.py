@@ -308,3 +308,32 @@ async def test_a_conversation_in_flight_at_a_checkpoint_is_generated_again_from_
     assert redone[0].request_id == "sample_0_0/0/t0" and np.array_equal(redone[0].prompt_ids, t0.prompt_ids)
     assert redone[0].sampling.seed == t0.sampling.seed and len(redone) == g.trajectories[0].turns
     assert engine.ended == ["sample_0_0/0", "sample_0_0/0"]  # the stopped conversation's session ended too
+
+
+async def test_the_skip_manager_dumps_and_replays_whole_conversations(model_path, tok, tmp_path):
+    from asyncrl.skip import SkipConfig, SkipManager, SkipRoleConfig, is_replayed
+
+    async def once() -> tuple[list, int]:
+        SkipManager.init(SkipConfig(experiment="agent", async_rollout=SkipRoleConfig(
+            enable=True, dump_dir=str(tmp_path), steps=[0, 1])), shape={"model": str(model_path), "agent": "LookupEnv"})
+        engine = SpyEngine(kind="torch", model_path=str(model_path))
+        agent = env_agent(tok, "LookupEnv")
+        r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100, seed=1), [engine], MemorySink(),
+                      prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+        try:
+            await asyncio.wait_for(r.run(num_groups=2), 120)
+        finally:
+            await engine.close()
+            agent.close()
+        return sorted(r.producer.groups, key=lambda g: g.sample_id), len(engine.requests)
+
+    try:
+        first, requests = await once()
+        again, replayed_requests = await once()
+    finally:
+        SkipManager.init(SkipConfig())
+    assert requests >= 2 * 2 * 2 and replayed_requests == 0 and all(map(is_replayed, again))
+    for g, h in zip(first, again):
+        for t, u in zip(g.trajectories, h.trajectories):
+            assert u.turns == t.turns >= 2 and np.array_equal(u.loss_mask, t.loss_mask)
+            assert np.array_equal(u.response_ids, t.response_ids) and np.array_equal(u.versions, t.versions)
