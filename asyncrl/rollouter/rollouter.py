@@ -41,6 +41,9 @@ to, deadlines, dead replicas: ``request_timeout_s`` counts no weight-sync pause)
   still sent, with ``status="failed"`` and the error: the Trainer fails closed on it (or drops
   and counts it). An engine whose actor died gets no further requests: the call's unfinished
   requests go again together, same seeds, to a live engine; only when none is left do they fail.
+- Agent loops (`asyncrl.rollouter.agents`, ``rollout.agent``): each response is one run of the
+  loop, every turn a request of the group's call; truncated turns resume like responses
+  (`asyncrl.rollouter.resumable`) but are never checkpointed (a resume regenerates the conversation).
 - `generate_group` only generates; the send is separate, so the ``async_rollout`` skip role
   (`asyncrl.skip`) can answer a sample from a dump and the group is still sent as usual.
   The process that runs the Rollouter calls `SkipManager.init` (the registry is per process).
@@ -184,7 +187,7 @@ class Rollouter:
             return
         # A new round counts at least one group, so what resumes in it makes progress before
         # the next truncation (surplus groups from a race at the last round's end go first).
-        need = max(lacking, 1) * self.cfg.n
+        need = max(lacking, 1) * self._group_size
         await call(self.aggregator, "start_round", self.version, max(need, self.partial.threshold or 0))
         self._round_closed, self._round_opened = False, True
 
@@ -304,11 +307,10 @@ class Rollouter:
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
         trajectories = [o[0] for o in outcomes if isinstance(o, tuple)]
         meta = {"prompt": prompt.text, **prompt.meta}
-        expected = self.cfg.n * (self.agent.sessions if self.agent is not None else 1)
         if errors:
-            return Group(sample_id=sample_id, trajectories=trajectories, expected=expected, status="failed",
+            return Group(sample_id=sample_id, trajectories=trajectories, expected=self._group_size, status="failed",
                          error="; ".join(errors), meta=meta)
-        group = Group(sample_id=sample_id, trajectories=trajectories, expected=expected, meta=meta)
+        group = Group(sample_id=sample_id, trajectories=trajectories, expected=self._group_size, meta=meta)
         if self._lockstep and group.complete:
             per_replica: dict[int, int] = {}
             for _, replica, _ in outcomes:
@@ -330,6 +332,11 @@ class Rollouter:
             sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                     seed=self._seed(index, k) + 7919 * parts.age),
         )
+
+    @property
+    def _group_size(self) -> int:
+        """Trajectories in a group: ``n``, times the sessions of each run of a multi-output agent loop."""
+        return self.cfg.n * (self.agent.sessions if self.agent is not None else 1)
 
     def _seed(self, index: int, k: int) -> int:
         return self.cfg.seed + 1000 * index + k
