@@ -634,6 +634,9 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
                           "(groups are acked only when their checkpoint is written; the stream would stall)")
     if r.max_concurrent < 1:
         raise ConfigError(f"rollout.max_concurrent must be >= 1, got {r.max_concurrent}")
+    if r.agent.enabled and cfg.data.long_tail > 1:
+        raise ConfigError("data.long_tail sets single-turn response budgets; it does not apply to an agent loop "
+                          "(rollout.agent.env/loop)")
     if was_given("stream.endpoint") and cfg.stream.endpoint != StreamConfig().endpoint:
         raise ConfigError("stream.endpoint is chosen by the launcher (the Trainer's node and a port bound there); "
                           "remove it")

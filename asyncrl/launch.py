@@ -212,7 +212,8 @@ def _usage_error(e: Exception) -> int:
 
 
 def preflight(cfg) -> None:
-    """What can be checked without Ray: the model directory, every dataset row, the reward."""
+    """What can be checked without Ray: the model directory, every dataset row, the reward, the
+    agent loop (``rollout.agent``: it imports, has its methods, builds; a `ToolEnv`'s chat template)."""
     from asyncrl import data
 
     if cfg.model.path is not None:
@@ -220,6 +221,15 @@ def preflight(cfg) -> None:
     sets = {name: data.read_rows(path) for name, path in (("train", cfg.data.train), ("val", cfg.data.val)) if path}
     if cfg.data.reward is not None:
         data.load_reward(cfg.data.reward)
+    if cfg.rollout.agent.enabled:
+        from asyncrl.agent import AgentSpecError
+        from asyncrl.config import ConfigError
+        from asyncrl.rollouter.agents import check_agent
+
+        try:
+            check_agent(cfg.rollout.agent, cfg.model.path or str(_default_model()))
+        except AgentSpecError as e:
+            raise ConfigError(str(e)) from None
     chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
     if chat and cfg.model.path is None:
         name = next(iter(chat))
@@ -231,6 +241,12 @@ def preflight(cfg) -> None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         for name, rows in chat.items():
             data.check_renderable(tokenizer, rows, getattr(cfg.data, name))
+
+
+def _default_model():
+    from asyncrl.models import default_model_path
+
+    return default_model_path()
 
 
 def dry_run(plan) -> str:

@@ -2,8 +2,8 @@
 
 Each turn is one engine request (``{request_id}/t{k}``) with the given sampling settings; a
 seeded sampling gets a different seed per turn, so turns are reproducible without repeating
-each other. The Rollouter's own adapter (a Ray handle, the trajectory's replica, KV kept
-between turns) comes with its integration of agent loops.
+each other. In a run the Rollouter uses its own adapter instead (`asyncrl.rollouter.agents.RolloutLLM`:
+the group's replica, a session per conversation, truncated turns resumed).
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ engine's ``abort`` / ``truncated`` passed through. ``step`` is called for every 
 the last included, so the env's reward covers it. An observation that does not fit is not
 appended: a trajectory never ends on tokens nobody reads.
 
-Left out until the Rollouter runs agent loops (issue 35): resuming a truncated turn, KV reuse
-between turns, sessions numbered per group.
+In a run, the Rollouter builds this loop from ``rollout.agent.*`` and gives it an `LLM` whose
+turns are requests of the group (`asyncrl.rollouter.agents`): a truncated turn resumes there,
+so ``truncated`` never reaches this loop from the Rollouter.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A tiny tool-capable chat tokenizer, built from code (nothing downloaded): for tests and demos.
+"""A tiny tool-capable chat tokenizer (and a tiny model over it), built from code (nothing
+downloaded): for tests and demos. ``python -m asyncrl.agent.tiny_chat OUT_DIR`` saves the model.
 
 Character-level over printable ASCII and newline, plus ChatML's markers and the Hermes/Qwen tool
 tags as single tokens, with a Qwen-style ChatML chat template that has a tools section and the
@@ -54,3 +55,33 @@ def build_chat_tokenizer():
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=PAD)
     tok.chat_template = CHATML_TOOLS_TEMPLATE
     return tok
+
+
+def build_chat_model(path, seed: int = 0):
+    """A tiny Qwen2 with random weights over `build_chat_tokenizer`, saved to ``path`` (model and
+    tokenizer, standard Hugging Face files): a model a `ToolEnv` run accepts, for demos and tests."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from asyncrl.models.tiny import TINY_CONFIG
+
+    tok = build_chat_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      **{**TINY_CONFIG, "max_position_embeddings": 1024})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m asyncrl.agent.tiny_chat OUT_DIR  (saves a tiny random chat model with tool support)")
+    print(build_chat_model(sys.argv[1]))

@@ -107,6 +107,13 @@ class ToolEnv(Env):
                                                             max_concurrent=max_concurrent))
         self.system = system
 
+    def share_runner(self, runner: ToolRunner) -> None:
+        """Run calls on ``runner`` (shared by every episode of a process, so its timeout and bound
+        hold for all of them) instead of a private one; a runner given at construction is kept."""
+        if self._own_runner:
+            self.runner.close()
+            self.runner, self._own_runner = runner, False
+
     async def reset(self, prompt: Any) -> list[Message]:
         """``[system?, user]``: the prompt's text (a str, or an object with ``.text``) as the user turn."""
         if isinstance(prompt, list):

@@ -154,11 +154,11 @@ class MeteredSource:
             group = await self._source.recv(timeout=timeout)
         finally:
             self._wait_s += time.perf_counter() - t0
+        # Model tokens' versions only: an agent loop's observation tokens carry -1 (no policy wrote them).
         self._seen[group.sample_id] = [
             _Sample(length=len(t.response_ids), truncated=t.finish_reason == "length", age=int(t.age),
-                    oldest=int(t.versions.min()) if len(t.versions) else -1,
-                    span=int(t.versions.max() - t.versions.min()) if len(t.versions) else 0)
-            for t in group.trajectories
+                    oldest=int(v.min()) if len(v) else -1, span=int(v.max() - v.min()) if len(v) else 0)
+            for t in group.trajectories for v in (t.model_versions,)
         ]
         return group
 

@@ -1,8 +1,54 @@
-"""`RolloutConfig`: the Rollouter's settings (the ``rollout`` section of the run's config)."""
+"""`RolloutConfig`: the Rollouter's settings (the ``rollout`` section of the run's config), and
+`AgentConfig` (``rollout.agent``: the agent loop each response runs, if any)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """``rollout.agent``: run each response as an agent loop (`asyncrl.rollouter.agents`).
+
+    Neither ``env`` nor ``loop`` set (the default): plain single-turn generation."""
+
+    env: str | None = None
+    """``module:Class`` of an `asyncrl.agent.Env` (built with no arguments, one per episode);
+    asyncrl's `EnvLoop` drives it with the model's chat template."""
+    loop: str | None = None
+    """``module:Class`` of an `asyncrl.agent.AgentLoop` (built with no arguments, once per process):
+    full control over each episode. Set ``env`` or ``loop``, not both."""
+    max_turns: int = 8
+    """Most model turns per episode (``env``); an env not done by then ends with ``max_turns``."""
+    max_tokens_per_turn: int = 512
+    """Token budget of one model turn (``env``)."""
+    max_context_tokens: int = 4096
+    """Prompt + every turn and observation (``env``); what would not fit ends with ``context``."""
+    tool_timeout_s: float = 30.0
+    """Deadline of one tool call of a `ToolEnv`; past it the call's observation is an error."""
+    tool_concurrency: int = 8
+    """Most tool calls running at once in the Rollouter process (the sync tools' thread pool)."""
+    sessions: int = 1
+    """Trajectories every run of the loop returns (a multi-output `AgentLoop`): a group holds
+    ``n * sessions``; a run that returns another count fails its group (`SessionCountError`)."""
+
+    def __post_init__(self) -> None:
+        if self.env is not None and self.loop is not None:
+            raise ValueError(f"AgentConfig.env ({self.env!r}) is set and so is rollout.agent.loop ({self.loop!r}): "
+                             "set one of them (an Env is driven by asyncrl's EnvLoop; a loop is your own)")
+        for name in ("max_turns", "max_tokens_per_turn", "max_context_tokens", "tool_concurrency", "sessions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AgentConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"AgentConfig.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+        if self.sessions != 1 and self.loop is None:
+            raise ValueError(f"AgentConfig.sessions={self.sessions}: only an AgentLoop (rollout.agent.loop) "
+                             "returns several trajectories per run")
+
+    @property
+    def enabled(self) -> bool:
+        """An agent loop runs each response (else plain single-turn generation)."""
+        return self.env is not None or self.loop is not None
 
 
 @dataclass(kw_only=True)
@@ -12,7 +58,8 @@ class RolloutConfig:
     n: int = 8
     """Responses per prompt (the group size)."""
     max_tokens: int = 8
-    """Response budget per request (a prompt may carry its own, `Prompt.max_tokens`)."""
+    """Response budget per request (a prompt may carry its own, `Prompt.max_tokens`); an agent loop's
+    turns have their own (``agent.max_tokens_per_turn``, or what the loop asks)."""
     temperature: float = 1.0
     """Sampling temperature (behaviour logprobs are taken after it)."""
     top_p: float = 1.0
@@ -37,6 +84,8 @@ class RolloutConfig:
     then; the cheapest for the Rollouter: a streaming call costs it ~3x a plain one, docs/scale.md)."""
     seed: int = 0
     """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The agent loop each response runs (``rollout.agent.env`` / ``rollout.agent.loop``); none by default."""
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "groups_per_sync", "max_concurrent", "reward_workers"):

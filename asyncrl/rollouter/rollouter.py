@@ -41,6 +41,9 @@ to, deadlines, dead replicas: ``request_timeout_s`` counts no weight-sync pause)
   still sent, with ``status="failed"`` and the error: the Trainer fails closed on it (or drops
   and counts it). An engine whose actor died gets no further requests: the call's unfinished
   requests go again together, same seeds, to a live engine; only when none is left do they fail.
+- Agent loops (`asyncrl.rollouter.agents`, ``rollout.agent``): each response is one run of the
+  loop, every turn a request of the group's call; truncated turns resume like responses
+  (`asyncrl.rollouter.resumable`) but are never checkpointed (a resume regenerates the conversation).
 - `generate_group` only generates; the send is separate, so the ``async_rollout`` skip role
   (`asyncrl.skip`) can answer a sample from a dump and the group is still sent as usual.
   The process that runs the Rollouter calls `SkipManager.init` (the registry is per process).
@@ -59,10 +62,12 @@ import numpy as np
 
 from asyncrl.calls import call
 from asyncrl.rollouter.config import RolloutConfig
+from asyncrl.rollouter.agents import Agent, run_agent_response
 from asyncrl.rollouter.feed import Feed, Prompt, RolloutState, encode_prompts
 from asyncrl.rollouter.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
+from asyncrl.rollouter.resumable import generate_resumable
 from asyncrl.rollouter.rewards import Rewards
 from asyncrl.skip import SkipManager, is_replayed
 from asyncrl.types import GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
@@ -106,7 +111,9 @@ class Rollouter:
 
     def __init__(self, cfg: RolloutConfig, engines: Sequence[Any], producer: Any, prompts: Sequence[Prompt],
                  reward_fn: Callable[[Prompt, np.ndarray], float | Awaitable[float]], *, state: RolloutState | None = None,
-                 partial: PartialRolloutConfig | None = None, aggregator: Any = None):
+                 partial: PartialRolloutConfig | None = None, aggregator: Any = None, agent: Agent | None = None):
+        self.agent = agent
+        """The agent loop each response runs (`asyncrl.rollouter.agents.build_agent`); None: one plain request."""
         self.pool = EnginePool(engines, cfg.request_timeout_s, cfg.result_batch_s)
         self.state = state or RolloutState()
         self.feed = Feed(prompts, self.state)
@@ -180,7 +187,7 @@ class Rollouter:
             return
         # A new round counts at least one group, so what resumes in it makes progress before
         # the next truncation (surplus groups from a race at the last round's end go first).
-        need = max(lacking, 1) * self.cfg.n
+        need = max(lacking, 1) * self._group_size
         await call(self.aggregator, "start_round", self.version, max(need, self.partial.threshold or 0))
         self._round_closed, self._round_opened = False, True
 
@@ -289,6 +296,8 @@ class Rollouter:
             )
         finally:
             await calls.close()
+        if self.agent is not None:  # a run of the loop: one entry per session
+            outcomes = [x for o in outcomes for x in (o if isinstance(o, list) else [o])]
         for k, o in enumerate(outcomes):  # the rewards, started as each response ended; most are done by now
             if isinstance(o, tuple):
                 try:
@@ -299,9 +308,9 @@ class Rollouter:
         trajectories = [o[0] for o in outcomes if isinstance(o, tuple)]
         meta = {"prompt": prompt.text, **prompt.meta}
         if errors:
-            return Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, status="failed",
+            return Group(sample_id=sample_id, trajectories=trajectories, expected=self._group_size, status="failed",
                          error="; ".join(errors), meta=meta)
-        group = Group(sample_id=sample_id, trajectories=trajectories, expected=self.cfg.n, meta=meta)
+        group = Group(sample_id=sample_id, trajectories=trajectories, expected=self._group_size, meta=meta)
         if self._lockstep and group.complete:
             per_replica: dict[int, int] = {}
             for _, replica, _ in outcomes:
@@ -321,54 +330,31 @@ class Rollouter:
             prompt_ids=np.concatenate([prompt.prompt_ids, ids]) if len(ids) else prompt.prompt_ids,
             max_tokens=budget - len(ids),
             sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    seed=cfg.seed + 1000 * index + k + 7919 * parts.age),
+                                    seed=self._seed(index, k) + 7919 * parts.age),
         )
 
+    @property
+    def _group_size(self) -> int:
+        """Trajectories in a group: ``n``, times the sessions of each run of a multi-output agent loop."""
+        return self.cfg.n * (self.agent.sessions if self.agent is not None else 1)
+
+    def _seed(self, index: int, k: int) -> int:
+        return self.cfg.seed + 1000 * index + k
+
     async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt,
-                            calls: GroupCalls) -> tuple[Trajectory, int, Any]:
+                            calls: GroupCalls) -> tuple[Trajectory, int, Any] | list[tuple[Trajectory, int, Any]]:
         """One response, resumed across truncations; returns it with the replica that finished it
-        and its reward under way (`Rewards.start`)."""
+        and its reward under way (`Rewards.start`). With an agent loop, the loop's run instead
+        (`asyncrl.rollouter.agents`): a list, one entry per session."""
+        if self.agent is not None:
+            return await run_agent_response(self, self.agent, sample_id, k, prompt, calls, self._seed(index, k))
         budget = prompt.max_tokens or self.cfg.max_tokens
         parts = self._truncated.get(sample_id, {}).get(k)
         resuming = parts is not None  # only a resume puts parts there before this call
         parts = parts or PartialResponse()
-        owed = False  # released by the partial buffer (counted undispatched there) and not yet dispatched
-        while True:
-            truncatable = self.aggregator is not None and parts.age < self.partial.max_age
-            if truncatable and self._round_closed:
-                # The round ended before this went out (its engines idle until the sync): wait for the next.
-                if owed:
-                    self.partials.dispatched()
-                await self.partials.wait(parts.age, self.version)
-                owed = True
-                continue
-            request = self._request(sample_id, index, k, prompt, parts, budget)
-            if owed:
-                self.partials.dispatched()
-                owed = False
-            if resuming:
-                self.stats.resumed += 1
-                resuming = False
-            dispatched_in = self.version
-            result, replica = await calls.generate(request, truncatable)
-            parts.add(result)
-            if result.finish_reason != "truncated" or parts.n_tokens >= budget:
-                break
-            if len(result.response_ids):  # stopped with tokens: one more truncation survived
-                parts.age += 1
-                self.stats.truncated += 1
-                self._truncated.setdefault(sample_id, {})[k] = parts
-                resuming = True
-            # (Stopped before its first token, by the synchronous workflow's round end: it waits
-            # for the next round as it was.) The round it was stopped in: never later than its
-            # last token's version or the round it was sent in (a later guess could wait for a
-            # sync that needs this group).
-            stopped_in = int(result.versions[-1]) if len(result.versions) else dispatched_in
-            if stopped_in >= self.version:
-                await self.partials.wait(parts.age, stopped_in)
-            else:
-                self.partials.undispatched += 1  # its next round has begun already: go now
-            owed = True
+        result, replica = await generate_resumable(
+            self, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), parts, budget,
+            resuming=resuming, keep=(sample_id, k))
         self._truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
         response_ids, logprobs, versions = parts.joined()
         finish = result.finish_reason if result.finish_reason != "truncated" else "length"

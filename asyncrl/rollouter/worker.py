@@ -117,12 +117,16 @@ class RolloutWorker:
         self.prompts = load_prompts(tokenizer, data_spec)
         self.val_prompts = load_prompts(tokenizer, data_spec, data_spec.val) if data_spec.val else []
         self.reward_fn = make_reward_fn(tokenizer, data_spec)
+        from asyncrl.rollouter.agents import build_agent
+
+        self.agent = build_agent(cfg.agent, tokenizer)  # None: plain single-turn generation
         # The skip registry is per process: the Rollouter's generate_group calls consult this one.
         SkipManager.init(skip, shape=rollout_shape(
             cfg, model=model_fingerprint(model_path),
             data=prompts_fingerprint((p.prompt_ids for p in self.prompts),
                                      data_spec.train or f"builtin:arithmetic:seed={data_spec.seed}"),
-            reward=data_spec.reward or "builtin"))
+            reward=data_spec.reward or "builtin",
+            **({"agent": cfg.agent.env or cfg.agent.loop} if cfg.agent.enabled else {})))
         if resume is None:
             self.state = RolloutState()
         else:
@@ -165,7 +169,7 @@ class RolloutWorker:
                 emitter, RolloutReporter(self.engines, self.cfg.n), lambda: (self.rollouter, producer),
                 self.metrics_interval_s))
         self.rollouter = Rollouter(self.cfg, list(self.engines), producer, self.prompts, self.reward_fn, state=self.state,
-                                   partial=self.partial, aggregator=self.aggregator)
+                                   partial=self.partial, aggregator=self.aggregator, agent=self.agent)
         settle_gc()  # the process is set up: freeze its heap out of the collections of the run
         await self.rollouter.on_sync(self.version)  # a sync may have landed before run() started
         await self.rollouter.on_dropped(self.dropped)
@@ -179,6 +183,8 @@ class RolloutWorker:
                 await asyncio.gather(report, return_exceptions=True)
                 emitter.close()
             await producer.close()
+            if self.agent is not None:
+                self.agent.close()
         return self.progress()
 
     async def on_pause(self) -> None:

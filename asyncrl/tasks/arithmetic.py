@@ -112,9 +112,11 @@ def reward(prompt_text: str, response_text: str) -> float:
 
 
 def encode_prompt(tokenizer, prompt_text: str) -> np.ndarray:
-    """Token ids of BOS + prompt, int64 (the tiny tokenizer adds no special tokens by itself)."""
+    """Token ids of BOS (when the tokenizer has one) + prompt, int64 (the tiny tokenizer adds no
+    special tokens by itself)."""
     ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    return np.asarray([tokenizer.bos_token_id, *ids], dtype=np.int64)
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    return np.asarray([*bos, *ids], dtype=np.int64)
 
 
 def decode_response(tokenizer, response_ids) -> str:

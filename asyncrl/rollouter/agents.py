@@ -1,0 +1,233 @@
+"""Agent loops in the Rollouter: each response of a group is one run of the configured loop.
+
+``rollout.agent.env=module:Class`` runs asyncrl's `EnvLoop` over that `Env` (one instance per
+episode, rendered with the model's chat template); ``rollout.agent.loop=module:Class`` runs a
+user's `AgentLoop` (one instance per process). `build_agent` makes either from the config in the
+Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands each response to
+`run_agent_response` when one is configured.
+
+- Every turn is one engine request through the group's `GroupCalls`: the group's replica, request
+  id ``{sample_id}/{k}/t{turn}`` (``/{age}`` after a truncation), a seed derived from the
+  response's own (`turn_seed`), and ``session_id={sample_id}/{k}`` (``/s{j}`` for the j-th
+  conversation a loop opens after the first), so an engine may keep the conversation's KV between
+  turns; each session is ended on the engines (`end_session`) when the run ends, however it ends.
+- Partial rollout truncates a turn like a response (`asyncrl.rollouter.resumable`): the turn waits
+  for the next round and resumes from its prompt + partial turn; its later tokens carry the new
+  version. A weight sync between turns (during a tool call) simply means the next turn is
+  generated on the new weights. Truncated turns are not saved in the checkpoint: a conversation in
+  flight at a crash is generated again from its start (exactly once per prompt; tools with side
+  effects may run twice).
+- Reward: the env's (the last `Step.reward`), else the task's reward function on the ids of the
+  episode's last model turn (the last run of ``loss_mask`` 1; nothing when there is none).
+- Sessions: every run of the loop must return ``rollout.agent.sessions`` trajectories (default 1);
+  response ``k``'s session ``s`` is trajectory ``k * sessions + s`` of a group of ``n * sessions``.
+  Another count fails the group (`SessionCountError`), as does a loop or env that raises
+  (`AgentLoopError`, naming it and the error); an engine's error passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asyncrl.calls import call
+from asyncrl.rollouter.config import AgentConfig
+from asyncrl.rollouter.partial import PartialResponse
+from asyncrl.rollouter.pool import GroupCalls
+from asyncrl.rollouter.resumable import generate_resumable
+from asyncrl.turns import to_trajectory
+from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
+
+if TYPE_CHECKING:
+    from asyncrl.agent import AgentLoop, Turn
+    from asyncrl.rollouter.feed import Prompt
+    from asyncrl.rollouter.rollouter import Rollouter
+
+log = logging.getLogger("asyncrl.rollouter")
+
+
+class AgentLoopError(RuntimeError):
+    """The agent loop (or its env) raised while running one response: its group fails."""
+
+
+class SessionCountError(RuntimeError):
+    """A run of the agent loop returned another number of trajectories than ``rollout.agent.sessions``."""
+
+
+@dataclass
+class Agent:
+    """The configured loop of one Rollouter process."""
+
+    loop: AgentLoop
+    name: str
+    """What the config named (``rollout.agent.env=...`` / ``rollout.agent.loop=...``), for errors."""
+    sessions: int = 1
+    runner: Any = None
+    """The `ToolRunner` every `ToolEnv` episode shares (None: no env); `close` stops it."""
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
+    """The loop ``cfg`` names (None: plain generation). Raises `AgentSpecError` for bad paths."""
+    from asyncrl.agent import (EnvLoop, EnvLoopConfig, ToolEnv, ToolRunner, ToolRunnerConfig, load_agent_loop_class,
+                               load_env_class)
+
+    if cfg.loop is not None:
+        return Agent(load_agent_loop_class(cfg.loop)(), f"rollout.agent.loop={cfg.loop}", cfg.sessions)
+    if cfg.env is None:
+        return None
+    env_class = load_env_class(cfg.env)
+    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=cfg.tool_timeout_s, max_concurrent=cfg.tool_concurrency))
+
+    def make_env():
+        env = env_class()
+        if isinstance(env, ToolEnv):
+            env.share_runner(runner)  # one bound and one thread pool for every episode of the process
+        return env
+
+    loop = EnvLoop(make_env, tokenizer, EnvLoopConfig(max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
+                                                      max_context_tokens=cfg.max_context_tokens))
+    return Agent(loop, f"rollout.agent.env={cfg.env}", 1, runner)
+
+
+def turn_seed(response_seed: int, turn: int, age: int) -> int:
+    """Turn ``turn`` of a response (after ``age`` truncations): distinct, reproducible seeds."""
+    return response_seed + 7919 * age + 104729 * turn
+
+
+class RolloutLLM:
+    """The `LLM` one response's loop talks to: each turn a request through the group's calls.
+
+    A loop that runs several conversations for one prompt calls `session` for each after the
+    first; turns then go under that session's id.
+    """
+
+    def __init__(self, r: Rollouter, calls: GroupCalls, sample_id: str, k: int, seed: int):
+        self.r, self.calls, self.seed = r, calls, seed
+        self.base = f"{sample_id}/{k}"
+        self.session_id = self.base
+        self.sessions = [self.base]
+        self.turns = 0
+        self.age = 0
+        """Truncations its turns survived."""
+        self.replica = -1
+        """The replica of the last turn."""
+        self.engine_error: BaseException | None = None
+
+    def session(self) -> str:
+        """Start another conversation (a multi-output loop): later turns go under a new session id."""
+        self.session_id = f"{self.base}/s{len(self.sessions)}"
+        self.sessions.append(self.session_id)
+        return self.session_id
+
+    async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
+        from asyncrl.agent import Turn
+
+        cfg, turn = self.r.cfg, self.turns
+        self.turns += 1
+        prompt_ids = np.asarray(token_ids, dtype=np.int64)
+        session_id = self.session_id
+
+        def make_request(parts: PartialResponse) -> GenerateRequest:
+            ids, _, _ = parts.joined()
+            return GenerateRequest(
+                request_id=f"{self.base}/t{turn}" + (f"/{parts.age}" if parts.age else ""),
+                prompt_ids=np.concatenate([prompt_ids, ids]) if len(ids) else prompt_ids,
+                max_tokens=max_tokens - len(ids), session_id=session_id,
+                sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                        stop_token_ids=tuple(stop), seed=turn_seed(self.seed, turn, parts.age)))
+
+        parts = PartialResponse()
+        try:
+            result, self.replica = await generate_resumable(self.r, self.calls, make_request, parts, max_tokens)
+        except Exception as exc:
+            self.engine_error = exc  # the engine's error, not the loop's: it passes through unchanged
+            raise
+        self.age += parts.age
+        ids, logprobs, versions = parts.joined()
+        finish = result.finish_reason if result.finish_reason != "truncated" else "length"
+        return Turn(ids, logprobs, versions, finish)
+
+    async def end_sessions(self) -> None:
+        """Let the engine drop what it keeps for this response's conversations (a no-op where it keeps nothing)."""
+        if self.calls.replica is None:
+            return
+        engine = self.r.pool.engines[self.calls.replica]
+        for session_id in self.sessions:
+            try:
+                await asyncio.wait_for(call(engine, "end_session", session_id), 10.0)
+            except Exception as exc:  # noqa: BLE001 - the engine may be gone; its KV went with it
+                log.debug("end_session(%s) failed: %r", session_id, exc)
+
+
+async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int, prompt: Prompt, calls: GroupCalls,
+                             seed: int) -> list[tuple[Trajectory, int, Any]]:
+    """Response ``k`` as one run of the loop: its trajectories (``agent.sessions`` of them), each
+    with the replica of its last turn and its reward under way."""
+    llm = RolloutLLM(r, calls, sample_id, k, seed)
+    try:
+        out = await agent.loop.run(prompt, llm)
+    except Exception as exc:
+        if exc is llm.engine_error:
+            raise
+        raise AgentLoopError(f"{agent.name} raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        await llm.end_sessions()
+    episodes = out if isinstance(out, (list, tuple)) else [out]
+    if len(episodes) != agent.sessions:
+        raise SessionCountError(f"{sample_id}/{k}: {agent.name} returned {len(episodes)} trajectories, "
+                                f"rollout.agent.sessions={agent.sessions} (the group fails closed)")
+    return [(to_trajectory(ep, sample_id=sample_id, index=k * agent.sessions + s, reward=0.0, age=llm.age),
+             llm.replica, _reward(r, prompt, ep)) for s, ep in enumerate(episodes)]
+
+
+def _reward(r: Rollouter, prompt: Prompt, episode: Any) -> Any:
+    """The env's reward as a done future, else the task's reward of the last model turn, started."""
+    if episode.reward is not None:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(float(episode.reward))
+        return done
+    return r.rewards.start(prompt, last_turn(np.asarray(episode.response_ids), np.asarray(episode.loss_mask)))
+
+
+def last_turn(response_ids: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """The ids of the last run of ``loss_mask`` 1 (the last model turn); empty when there is none."""
+    model = np.flatnonzero(loss_mask)
+    if not len(model):
+        return response_ids[:0]
+    end = model[-1] + 1
+    observed = np.flatnonzero(loss_mask[:end] == 0)
+    start = observed[-1] + 1 if len(observed) else 0
+    return response_ids[start:end]
+
+
+def check_agent(cfg: AgentConfig, model_path: str) -> None:
+    """The launcher's preflight, before Ray starts: the path imports and is an `Env` (``reset``,
+    ``step``) or an `AgentLoop` (``run``); the class builds with no arguments (a `ToolEnv`'s tools
+    with type hints and descriptions); a `ToolEnv` gets a tokenizer whose chat template shows
+    tools. Raises `AgentSpecError`, one line each."""
+    from asyncrl.agent import AgentSpecError, ToolEnv, check_tool_template, load_agent_loop_class, load_env_class
+
+    field, path = ("rollout.agent.loop", cfg.loop) if cfg.loop is not None else ("rollout.agent.env", cfg.env)
+    if path is None:
+        return
+    cls = load_agent_loop_class(path) if cfg.loop is not None else load_env_class(path)
+    if isinstance(cls, type) and issubclass(cls, ToolEnv):
+        from transformers import AutoTokenizer
+
+        check_tool_template(AutoTokenizer.from_pretrained(model_path), field=f"{field}={path} with model {model_path}")
+    try:
+        built = cls()
+    except Exception as e:  # noqa: BLE001 - the user's constructor; reported in one line
+        raise AgentSpecError(f"{field}={path!r}: {cls.__name__}() fails ({type(e).__name__}: {e}); the Rollouter "
+                             "builds it with no arguments") from None
+    if hasattr(built, "close"):
+        asyncio.run(built.close())

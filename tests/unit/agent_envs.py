@@ -1,0 +1,106 @@
+"""Envs and loops the agent tests name by path (``rollout.agent.env=tests.unit.agent_envs:LookupEnv``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from asyncrl.agent import AgentLoop, Env, ToolEnv, tool
+
+
+@tool
+def lookup(key: str) -> str:
+    """Look up a key.
+
+    Args:
+        key: the key
+    """
+    return key.upper()
+
+
+class LookupEnv(ToolEnv):
+    """One @tool; the task's reward function scores the final answer."""
+
+    def __init__(self):
+        super().__init__([lookup])
+
+
+class GatedLookupEnv(ToolEnv):
+    """``lookup`` as an async tool that waits for the test's go (a weight sync lands meanwhile)."""
+
+    called: asyncio.Event | None = None
+    go: asyncio.Event | None = None
+
+    def __init__(self):
+        async def gated_lookup(key: str) -> str:
+            """Look up a key.
+
+            Args:
+                key: the key
+            """
+            type(self).called.set()
+            await type(self).go.wait()
+            return key.upper()
+
+        super().__init__([tool(gated_lookup, name="lookup")])
+
+
+class ExplodingEnv(Env):
+    async def reset(self, prompt):
+        return [{"role": "user", "content": prompt.text}]
+
+    async def step(self, text):
+        raise RuntimeError("env exploded")
+
+
+class TwoSessions(AgentLoop):
+    """A multi-output loop: two one-turn conversations per prompt; drops the second when the
+    prompt says so."""
+
+    async def run(self, prompt, llm):
+        from asyncrl.agent.loop import SingleTurnLoop
+
+        first = await SingleTurnLoop(max_tokens=4).run(prompt, llm)
+        if "drop" in prompt.text:
+            return [first]
+        llm.session()
+        return [first, await SingleTurnLoop(max_tokens=4).run(prompt, llm)]
+
+
+class NoStep:
+    async def reset(self, prompt):
+        return prompt.text
+
+
+def _no_hints(key):
+    """Look up a key.
+
+    Args:
+        key: the key
+    """
+    return key
+
+
+class UnhintedToolEnv(ToolEnv):
+    def __init__(self):
+        super().__init__([_no_hints])
+
+
+class LongSecondTurn(AgentLoop):
+    """Two turns around a fixed two-token observation; the second is long for prompts named "long"
+    (the partial-rollout test's long tail, inside a conversation)."""
+
+    async def run(self, prompt, llm):
+        import numpy as np
+
+        from asyncrl.agent import OBSERVATION_VERSION, AgentTrajectory
+
+        first = await llm.generate(prompt.prompt_ids, max_tokens=3)
+        obs = np.array([6, 7], dtype=np.int64)
+        ids = np.concatenate([prompt.prompt_ids, first.token_ids, obs])
+        second = await llm.generate(ids, max_tokens=48 if prompt.text == "long" else 3)
+        return AgentTrajectory(
+            prompt_ids=prompt.prompt_ids, response_ids=np.concatenate([first.token_ids, obs, second.token_ids]),
+            loss_mask=np.concatenate([np.ones(len(first.token_ids)), np.zeros(2), np.ones(len(second.token_ids))]),
+            logprobs=np.concatenate([first.logprobs, np.zeros(2), second.logprobs]),
+            versions=np.concatenate([first.versions, [OBSERVATION_VERSION] * 2, second.versions]),
+            finish_reason=second.finish_reason, turns=2, reward=1.0)

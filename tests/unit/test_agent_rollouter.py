@@ -1,0 +1,339 @@
+"""Agent loops through the Rollouter, in-process: a real tiny chat model (`test_agent_loop`'s, trained
+in seconds to hold a tool conversation) on the built-in engine behind an `EngineActor`, groups
+assembled as in a run. Each response is one run of the loop; every turn a request of the group's
+call with its own id, seed and session; the loss mask is 0 exactly on the observations; behaviour
+log-probs equal a recompute under the weights of each token's version; failures fail the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.agent import OBSERVATION_VERSION
+from asyncrl.queue.memory import MemorySink
+from asyncrl.rollouter.actor import EngineActor
+from asyncrl.rollouter.agents import build_agent, last_turn
+from asyncrl.rollouter.config import AgentConfig
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+from tests.unit import agent_envs, test_agent_loop
+from tests.unit.test_agent_loop import QUESTION, recompute, render, spans
+
+tok, model_path, ref = test_agent_loop.tok, test_agent_loop.model_path, test_agent_loop.ref  # its fixtures
+
+OBSERVATION = re.compile(r"\n<\|im_start\|>user\n<tool_response>\n.*\n</tool_response><\|im_end\|>\n"
+                         r"<\|im_start\|>assistant\n", re.S)
+
+
+class SpyEngine(EngineActor):
+    """The built-in engine's actor, in-process, noting each request and each ended session."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.requests, self.ended = [], []
+
+    async def generate_group(self, requests, truncatable=False, batch_s=0.0):
+        self.requests.extend(requests)
+        async for batch in super().generate_group(requests, truncatable, batch_s):
+            yield batch
+
+    async def end_session(self, session_id):
+        self.ended.append(session_id)
+        await super().end_session(session_id)
+
+
+def prompts(tok, *texts):
+    return [Prompt(text=t, prompt_ids=np.asarray(render(tok, [{"role": "user", "content": t}], True)))
+            for t in texts]
+
+
+def env_agent(tok, env: str, **kw):
+    return build_agent(AgentConfig(env=f"tests.unit.agent_envs:{env}", max_turns=4, max_tokens_per_turn=80,
+                                   max_context_tokens=1024, **kw), tok)
+
+
+def conversation(tok, t) -> list[dict]:
+    """The messages a trajectory holds, read back from its mask: 1-runs are the assistant's, 0-runs tool replies."""
+    messages = [{"role": "user", "content": QUESTION}]
+    for start, stop in sorted(spans(t.loss_mask, 1) + spans(t.loss_mask, 0)):
+        text = tok.decode(t.response_ids[start:stop])
+        if t.loss_mask[start]:
+            messages.append({"role": "assistant", "content": text.removesuffix("<|im_end|>")})
+        else:
+            assert OBSERVATION.fullmatch(text), text  # nothing but one tool reply and its markers
+            messages.append({"role": "tool", "content": text.split("<tool_response>\n")[1].split("\n</tool_response>")[0]})
+    return messages
+
+
+async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = env_agent(tok, "LookupEnv")
+    scored = []
+
+    def reward(prompt, ids):
+        scored.append(ids.tolist())
+        return float(tok.decode(ids) == "AB CD<|im_end|>")
+
+    r = Rollouter(RolloutConfig(n=3, max_tokens=8, groups_per_sync=100, max_concurrent=2), [engine], MemorySink(),
+                  prompts(tok, QUESTION), reward, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=2), 180)
+    finally:
+        await engine.close()
+        agent.close()
+    groups = r.producer.groups
+    assert len(groups) == 2 and all(g.complete and g.expected == 3 for g in groups), [g.missing() for g in groups]
+    trajectories = [t for g in groups for t in g.trajectories]
+    assert sum(t.turns for t in trajectories) > len(trajectories)  # tools were called: several turns each
+    for t in trajectories:
+        model = t.loss_mask == 1
+        assert len(spans(t.loss_mask, 1)) == t.turns and t.finish_reason in ("stop", "max_turns")
+        # The trajectory is exactly the template's rendering of its conversation, masked 0 exactly on
+        # the tool replies with their markers (conversation() checks each 0-run is one reply).
+        messages = conversation(tok, t)
+        full = render(tok, messages)
+        np.testing.assert_array_equal(np.concatenate([t.prompt_ids, t.response_ids]), full[:len(full) - 1])
+        np.testing.assert_allclose(t.logprobs[model], recompute(ref, t)[model], atol=1e-4, rtol=0)
+        assert (t.logprobs[~model] == 0).all() and (t.versions[~model] == OBSERVATION_VERSION).all()
+        assert (t.versions[model] == 0).all()
+        assert t.reward == float(messages[-1]["content"] == "AB CD")
+    # The task's reward read each episode's last model turn.
+    assert sorted(scored) == sorted(last_turn(t.response_ids, t.loss_mask).tolist() for t in trajectories)
+    # Each turn one request: its id, the response's session, a seed of its own; every session ended.
+    by_id = {q.request_id: q for q in engine.requests}
+    for t in trajectories:
+        own = [by_id[f"{t.sample_id}/{t.index}/t{j}"] for j in range(t.turns)]
+        assert {q.session_id for q in own} == {f"{t.sample_id}/{t.index}"}
+        assert len({q.sampling.seed for q in own}) == t.turns
+    assert len(engine.requests) == sum(t.turns for t in trajectories)
+    assert sorted(engine.ended) == sorted(f"{t.sample_id}/{t.index}" for t in trajectories)
+
+
+async def test_an_env_that_raises_fails_its_group_with_the_error_named_and_the_run_goes_on(model_path, tok):
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = env_agent(tok, "ExplodingEnv")
+    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=2), 120)
+    finally:
+        await engine.close()
+        agent.close()
+    assert len(r.producer.groups) == 2 and r.failed == 2
+    for g in r.producer.groups:
+        assert g.status == "failed" and not g.complete
+        assert ("AgentLoopError: rollout.agent.env=tests.unit.agent_envs:ExplodingEnv raised RuntimeError: "
+                "env exploded") in g.error
+    assert len(engine.ended) == 4  # the sessions of failed conversations are ended too
+
+
+async def test_a_multi_output_loop_counts_sessions_and_a_missing_one_fails_its_group_closed(model_path, tok):
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:TwoSessions", sessions=2), tok)
+    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION, "drop one"), lambda p, ids: 1.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=2), 120)
+    finally:
+        await engine.close()
+    ok, dropped = sorted(r.producer.groups, key=lambda g: g.sample_id)
+    assert ok.complete and ok.expected == 4 and sorted(t.index for t in ok.trajectories) == [0, 1, 2, 3]
+    assert {q.session_id for q in engine.requests if q.request_id.startswith(ok.sample_id + "/")} == {
+        f"{ok.sample_id}/{k}{s}" for k in range(2) for s in ("", "/s1")}
+    assert dropped.status == "failed" and not dropped.complete
+    assert (f"SessionCountError: {dropped.sample_id}/0: rollout.agent.loop=tests.unit.agent_envs:TwoSessions "
+            "returned 1 trajectories, rollout.agent.sessions=2") in dropped.error
+
+
+async def sync(engine: EngineActor, version: int) -> dict:
+    """An in-process weight sync (perturb, pause keeping requests, load, resume); the new weights."""
+    sd = engine.engine.model.state_dict()
+    gen = torch.Generator().manual_seed(version)
+    names = {n for n, _, _ in await engine.param_meta()}
+    await engine.pause("keep", clear_cache=True)
+    await engine.load_weights([(k, v + 0.01 * torch.randn(v.shape, generator=gen)) for k, v in sd.items() if k in names])
+    await engine.finish_weight_update(version)
+    await engine.resume()
+    return {k: v.clone() for k, v in engine.engine.model.state_dict().items()}
+
+
+async def test_a_weight_sync_during_a_tool_call_gives_the_next_turn_the_new_version(model_path, tok):
+    engine = EngineActor(kind="torch", model_path=str(model_path))
+    weights = {0: {k: v.clone() for k, v in engine.engine.model.state_dict().items()}}
+    agent = env_agent(tok, "GatedLookupEnv")
+    agent_envs.GatedLookupEnv.called, agent_envs.GatedLookupEnv.go = asyncio.Event(), asyncio.Event()
+    r = Rollouter(RolloutConfig(n=1, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        task = asyncio.create_task(r.run(num_groups=1))
+        await asyncio.wait_for(agent_envs.GatedLookupEnv.called.wait(), 60)  # the first turn ended in a tool call
+        await r.on_pause()
+        weights[1] = await sync(engine, 1)
+        await r.on_sync(1)
+        agent_envs.GatedLookupEnv.go.set()
+        await asyncio.wait_for(task, 120)
+    finally:
+        await engine.close()
+        agent.close()
+    (t,) = r.producer.groups[0].trajectories
+    turns = spans(t.loss_mask, 1)
+    assert len(turns) >= 2
+    assert [set(t.versions[a:b].tolist()) for a, b in turns] == [{0}] + [{1}] * (len(turns) - 1)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    for version, (a, b) in zip([0] + [1] * (len(turns) - 1), turns):
+        model.load_state_dict(weights[version], strict=False)
+        np.testing.assert_allclose(t.logprobs[a:b], recompute(model, t)[a:b], atol=1e-4, rtol=0)
+
+
+def test_agent_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="set one of them"):
+        AgentConfig(env="a:B", loop="c:D")
+    with pytest.raises(ValueError, match="sessions=2: only an AgentLoop"):
+        AgentConfig(env="a:B", sessions=2)
+
+
+async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_next_round(tmp_path):
+    from asyncrl.models.tiny import build_tiny_model
+    from asyncrl.rollouter.aggregator import AggregatorActor
+    from asyncrl.rollouter.partial import PartialRolloutConfig
+    from tests.unit.test_partial_rollout import run_with_syncs
+
+    path = build_tiny_model(tmp_path / "m")
+    engines = [EngineActor(kind="torch", model_path=path, eos_token_ids=(), seed=0) for _ in range(2)]
+    snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
+    # The synchronous workflow: a round keeps 4 prompts in flight and ends at the step's 2 groups,
+    # so the long second turns are stopped mid-turn and resume in the next round.
+    partial = PartialRolloutConfig(enable=True, max_age=3, truncate_at="threshold")
+    aggregator = AggregatorActor(engines, threshold=partial.resolved_threshold(2, 2))
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
+    prompts = [Prompt(text="long" if i % 4 == 0 else "short", prompt_ids=np.array([1, 4 + i % 20, 5]))
+               for i in range(40)]
+    r = Rollouter(RolloutConfig(n=2, max_tokens=3, groups_per_sync=2, staleness_threshold=0.0, max_concurrent=4),
+                  engines, MemorySink(), prompts, lambda p, ids: 0.0, partial=partial, aggregator=aggregator, agent=agent)
+    try:
+        await run_with_syncs(r, engines, r.producer, 8, snapshots)
+    finally:
+        for e in engines:
+            await e.close()
+    assert all(g.complete for g in r.producer.groups) and len(r.producer.groups) == 8
+    assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
+    assert not r.snapshot()["partials"]  # a conversation's truncated turn is never checkpointed
+    resumed = [t for g in r.producer.groups for t in g.trajectories if t.age >= 1]
+    assert resumed and all(t.prompt_ids[1] in (4, 8, 12, 16, 20) for t in resumed)  # the long ones
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    checked = 0
+    for t in resumed:
+        assert len(t.response_ids) == 3 + 2 + 48 and t.finish_reason == "length"
+        second = t.versions[5:]
+        assert len(set(second.tolist())) >= 2 and np.all(np.diff(second) >= 0)  # later tokens, later weights
+        # Every model token's behaviour log-prob equals a recompute under its own version's weights.
+        for v in sorted(set(t.versions[t.loss_mask == 1].tolist())):
+            model.load_state_dict(snapshots[v], strict=False)
+            at = (t.versions == v) & (t.loss_mask == 1)
+            np.testing.assert_allclose(t.logprobs[at], recompute(model, t)[at], atol=1e-4, rtol=0)
+            checked += int(at.sum())
+    assert checked == sum(int(t.loss_mask.sum()) for t in resumed)
+
+
+async def test_step_metrics_read_the_versions_of_model_tokens_only():
+    from asyncrl.metrics.report import MeteredSource
+    from asyncrl.types import Group, Trajectory
+
+    a = np.asarray
+    t = Trajectory(sample_id="sample_0_0", index=0, prompt_ids=a([1]), response_ids=a([5, 6, 7, 8]),
+                   logprobs=np.zeros(4, np.float32), versions=a([2, -1, -1, 3]), finish_reason="stop",
+                   loss_mask=a([1, 0, 0, 1], np.uint8), turns=2)
+
+    class Source:
+        async def recv(self, timeout=None):
+            return Group(sample_id="sample_0_0", trajectories=[t], expected=1)
+
+    src = MeteredSource(Source())
+    await src.recv()
+    (sample,) = src.take(["sample_0_0"]).samples
+    assert (sample.oldest, sample.span) == (2, 1)  # the observations' -1 is no version
+
+
+async def test_an_engine_error_in_a_turn_fails_the_group_as_the_engines_not_the_loops(tok):
+    class BrokenEngine:
+        async def generate(self, request):
+            raise RuntimeError("engine out of memory")
+
+    agent = env_agent(tok, "LookupEnv")
+    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100), [BrokenEngine()], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=1), 60)
+    finally:
+        agent.close()
+    (g,) = r.producer.groups
+    assert g.status == "failed" and g.error == "0: RuntimeError: engine out of memory; 1: RuntimeError: engine out of memory"
+
+
+async def test_a_conversation_in_flight_at_a_checkpoint_is_generated_again_from_its_start(model_path, tok):
+    from asyncrl.rollouter.rollouter import RolloutState
+    from asyncrl.types import CommittedSet
+
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    gated, plain = env_agent(tok, "GatedLookupEnv"), env_agent(tok, "LookupEnv")
+    agent_envs.GatedLookupEnv.called, agent_envs.GatedLookupEnv.go = asyncio.Event(), asyncio.Event()
+    cfg = RolloutConfig(n=1, max_tokens=8, groups_per_sync=100, seed=5)
+    try:
+        first = Rollouter(cfg, [engine], MemorySink(), prompts(tok, QUESTION), lambda p, ids: 0.0, agent=gated)
+        task = asyncio.create_task(first.run(num_groups=1))
+        await asyncio.wait_for(agent_envs.GatedLookupEnv.called.wait(), 60)  # in a tool call, after turn 0
+        saved = first.snapshot()  # the checkpoint
+        await first.stop()
+        await asyncio.wait_for(task, 30)
+        assert saved["in_flight"] == ["sample_0_0"] and saved["partials"] == {} and first.producer.groups == []
+        before = list(engine.requests)
+        state = RolloutState.resume(saved, CommittedSet(), 0, rows=1)
+        again = Rollouter(cfg, [engine], MemorySink(), prompts(tok, QUESTION), lambda p, ids: 0.0, state=state,
+                          agent=plain)
+        await asyncio.wait_for(again.run(num_groups=1), 120)
+    finally:
+        await engine.close()
+        gated.close()
+        plain.close()
+    (g,) = again.producer.groups
+    assert g.sample_id == "sample_0_0" and g.complete and g.trajectories[0].turns >= 2
+    # From its start: the same first request (same ids, same seed) as before the checkpoint, then the rest.
+    (t0,) = [q for q in before if q.request_id == "sample_0_0/0/t0"]
+    redone = [q for q in engine.requests[len(before):]]
+    assert redone[0].request_id == "sample_0_0/0/t0" and np.array_equal(redone[0].prompt_ids, t0.prompt_ids)
+    assert redone[0].sampling.seed == t0.sampling.seed and len(redone) == g.trajectories[0].turns
+    assert engine.ended == ["sample_0_0/0", "sample_0_0/0"]  # the stopped conversation's session ended too
+
+
+async def test_the_skip_manager_dumps_and_replays_whole_conversations(model_path, tok, tmp_path):
+    from asyncrl.skip import SkipConfig, SkipManager, SkipRoleConfig, is_replayed
+
+    async def once() -> tuple[list, int]:
+        SkipManager.init(SkipConfig(experiment="agent", async_rollout=SkipRoleConfig(
+            enable=True, dump_dir=str(tmp_path), steps=[0, 1])), shape={"model": str(model_path), "agent": "LookupEnv"})
+        engine = SpyEngine(kind="torch", model_path=str(model_path))
+        agent = env_agent(tok, "LookupEnv")
+        r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100, seed=1), [engine], MemorySink(),
+                      prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+        try:
+            await asyncio.wait_for(r.run(num_groups=2), 120)
+        finally:
+            await engine.close()
+            agent.close()
+        return sorted(r.producer.groups, key=lambda g: g.sample_id), len(engine.requests)
+
+    try:
+        first, requests = await once()
+        again, replayed_requests = await once()
+    finally:
+        SkipManager.init(SkipConfig())
+    assert requests >= 2 * 2 * 2 and replayed_requests == 0 and all(map(is_replayed, again))
+    for g, h in zip(first, again):
+        for t, u in zip(g.trajectories, h.trajectories):
+            assert u.turns == t.turns >= 2 and np.array_equal(u.loss_mask, t.loss_mask)
+            assert np.array_equal(u.response_ids, t.response_ids) and np.array_equal(u.versions, t.versions)
