@@ -224,13 +224,16 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
     assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
     assert not r.snapshot()["partials"]  # a conversation's truncated turn is never checkpointed
     resumed = [t for g in r.producer.groups for t in g.trajectories if t.age >= 1]
-    assert resumed and all(t.prompt_ids[1] in (4, 8, 12, 16, 20) for t in resumed)  # the long ones
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    checked = 0
-    for t in resumed:
+    # The long second turns are truncated mid-turn (a short one in flight when a round ends may be too).
+    long = [t for t in resumed if t.prompt_ids[1] in (4, 8, 12, 16, 20)]
+    assert long, [t.prompt_ids.tolist() for t in resumed]
+    for t in long:
         assert len(t.response_ids) == 3 + 2 + 48 and t.finish_reason == "length"
         second = t.versions[5:]
         assert len(set(second.tolist())) >= 2 and np.all(np.diff(second) >= 0)  # later tokens, later weights
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    checked = 0
+    for t in resumed:
         # Every model token's behaviour log-prob equals a recompute under its own version's weights.
         for v in sorted(set(t.versions[t.loss_mask == 1].tolist())):
             model.load_state_dict(snapshots[v], strict=False)
