@@ -212,7 +212,7 @@ def _usage_error(e: Exception) -> int:
 
 
 def preflight(cfg) -> None:
-    """What can be checked without Ray: the model directory, every dataset row, the reward."""
+    """What can be checked without Ray: the model directory, every dataset row, the reward, the group filter."""
     from asyncrl import data
 
     if cfg.model.path is not None:
@@ -220,6 +220,13 @@ def preflight(cfg) -> None:
     sets = {name: data.read_rows(path) for name, path in (("train", cfg.data.train), ("val", cfg.data.val)) if path}
     if cfg.data.reward is not None:
         data.load_reward(cfg.data.reward)
+    from asyncrl.config import ConfigError
+    from asyncrl.rollouter import filters
+
+    try:
+        filters.load(cfg.rollout.group_filter)  # a user's module:function imports here, before Ray
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
     if chat and cfg.model.path is None:
         name = next(iter(chat))
