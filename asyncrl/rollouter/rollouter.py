@@ -251,8 +251,8 @@ class Rollouter:
             group = self.filter.judge(await self.generate_group(sample_id, prompt))
             self._finished += 1
             if FILTERED_KEY in group.meta:  # never trained: its budget goes back now, not at the send
+                self.given_back.add(sample_id)  # with _finished, before any await: a round (re)opened counts neither
                 async with self._gate:
-                    self.given_back.add(sample_id)
                     self._gate.notify_all()
             elif sample_id in self._reports:  # lockstep: a kept group counts in the round
                 version = self.version

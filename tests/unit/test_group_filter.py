@@ -166,6 +166,9 @@ async def test_nothing_passing_the_filter_stops_the_run_with_an_error_naming_it(
     finally:
         await engine.close()
     assert r.filter.dropped == 3 and not r._groups  # the run's other groups were cancelled
+    from asyncrl.faults import programming_error
+
+    assert programming_error(GroupFilterStalled("x")) == "GroupFilterStalled"  # the launcher does not restart on it
 
 
 async def test_a_filter_that_raises_or_returns_no_verdict_fails_its_group_with_the_error(model_path, user_filters):
@@ -191,13 +194,16 @@ async def test_a_filter_that_raises_or_returns_no_verdict_fails_its_group_with_t
 # ------------------------------------------------------------------------------ with the Trainer
 
 class QueueStream:
-    """Producer and source in one process: what the ZeroMQ stream does, minus the sockets."""
+    """Producer and source in one process: what the ZeroMQ stream does, minus the sockets (it keeps
+    the groups sent and not acked, as the producer does, for the Rollouter's snapshot)."""
 
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.acks: list[tuple[str, str | None]] = []
+        self._unacked: dict[str, Group] = {}
 
     async def send(self, group):
+        self._unacked[group.sample_id] = group
         await self.queue.put(group)
 
     async def recv(self, timeout=None):
@@ -205,6 +211,12 @@ class QueueStream:
 
     def ack(self, sample_ids, reason=None):
         self.acks.extend((sid, reason) for sid in sample_ids)
+        for sid in sample_ids:
+            self._unacked.pop(sid, None)
+
+    @property
+    def unacked(self) -> list[Group]:
+        return list(self._unacked.values())
 
 
 class NotifyingSyncer:
@@ -268,6 +280,86 @@ async def test_dropping_70_percent_keeps_full_batches_on_policy_and_audits_each_
     assert {rec["sample_id"] for rec in records if rec["status"] == "dropped" and rec["reason"] == "filtered"} == \
         {sid for sid, _ in dropped}
     assert {sid for sid, why in stream.acks if why == "filtered"} == {sid for sid, _ in dropped}
+
+
+async def test_a_crash_after_a_checkpoint_trains_or_drops_each_id_once_and_never_regenerates_a_durable_drop(
+        model_path, user_filters, tmp_path):
+    """In-process crash and resume with a third of the groups filtered: run 3 steps (checkpoint at
+    step 2), drop everything, restore the Trainer and the Rollouter's feed from the checkpoint,
+    run to step 6. samples.jsonl lists each id once, exactly the committed set; no drop that was
+    durable at the crash is generated again; one that was not is generated and judged again."""
+    from asyncrl.models.tiny import build_tokenizer
+    from asyncrl.rollouter.feed import RolloutState
+    from asyncrl.sync.inprocess import InProcessSyncer
+    from asyncrl.trainer.config import OptimConfig, TrainerConfig, WorkerConfig
+    from asyncrl.trainer.ranks import RankGroup
+    from asyncrl.trainer.trainer import Trainer
+    from asyncrl.types import CommittedSet
+
+    G, prompts = 2, make_prompts(8)
+    tok = build_tokenizer()
+    tcfg = TrainerConfig(worker=WorkerConfig(model_path=str(model_path), pad_token_id=tok.pad_token_id,
+                                             optim=OptimConfig(lr=1e-3)),
+                         groups_per_batch=G, recv_timeout_s=60, checkpoint_dir=str(tmp_path / "ckpt"),
+                         checkpoint_every=2, samples_path=str(tmp_path / "samples.jsonl"))
+    rcfg = RolloutConfig(n=2, max_tokens=3, groups_per_sync=G, staleness_threshold=0.0,
+                         group_filter=f"{user_filters}:keep_1_in_3")
+    log = tmp_path / "samples.jsonl"
+
+    async def run(until_step: int, finish: bool):
+        """One life of the run; returns (the ids its Rollouter sent, the Rollouter)."""
+        engine = TorchEngine(model_path, seed=0, eos_token_ids=())
+        stream, ranks = QueueStream(), RankGroup.start_local(tcfg)
+        trainer = Trainer(tcfg, ranks, stream, None)
+        state = RolloutState()
+        if await trainer.restore():
+            state = RolloutState.resume(trainer.restored_rollouter_state, trainer.committed, trainer.dropped,
+                                        rows=len(prompts))
+        rollouter = Rollouter(rcfg, [engine], stream, prompts, odd_first_token, state=state)
+        syncer = InProcessSyncer(ranks, [engine])
+        if trainer.version:  # as the launcher does at a resume: the engine takes the restored weights
+            syncer.version = trainer.version - 1
+            await syncer.sync()
+        trainer.syncer = NotifyingSyncer(syncer, rollouter)
+        trainer.rollouter_state, trainer.on_dropped = rollouter.snapshot, rollouter.on_dropped
+        await rollouter.on_sync(trainer.version)
+        sent = []
+        send = stream.send
+        stream.send = lambda g: (sent.append(g.sample_id), send(g))[1]
+        feed = asyncio.create_task(rollouter.run())
+        try:
+            while trainer.step < until_step:
+                await asyncio.wait_for(trainer.train_step(), 120)
+            if finish:
+                await trainer.finish()
+        finally:  # without finish: a crash, whatever step 3 did is lost
+            feed.cancel()
+            await asyncio.gather(feed, return_exceptions=True)
+            await engine.close()
+            ranks.close()
+        return sent, rollouter
+
+    await run(3, finish=False)
+    durable = {json.loads(line)["sample_id"]: json.loads(line) for line in log.read_text().splitlines()}
+    assert {r["step"] for r in durable.values() if r["status"] == "trained"} == {1, 2}
+    sent, rollouter = await run(6, finish=True)
+    assert rollouter.state.done == len(durable)  # the resumed gate counts the durable groups as done
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    ids = [r["sample_id"] for r in records]
+    assert len(ids) == len(set(ids))
+    committed = CommittedSet.from_json(json.loads(
+        (tmp_path / "ckpt" / (tmp_path / "ckpt" / "latest").read_text().strip() / "trainer_state.json").read_text()
+    )["committed"])
+    assert committed == set(ids)
+    assert sorted(r["step"] for r in records if r["status"] == "trained") == [s for s in range(1, 7) for _ in range(G)]
+    assert all(parse_sample_id(r["sample_id"])[1] % 3 == 0 for r in records if r["status"] == "trained")
+    dropped = {r["sample_id"] for r in records if r["status"] == "dropped"}
+    assert dropped and {r["reason"] for r in records if r["status"] == "dropped"} == {"filtered"}
+    assert not set(sent) & set(durable)  # nothing durable before the crash is generated again
+    # Every feed index below the final position is trained, dropped with a reason, or still pending.
+    snap = rollouter.snapshot()
+    pending = {parse_sample_id(s)[1] for s in snap["in_flight"] + snap["unacked"]}
+    assert set(range(snap["next_index"])) <= {parse_sample_id(s)[1] for s in ids} | pending
 
 
 # ------------------------------------------------------------------------------ lockstep and skip
