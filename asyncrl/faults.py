@@ -35,8 +35,11 @@ def programming_error(error: BaseException) -> str | None:
     if isinstance(error, PROGRAMMING_ERRORS):
         cause = getattr(error, "cause", None)  # a RayTaskError names the remote class
         return type(cause if isinstance(cause, BaseException) else error).__name__
+    from asyncrl.rollouter.filters import GroupFilterStalled
     from asyncrl.trainer.batch import IncompleteGroupError
 
+    if isinstance(error, GroupFilterStalled):  # the same filter on the same weights drops the same groups
+        return GroupFilterStalled.__name__
     if isinstance(error, IncompleteGroupError):
         found = _IN_GROUP.search(str(error))
         if found:

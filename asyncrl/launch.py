@@ -213,7 +213,8 @@ def _usage_error(e: Exception) -> int:
 
 def preflight(cfg) -> None:
     """What can be checked without Ray: the model directory, every dataset row, the reward, the
-    agent loop (``rollout.agent``: it imports, has its methods, builds; a `ToolEnv`'s chat template)."""
+    group filter, the agent loop (``rollout.agent``: it imports, has its methods, builds; a
+    `ToolEnv`'s chat template)."""
     from asyncrl import data
 
     if cfg.model.path is not None:
@@ -221,9 +222,15 @@ def preflight(cfg) -> None:
     sets = {name: data.read_rows(path) for name, path in (("train", cfg.data.train), ("val", cfg.data.val)) if path}
     if cfg.data.reward is not None:
         data.load_reward(cfg.data.reward)
+    from asyncrl.config import ConfigError
+    from asyncrl.rollouter import filters
+
+    try:
+        filters.load(cfg.rollout.group_filter)  # a user's module:function imports here, before Ray
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.rollout.agent.enabled:
         from asyncrl.agent import AgentSpecError
-        from asyncrl.config import ConfigError
         from asyncrl.rollouter.agents import check_agent
 
         try:

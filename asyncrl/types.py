@@ -25,6 +25,10 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "truncated", "max_
 #: limit ends an episode like ``length`` ends a single turn); ``abort``/``truncated`` are cut off.
 VALID_FINISH_REASONS: tuple[str, ...] = ("stop", "length", "max_turns", "context")
 GroupStatus = Literal["ok", "failed"]
+#: `Group.meta` key the Rollouter sets on a complete group its ``rollout.group_filter`` dropped
+#: (the value names the filter): the Trainer trains none of it and records it as dropped, reason
+#: ``filtered`` (`asyncrl.rollouter.filters`).
+FILTERED_KEY = "group_filter_dropped"
 
 _SAMPLE_ID = re.compile(r"^sample_(\d+)_(\d+)$")
 

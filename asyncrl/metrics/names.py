@@ -58,6 +58,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "rollouter/admitted": (R, "prompts admitted through the staleness gate so far"),
     "rollouter/in_flight": (R, "prompts admitted and not yet sent"),
     "rollouter/failed_groups": (R, "groups sent as failed so far"),
+    "rollouter/filtered_groups": (R, "groups the group filter dropped so far (rollout.group_filter)"),
     "rollouter/version": (R, "policy version the Rollouter was last told the engines serve"),
     # engines
     "engine/running": (R, "requests running on all engines"),
@@ -110,6 +111,11 @@ NAMES: dict[str, tuple[str, str]] = {
     "train/groups": (T, "groups trained in the step"),
     "train/dropped_incomplete": (T, "groups dropped as incomplete in the step"),
     "train/dropped_stale": (T, "groups dropped as too stale in the step"),
+    # dynamic sampling (rollout.group_filter)
+    "filter/dropped_groups": (T, "groups the Rollouter's group filter dropped, received during the step"),
+    "filter/kept_ratio": (T, "trained / (trained + filtered) groups of the step (1 without a filter)"),
+    "filter/prompts_per_trained_group": (T, "groups received during the step (trained or dropped for any reason) "
+                                            "per trained group"),
     "train/step": (T, "the step (also in every event's step field)"),
     "val/reward_mean": (T, "greedy reward on the validation file (every data.val_every steps)"),
     "val/response_length_mean": (T, "mean validation response length"),

@@ -94,6 +94,7 @@ class RolloutReporter:
                 "rollouter/admitted": rollouter.admitted,
                 "rollouter/in_flight": rollouter.admitted - rollouter.sent,
                 "rollouter/failed_groups": rollouter.failed,
+                "rollouter/filtered_groups": rs["filter_dropped"],
                 "rollouter/version": rollouter.version,
             })
         if producer is not None:

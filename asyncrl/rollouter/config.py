@@ -86,6 +86,13 @@ class RolloutConfig:
     """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """The agent loop each response runs (``rollout.agent.env`` / ``rollout.agent.loop``); none by default."""
+    group_filter: str = "none"
+    """Dynamic sampling (`asyncrl.rollouter.filters`): ``none``; ``zero_std`` (drop a group whose
+    rewards are all equal: GRPO learns nothing from it); or ``module:function`` taking a `GroupView`
+    and returning True to keep the group. Dropped groups are not trained, are recorded as dropped
+    (reason ``filtered``), and give their staleness budget back so another prompt takes their place."""
+    max_filtered_in_a_row: int = 64
+    """Groups the filter may drop in a row before the run stops with an error naming it."""
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "groups_per_sync", "max_concurrent", "reward_workers"):
@@ -95,5 +102,11 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.staleness_threshold must be >= 0, got {self.staleness_threshold}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"RolloutConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_filtered_in_a_row < 1:
+            raise ValueError(f"RolloutConfig.max_filtered_in_a_row must be >= 1, got {self.max_filtered_in_a_row}")
+        module, sep, name = self.group_filter.partition(":")
+        if self.group_filter not in ("none", "zero_std") and not (sep and module and name):
+            raise ValueError(f"RolloutConfig.group_filter must be none, zero_std or module:function, "
+                             f"got {self.group_filter!r}")
         if self.result_batch_s is not None and self.result_batch_s < 0:
             raise ValueError(f"RolloutConfig.result_batch_s must be >= 0, got {self.result_batch_s}")

@@ -21,9 +21,9 @@ to, deadlines, dead replicas: ``request_timeout_s`` counts no weight-sync pause)
   have consumed ``version * groups_per_sync`` groups; the Rollouter admits a new prompt only
   while ``admitted - given_back < (version + 1 + staleness_threshold) * groups_per_sync`` and
   fewer than ``max_concurrent`` prompts are in flight. ``given_back`` counts groups that will
-  never be trained: failed ones, and those the Trainer dropped by policy (it says so through
-  `on_dropped`). ``staleness_threshold=0`` with one step per sync is on-policy: generate a
-  batch, train, sync, in lockstep. The Rollouter learns of a sync through `on_pause` (before)
+  never be trained: failed ones, those the group filter dropped (at once, before their send),
+  and those the Trainer dropped by policy (`on_dropped`). ``staleness_threshold=0`` with one
+  step per sync is on-policy: generate a batch, train, sync, in lockstep. The Rollouter learns of a sync through `on_pause` (before)
   and `on_sync` (after), called by whoever runs the weight sync.
 - Partial rollout (`asyncrl.rollouter.partial`): with an `AggregatorActor`, a round's
   unfinished requests are stopped when the round ends; each waits in the partial buffer for
@@ -45,7 +45,8 @@ to, deadlines, dead replicas: ``request_timeout_s`` counts no weight-sync pause)
   loop, every turn a request of the group's call; truncated turns resume like responses
   (`asyncrl.rollouter.resumable`) but are never checkpointed (a resume regenerates the conversation).
 - `generate_group` only generates; the send is separate, so the ``async_rollout`` skip role
-  (`asyncrl.skip`) can answer a sample from a dump and the group is still sent as usual.
+  (`asyncrl.skip`) can answer a sample from a dump and the group is still sent as usual. The
+  group filter (`asyncrl.rollouter.filters`) judges a complete group after that, replayed or not.
   The process that runs the Rollouter calls `SkipManager.init` (the registry is per process).
 """
 
@@ -55,7 +56,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,31 +64,19 @@ from asyncrl.calls import call
 from asyncrl.rollouter.config import RolloutConfig
 from asyncrl.rollouter.agents import Agent, run_agent_response
 from asyncrl.rollouter.feed import Feed, Prompt, RolloutState, encode_prompts
+from asyncrl.rollouter.filters import GroupFilter, GroupFilterStalled
 from asyncrl.rollouter.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
 from asyncrl.rollouter.resumable import generate_resumable
 from asyncrl.rollouter.rewards import Rewards
+from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.skip import SkipManager, is_replayed
-from asyncrl.types import GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
+from asyncrl.types import FILTERED_KEY, GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
 
 __all__ = ["Prompt", "RolloutConfig", "RolloutState", "RolloutStats", "Rollouter", "encode_prompts", "settle_gc"]
 
 log = logging.getLogger("asyncrl.rollouter")
-
-
-@dataclass
-class RolloutStats:
-    """Counters and timers of the Rollouter (for the step metrics)."""
-
-    gate_blocked_s: float = 0.0
-    """Time the feed loop waited at the staleness gate (or for a concurrency slot)."""
-    credit_blocked_s: float = 0.0
-    """Time finished groups waited for stream credit (summed over groups)."""
-    truncated: int = 0
-    """Responses stopped by a round's truncation (a response stopped twice counts twice)."""
-    resumed: int = 0
-    """Truncated responses dispatched again."""
 
 
 _ADMIT_BURST = 64
@@ -128,7 +116,8 @@ class Rollouter:
         self.admitted = self.sent = self.state.done
         self.failed = 0
         self.given_back: set[str] = set()
-        """sample_ids that will never be trained (failed, or dropped by the Trainer)."""
+        """sample_ids that will never be trained (failed, filtered, or dropped by the Trainer)."""
+        self.filter = GroupFilter(cfg.group_filter, cfg.max_filtered_in_a_row)
         self.partials = PartialBuffer()
         self.stats = RolloutStats()
         self.replayed = 0
@@ -145,6 +134,7 @@ class Rollouter:
         self._round_opened = False
         self._finished = 0
         """Groups this run generated or replayed (complete or failed), counted before their send."""
+        self._reports: dict[str, dict[int, int]] = {}  # lockstep: a group's trajectories per replica, until kept
         self.rewards = Rewards(reward_fn, cfg.reward_workers)
 
     # ------------------------------------------------------------------ control
@@ -255,6 +245,8 @@ class Rollouter:
                     burst += 1
                     if burst % _ADMIT_BURST == 0:
                         await asyncio.sleep(0)
+        except* GroupFilterStalled as eg:  # nothing passes the filter: the run stops, saying so
+            raise eg.exceptions[0] from None
         finally:
             self.rewards.close()
 
@@ -262,8 +254,17 @@ class Rollouter:
 
     async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
         try:
-            group = await self.generate_group(sample_id, prompt)
+            # Filtered here, not in generate_group: a group replayed from a dump is judged afresh.
+            group = self.filter.judge(await self.generate_group(sample_id, prompt))
             self._finished += 1
+            if FILTERED_KEY in group.meta:  # never trained: its budget goes back now, not at the send
+                self.given_back.add(sample_id)  # with _finished, before any await: a round (re)opened counts neither
+                async with self._gate:
+                    self._gate.notify_all()
+            elif sample_id in self._reports:  # lockstep: a kept group counts in the round
+                version = self.version
+                if await call(self.aggregator, "report", version, self._reports.pop(sample_id)) and version == self.version:
+                    self._round_closed = True  # the step has its groups: admit nothing until the sync
             t0 = time.monotonic()
             await self.producer.send(group)
             self._truncated.pop(sample_id, None)  # its parts are in the group now (or it failed)
@@ -277,6 +278,7 @@ class Rollouter:
                 self._gate.notify_all()
         finally:
             self._groups.pop(sample_id, None)  # sent, or cancelled by stop()
+            self._reports.pop(sample_id, None)
 
     @SkipManager.annotate(role="async_rollout")
     async def generate_group(self, sample_id: str, prompt: Prompt) -> Group:
@@ -284,8 +286,8 @@ class Rollouter:
 
         Generation only, nothing is sent: the ``async_rollout`` skip role may answer it from a
         dump of this ``sample_id``'s feed index instead of the engines. A complete group is
-        reported to the aggregator (partial rollout), split by the replica that finished each
-        response.
+        noted for the aggregator (partial rollout), split by the replica that finished each
+        response; `_one_group` reports it there if the group filter keeps it.
         """
         _, index = parse_sample_id(sample_id)
         calls = GroupCalls(self.pool)  # the group's requests of a round: one call, to the group's replica
@@ -315,9 +317,7 @@ class Rollouter:
             per_replica: dict[int, int] = {}
             for _, replica, _ in outcomes:
                 per_replica[replica] = per_replica.get(replica, 0) + 1
-            version = self.version
-            if await call(self.aggregator, "report", version, per_replica) and version == self.version:
-                self._round_closed = True  # the step has its groups: admit nothing until the sync
+            self._reports[sample_id] = per_replica
         return group
 
     def _request(self, sample_id: str, index: int, k: int, prompt: Prompt, parts: PartialResponse,
@@ -370,6 +370,7 @@ class Rollouter:
         pool = self.pool
         out = {k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__}
         out.update(time_s=time.monotonic(), waiting_partials=len(self.partials), idle_s=pool.idle_s(),
+                   filter_judged=self.filter.judged, filter_dropped=self.filter.dropped,
                    timed_out=pool.timed_out, dead_engines=pool.dead_engines, engine_calls=pool.calls,
                    requests_spread=pool.spread())
         return out

@@ -4,7 +4,9 @@ Only complete groups (status ``ok``, ``expected`` distinct trajectories, each fi
 model) may reach the loss. `screen_groups` applies the policy: an incomplete group raises
 `IncompleteGroupError` naming every offending ``sample_id`` and what it lacks, or, with
 ``on_incomplete="drop"``, is returned as dropped with its reason so the caller counts and acks
-it. Groups older than ``max_version_gap`` are dropped the same way. `assemble` refuses any
+it. Groups older than ``max_version_gap`` are dropped the same way, and so are groups the
+Rollouter's ``rollout.group_filter`` marked (`FILTERED_KEY`; reason ``filtered``, before any other
+check: they are never trained, whatever they hold). `assemble` refuses any
 incomplete group again (it never returns a partial batch) and builds a right-padded batch:
 
 ==================  ======  =====================================================
@@ -44,7 +46,7 @@ import torch
 from tensordict import TensorDict
 
 from asyncrl.trainer.algorithm import grpo_advantages
-from asyncrl.types import Group
+from asyncrl.types import FILTERED_KEY, Group
 
 BATCH_KEYS: tuple[str, ...] = (
     "input_ids", "attention_mask", "response_mask", "position_ids", "old_logprobs", "versions",
@@ -71,6 +73,10 @@ def oldest_version(group: Group) -> int | None:
     return min(mins) if mins else None
 
 
+FILTERED = "filtered"
+"""The drop reason of a group the Rollouter's group filter dropped."""
+
+
 def screen_groups(
     groups: Sequence[Group],
     *,
@@ -84,11 +90,15 @@ def screen_groups(
     """
     if on_incomplete not in ("raise", "drop"):
         raise ValueError(f"on_incomplete must be 'raise' or 'drop', got {on_incomplete!r}")
-    incomplete = {g.sample_id: g.missing() for g in groups if not g.complete}
+    filtered = {g.sample_id for g in groups if FILTERED_KEY in g.meta}
+    incomplete = {g.sample_id: g.missing() for g in groups if not g.complete and g.sample_id not in filtered}
     if incomplete and on_incomplete == "raise":
         raise IncompleteGroupError(incomplete)
     kept, dropped = [], []
     for g in groups:
+        if g.sample_id in filtered:
+            dropped.append((g.sample_id, FILTERED))
+            continue
         if g.sample_id in incomplete:
             dropped.append((g.sample_id, f"incomplete: {incomplete[g.sample_id]}"))
             continue

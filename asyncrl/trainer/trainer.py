@@ -8,7 +8,8 @@ pushes the new weights to the engines and returns the new version.
 Acks follow durability: with checkpoints on, a step's groups are acked once the checkpoint
 holding that step is published (so a crash never loses a group the producer already forgot);
 without checkpoints they are acked right after the optimizer step. Groups dropped by policy
-(incomplete with ``on_incomplete_group="drop"``, or older than ``max_version_gap``) are
+(incomplete with ``on_incomplete_group="drop"``, older than ``max_version_gap``, or marked by the
+Rollouter's ``rollout.group_filter``: reason ``filtered``) are
 counted and acked at once with their reason, and reported through ``on_dropped`` so the
 Rollouter's staleness gate gets their budget back (else enough drops starve the Trainer).
 Incomplete groups otherwise fail the run closed.
@@ -51,7 +52,7 @@ from asyncrl.queue.memory import MemorySource
 from asyncrl.skip.rollout_skip import REPLAY_KEY, is_replayed, rebase_versions
 from asyncrl.sync.base import WeightSyncer
 from asyncrl.trainer import audit, checkpoint
-from asyncrl.trainer.batch import assemble, screen_groups, shard_rows
+from asyncrl.trainer.batch import FILTERED, assemble, screen_groups, shard_rows
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.ranks import RankGroup
 from asyncrl.trainer.worker import merge_stats
@@ -276,6 +277,7 @@ class Trainer:
         t_end = time.perf_counter()
         metrics = _step_metrics(per_batch, batches, dropped)
         metrics.update(_partial_metrics(groups))
+        metrics.update(_filter_metrics(len(groups), dropped))
         # The metric stream's reporter (asyncrl.metrics.report) adds timing_s/step, param_sync and
         # fully_async/trainer/idle_ratio; these three only the Trainer knows.
         metrics.update({"timing_s/wait_data": t_collected - t_start, "timing_s/update_actor": t_trained - t_collected,
@@ -343,6 +345,14 @@ def _partial_metrics(groups: list[Group]) -> dict[str, float]:
         "fully_async/partial/age_mean": sum(ages) / max(len(ages), 1),
         "fully_async/partial/age_max": float(max(ages, default=0)),
     }
+
+
+def _filter_metrics(trained: int, dropped: list[tuple[str, str]]) -> dict:
+    """Dynamic sampling (``rollout.group_filter``) over the groups the step received: how many the
+    filter dropped, the share it kept, and prompts generated per trained group (every drop counted)."""
+    filtered = sum(r == FILTERED for _, r in dropped)
+    return {"filter/dropped_groups": float(filtered), "filter/kept_ratio": trained / (trained + filtered),
+            "filter/prompts_per_trained_group": (trained + len(dropped)) / trained}
 
 
 def _step_metrics(per_batch: list[dict], batches: list, dropped: list[tuple[str, str]]) -> dict:

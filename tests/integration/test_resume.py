@@ -12,6 +12,10 @@ launcher itself killed with SIGKILL (its local Ray cluster dies with it). Then:
 - on-policy (staleness 0, a sync every step) the interrupted run ends with the same parameters
   (within 1e-6) and the same ``samples.jsonl`` as an uninterrupted run with the same seed.
 
+The first test runs with dynamic sampling on (``rollout.group_filter``, a user filter dropping a
+third of the groups): a dropped group is one more drop the audit must list once, and the
+trained groups, their steps and the parameters still match the uninterrupted run.
+
 Actors are found among the launcher's own descendants and killed by pid (`launching.Launch`).
 """
 
@@ -52,13 +56,25 @@ def _sidecar(run_dir: Path) -> dict:
     return json.loads((ckpt / (ckpt / "latest").read_text().strip() / "trainer_state.json").read_text())
 
 
+FILTERS = """
+from asyncrl.types import parse_sample_id
+
+def drop_a_third(view):
+    return parse_sample_id(view.sample_id)[1] % 3 != 1
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_every_process_killed_then_resumed_trains_each_sample_once_and_matches_an_uninterrupted_run(tmp_path):
+def test_every_process_killed_then_resumed_trains_each_sample_once_and_matches_an_uninterrupted_run(tmp_path,
+                                                                                                  monkeypatch):
     rng = random.Random(14)
     model = build_tiny_model(tmp_path / "model")
     run_dir = tmp_path / "run"
     resume = ["--resume", str(run_dir)]
+    (tmp_path / "resume_filters.py").write_text(FILTERS)  # imported by the launcher and the Rollouter actor
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    filtered = ["rollout.group_filter=resume_filters:drop_a_third"]  # kept in the run's config.yaml for resumes
     runs: list[Launch] = []
 
     def later(run: Launch) -> int:
@@ -68,7 +84,7 @@ def test_every_process_killed_then_resumed_trains_each_sample_once_and_matches_a
     try:
         # 1. An engine dies: the run goes on with the other one. Then the Rollouter dies: the run
         #    stops, with a checkpoint of what it trained and an error naming the Rollouter.
-        run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON)
+        run = Launch("--model", str(model), "--run-dir", str(run_dir), *COMMON, *filtered)
         runs.append(run)
         run.wait_step(rng.randint(1, 2))
         os.kill(run.actor_pids("EngineActor")[0], signal.SIGKILL)
@@ -114,7 +130,7 @@ def test_every_process_killed_then_resumed_trains_each_sample_once_and_matches_a
 
         # The reference: the same run, never interrupted.
         ref_dir = tmp_path / "reference"
-        ref = Launch("--model", str(model), "--run-dir", str(ref_dir), *COMMON)
+        ref = Launch("--model", str(model), "--run-dir", str(ref_dir), *COMMON, *filtered)
         runs.append(ref)
         assert ref.finish() == 0, ref.output[-3000:]
     finally:
@@ -123,8 +139,15 @@ def test_every_process_killed_then_resumed_trains_each_sample_once_and_matches_a
 
     _check_exactly_once(run_dir)
 
-    # On-policy, every id is generated from the same weights with the same seeds, interrupted or not.
-    assert (run_dir / "samples.jsonl").read_text() == (ref_dir / "samples.jsonl").read_text()
+    # On-policy, every id is generated from the same weights with the same seeds, interrupted or not,
+    # and the filter keeps the same ones: the same groups train in the same steps. (Which step's
+    # collection received a dropped group, and whether the last dropped ones arrived before the
+    # end, depends on timing.)
+    got, want = ([json.loads(line) for line in (d / "samples.jsonl").read_text().splitlines()] for d in (run_dir, ref_dir))
+    assert [r for r in got if r["status"] == "trained"] == [r for r in want if r["status"] == "trained"]
+    dropped = [r for r in got if r["status"] == "dropped"]
+    assert dropped and all(r["reason"] == "filtered" and parse_sample_id(r["sample_id"])[1] % 3 == 1 for r in dropped)
+    assert all(parse_sample_id(r["sample_id"])[1] % 3 != 1 for r in got if r["status"] == "trained")
     got, want = _final_params(run_dir), _final_params(ref_dir)
     assert got.keys() == want.keys()
     for k in want:

@@ -332,7 +332,7 @@ async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
 
         def stats_now(self):
             Rollouter.idle_s += 0.001  # idle a millisecond between two polls
-            return {"idle_s": Rollouter.idle_s, "requests_spread": 0.25}
+            return {"idle_s": Rollouter.idle_s, "requests_spread": 0.25, "filter_dropped": 4}
 
     engines = [Engine(2, shared=True), Engine(4, shared=True)]
     producer = StreamProducer(StreamConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", window=4))
@@ -344,7 +344,7 @@ async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
     assert first["stream/unacked"] == 0 and first["stream/credit"] == 0  # no consumer: no credit
     assert "throughput/generated_tokens_per_s" not in first and second["throughput/generated_tokens_per_s"] > 0
     assert "fully_async/rollouter/idle_ratio" not in first and 0 < second["fully_async/rollouter/idle_ratio"] <= 1
-    assert second["engine/requests_spread"] == 0.25
+    assert second["engine/requests_spread"] == 0.25 and second["rollouter/filtered_groups"] == 4
     assert (second["engine/session_hits"], second["engine/session_tokens_reused"]) == (6, 60)  # summed over engines
     assert second["engine/prefill_tokens_per_group"] == second["engine/prompt_tokens_per_group"] == 6
     assert "engine/prefix_cache_hit_rate" not in second  # no vLLM counters
