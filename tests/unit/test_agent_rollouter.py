@@ -35,11 +35,12 @@ class SpyEngine(EngineActor):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.requests, self.ended = [], []
+        self.requests, self.ended, self.results = [], [], {}
 
     async def generate_group(self, requests, truncatable=False, batch_s=0.0):
         self.requests.extend(requests)
         async for batch in super().generate_group(requests, truncatable, batch_s):
+            self.results.update((requests[i].request_id, r) for i, r in batch)
             yield batch
 
     async def end_session(self, session_id):
@@ -112,6 +113,13 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
         assert len({q.sampling.seed for q in own}) == t.turns
     assert len(engine.requests) == sum(t.turns for t in trajectories)
     assert sorted(engine.ended) == sorted(f"{t.sample_id}/{t.index}" for t in trajectories)
+    # Turns after the first prefill only their new tokens: the engine kept the session's KV (all but
+    # the last sampled token of the turn before, which was never fed), on unchanged weights.
+    for t in trajectories:
+        for j in range(1, t.turns):
+            before, now = by_id[f"{t.sample_id}/{t.index}/t{j - 1}"], by_id[f"{t.sample_id}/{t.index}/t{j}"]
+            kept = len(before.prompt_ids) + len(engine.results[before.request_id].response_ids) - 1
+            assert engine.results[now.request_id].prefill_tokens == len(now.prompt_ids) - kept, (t.sample_id, j)
 
 
 async def test_an_env_that_raises_fails_its_group_with_the_error_named_and_the_run_goes_on(model_path, tok):
