@@ -404,6 +404,42 @@ async def test_a_killed_engine_core_fails_its_requests_and_groups_closed(tiny_mo
         await builtin.close()
 
 
+@on_module_loop
+async def test_an_agent_loops_turns_on_vllm_match_the_trainer_and_reuse_the_prefix_cache(served):
+    """Three turns per conversation through the Rollouter on vLLM: every model token's behaviour
+    log-prob equals the trainer's recompute, observations are masked, and each later turn's prompt
+    is served from the prefix cache for every full block the turn before left (vLLM keeps no
+    session: its prefix cache, salted per weight version, does the work)."""
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.agents import build_agent
+    from asyncrl.rollouter.config import AgentConfig
+    from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+
+    block = 128  # vLLM's CPU KV block: only whole blocks are cached
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:ThreeFixedTurns"), None)
+    prompts = [Prompt(text=f"p{i}", prompt_ids=np.asarray([1, 2 + i, *LONG_PROMPT[2:]], dtype=np.int64)) for i in range(2)]
+    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100, max_concurrent=1), [served.actor], MemorySink(),
+                  prompts, lambda p, ids: 0.0, agent=agent)
+    start = served.engine.stats()["prompt_tokens_cached"]
+    try:
+        await asyncio.wait_for(r.run(num_groups=2), 120)
+    finally:
+        agent.close()
+    cached = served.engine.stats()["prompt_tokens_cached"] - start
+    trajectories = [t for g in r.producer.groups for t in g.trajectories]
+    assert len(trajectories) == 4 and all(g.complete for g in r.producer.groups)
+    later_turns_blocks = 0
+    for t in trajectories:
+        model = t.loss_mask == 1
+        assert t.turns == 3 and model.sum() == 18 and (~model).sum() == 8
+        assert (t.response_ids[~model] == np.tile([20, 21, 22, 23], 2)).all()
+        want = _recompute(served.trainer, t.prompt_ids, t.response_ids)
+        np.testing.assert_allclose(t.logprobs[model], want[model], atol=1e-4)
+        # turn k+1's prompt = turn k's prompt + its 6 tokens (+ the observation): its full blocks were cached
+        later_turns_blocks += sum((len(t.prompt_ids) + 10 * k - 4) // block * block for k in (1, 2))
+    assert cached >= later_turns_blocks > 0, (cached, later_turns_blocks)
+
+
 def test_geometry_matches_vllms_own_packer():
     # vLLM's trainer-side pack_tensors (vllm.distributed.weight_transfer, in the CPU build too):
     # asyncrl's NCCL path cuts the same buckets with the same bytes.

@@ -104,3 +104,29 @@ class LongSecondTurn(AgentLoop):
             logprobs=np.concatenate([first.logprobs, np.zeros(2), second.logprobs]),
             versions=np.concatenate([first.versions, [OBSERVATION_VERSION] * 2, second.versions]),
             finish_reason=second.finish_reason, turns=2, reward=1.0)
+
+
+class ThreeFixedTurns(AgentLoop):
+    """Three 6-token turns around a fixed 4-token observation, whatever the model writes (a random
+    model's conversation on vLLM: only the turns' tokens, log-probs and prefix-cache hits matter)."""
+
+    async def run(self, prompt, llm):
+        import numpy as np
+
+        from asyncrl.agent import OBSERVATION_VERSION, AgentTrajectory
+
+        obs = np.array([20, 21, 22, 23], dtype=np.int64)
+        ids, mask, logprobs, versions = [], [], [], []
+        for k in range(3):
+            if k:
+                ids += obs.tolist()
+                mask += [0] * len(obs)
+                logprobs += [0.0] * len(obs)
+                versions += [OBSERVATION_VERSION] * len(obs)
+            turn = await llm.generate(np.concatenate([prompt.prompt_ids, np.asarray(ids, np.int64)]), max_tokens=6)
+            ids += turn.token_ids.tolist()
+            mask += [1] * len(turn.token_ids)
+            logprobs += turn.logprobs.tolist()
+            versions += turn.versions.tolist()
+        return AgentTrajectory(prompt_ids=prompt.prompt_ids, response_ids=ids, loss_mask=mask, logprobs=logprobs,
+                               versions=versions, finish_reason=turn.finish_reason, turns=3, reward=1.0)
