@@ -121,6 +121,12 @@ class EngineConfig:
     """vLLM: KV cache per replica in MiB; None: vLLM sizes it on GPU, 1024 MiB on CPU."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Other vLLM ``AsyncEngineArgs`` fields, passed as given."""
+    session_idle_s: float = 60.0
+    """Built-in engine: an agent conversation's kept KV (between its turns) is freed after this
+    long without a next turn (vLLM's prefix cache needs no setting)."""
+    session_max_blocks: int = 2048
+    """Built-in engine: KV blocks kept for conversations between turns, least recently kept
+    evicted first (0: keep none; each turn then prefills the whole conversation)."""
 
     def __post_init__(self) -> None:
         if self.kind == "sim":
@@ -144,6 +150,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.kv_cache_mb is not None and self.kv_cache_mb <= 0:
             raise ValueError(f"kv_cache_mb must be > 0 (or None), got {self.kv_cache_mb}")
+        if self.session_idle_s <= 0 or self.session_max_blocks < 0:
+            raise ValueError(f"session_idle_s must be > 0 and session_max_blocks >= 0, got {self.session_idle_s}, "
+                             f"{self.session_max_blocks}")
 
 
 @dataclass(kw_only=True)
@@ -364,7 +373,7 @@ class RunConfig:
         device = "cuda" if self.gpu else "cpu"
         slots = {"max_running": e.max_running} if e.max_running is not None else {}
         return dict(model_path=model_path, seed=self.seed, max_model_len=e.max_model_len, device=device, dtype=e.dtype,
-                    **slots, **eos)
+                    session_idle_s=e.session_idle_s, session_max_blocks=e.session_max_blocks, **slots, **eos)
 
 
 # ------------------------------------------------------------------------ derived values
@@ -574,6 +583,8 @@ def _instantiate(node: DictConfig, path: str = "") -> Any:
 
 VLLM_ONLY_ENGINE_SETTINGS = ("enforce_eager", "kv_cache_mb", "gpu_memory_utilization", "engine_kwargs")
 """`EngineConfig` fields that only the vLLM engine reads: set off their default for another engine, they are refused."""
+BUILTIN_ONLY_ENGINE_SETTINGS = ("session_idle_s", "session_max_blocks")
+"""`EngineConfig` fields that only the built-in engine reads: set off their default for vLLM, they are refused."""
 
 
 def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
@@ -602,6 +613,13 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
             raise ConfigError(f"{', '.join('engine.' + k for k in ignored)} only apply to vLLM, and this run's engine "
                               f"is engine.kind={cfg.engine_kind} (the built-in engine sizes its paged KV cache as "
                               "requests need it and runs eagerly): leave them unset, or set engine.kind=vllm")
+    else:
+        default = EngineConfig()
+        ignored = [k for k in BUILTIN_ONLY_ENGINE_SETTINGS if getattr(cfg.engine, k) != getattr(default, k)]
+        if ignored:
+            raise ConfigError(f"{', '.join('engine.' + k for k in ignored)} only apply to the built-in engine (vLLM's "
+                              "prefix cache serves a conversation's next turn), and this run's engine is "
+                              "engine.kind=vllm: leave them unset")
 
     per_sync = cfg.groups_per_step * t.trigger_parameter_sync_step
     if r.groups_per_sync != per_sync:

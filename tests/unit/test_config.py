@@ -254,6 +254,18 @@ def test_vllm_only_engine_settings_are_refused_for_the_built_in_engine(setting):
     assert setting.split("=")[0] in str(e.value) and "engine.kind=torch" in str(e.value)
 
 
+@pytest.mark.parametrize("setting", ["engine.session_idle_s=5", "engine.session_max_blocks=0"])
+def test_built_in_only_engine_settings_reach_it_and_are_refused_for_vllm(setting):
+    key, value = setting.split("=")
+    cfg, _ = load_config([], ["engine.kind=torch", setting])
+    assert cfg.engine_kwargs("/m")[key.split(".")[1]] == float(value)
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["engine.kind=vllm", setting])
+    assert key in str(e.value) and "engine.kind=vllm" in str(e.value)
+    with pytest.raises(ConfigError, match="session_max_blocks"):
+        load_config([], ["engine.session_max_blocks=-1"])
+
+
 def test_a_config_yaml_printed_with_the_old_disabled_skip_rollout_role_still_loads(tmp_path):
     """Run directories written before ``skip.rollout`` left the run config resume; an enabled one is refused."""
     old = tmp_path / "config.yaml"
