@@ -128,6 +128,10 @@ def _run_launch(*args, timeout: float = 420.0) -> str:
                             stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
     try:
         out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # say where it was: the output's tail, not its first line
+        tail = e.output.decode(errors="replace") if isinstance(e.output, bytes) else e.output or ""
+        tail = tail[-4000:]
+        raise AssertionError(f"the launcher ran past {timeout:g} s; its output ended with:\n{tail}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

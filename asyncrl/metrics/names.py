@@ -69,6 +69,14 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine/{i}/requests": (R, "requests replica i's engine accepted so far (a restarted replica counts from 0)"),
     "engine/{i}/tokens_generated": (R, "tokens replica i's engine generated so far (a restarted replica counts from 0)"),
     "engine/reprefill_tokens": (R, "tokens prefilled again after a pause, all engines, so far"),
+    "engine/session_live": (R, "conversations whose last turn's KV the built-in engines keep for their next turn, now"),
+    "engine/session_blocks": (R, "KV blocks those kept turns hold, all engines, now"),
+    "engine/session_kept": (R, "turns whose KV the built-in engines kept for the conversation's next turn, so far"),
+    "engine/session_hits": (R, "turns that reused their conversation's kept KV (prefilled only their new tokens), so far"),
+    "engine/session_tokens_reused": (R, "prompt tokens those turns did not prefill, so far"),
+    "engine/session_misses": (R, "kept turns released unused: the next turn's prompt did not extend them, so far"),
+    "engine/session_evicted": (R, "kept turns freed for the block budget (session_max_blocks) or after session_idle_s, so far"),
+    "engine/session_dropped": (R, "kept turns freed at a weight update or a cleared cache, so far"),
     "engine/requests_spread": (R, "(max - min) / mean of the requests sent to each live engine replica so far (0: even)"),
     "engine/prefill_tokens_per_group": (R, "prompt tokens the built-in engine prefilled per group call (mean over the calls "
                                            "ended in the interval; equals prompt_tokens_per_group when each group's "

@@ -32,6 +32,12 @@ ENGINE_COUNTERS = ("groups", "group_prompt_tokens", "group_prefill_tokens", "pro
 """Engine counters (summed over replicas) behind the shared-prefill metrics (`prefill_metrics`)."""
 
 
+SESSION_KEYS = ("session_live", "session_blocks", "session_kept", "session_hits", "session_tokens_reused",
+                "session_misses", "session_evicted", "session_dropped")
+"""The built-in engine's conversation counters (`asyncrl.rollouter.engines.builtin.sessions`), summed
+over the replicas as ``engine/{key}``."""
+
+
 def engine_counters(stats: list[dict]) -> dict[str, int]:
     """`ENGINE_COUNTERS` summed over the replicas' ``stats()`` (`EngineActor.stats`)."""
     return {k: sum(int(s.get(k, 0)) for s in stats) for k in ENGINE_COUNTERS}
@@ -71,7 +77,7 @@ class RolloutReporter:
         for i, s in enumerate(stats):
             for key in ("running", "queued", "kv_tokens", "requests", "tokens_generated"):
                 out[f"engine/{i}/{key}"] = s.get(key, 0)
-        for key in ("running", "queued", "kv_tokens", "reprefill_tokens", "preempted"):
+        for key in ("running", "queued", "kv_tokens", "reprefill_tokens", "preempted", *SESSION_KEYS):
             out[f"engine/{key}"] = sum(s.get(key, 0) for s in stats)
         tokens = sum(s.get("tokens_generated", 0) for s in stats)
         if self._last_tokens is not None and now > self._last_t:

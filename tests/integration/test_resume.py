@@ -12,8 +12,7 @@ launcher itself killed with SIGKILL (its local Ray cluster dies with it). Then:
 - on-policy (staleness 0, a sync every step) the interrupted run ends with the same parameters
   (within 1e-6) and the same ``samples.jsonl`` as an uninterrupted run with the same seed.
 
-Actors are found among the launcher's own descendants (``ray::<Class>`` process titles) and
-killed by pid.
+Actors are found among the launcher's own descendants and killed by pid (`launching.Launch`).
 """
 
 from __future__ import annotations
@@ -21,105 +20,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import random
 import signal
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from asyncrl.hang import WARMUP_STEPS
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.types import CommittedSet, parse_sample_id
+from tests.integration.launching import Launch
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, GROUPS = 14, 2
 COMMON = ["--steps", str(STEPS), "--n", "2", "--groups-per-step", str(GROUPS), "--max-tokens", "3",
           "--lr", "1e-3", "--sync-every", "1", "--staleness-threshold", "0", "--engines", "2", "--seed", "3",
           "trainer.checkpoint_every=2", "--max-restarts", "0"]  # each death stops the run (restarts: below)
-T = 600.0  # deadline of any one wait (the shared CI machine starts Ray slowly)
-
-
-class Launch:
-    """One ``python -m asyncrl.launch`` process in its own session; its output read by a thread."""
-
-    def __init__(self, *args: str):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "asyncrl.launch", *args], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_line(self, prefix: str) -> str:
-        """The next line of output starting with ``prefix`` (earlier lines are passed over)."""
-        while True:
-            try:
-                line = self._queue.get(timeout=T)
-            except queue.Empty:
-                raise AssertionError(f"no {prefix!r} within {T}s:\n{self.output[-3000:]}") from None
-            if line is None:
-                raise AssertionError(f"the launcher exited before {prefix!r}:\n{self.output[-3000:]}")
-            if line.startswith(prefix):
-                return line
-
-    def wait_step(self, step: int) -> None:
-        self.wait_line(f"step {step:3d}/")
-
-    def restored_step(self) -> int:
-        """The step a resumed launcher restored (from its 'resumed at step N, ...' line)."""
-        return int(self.wait_line("asyncrl: resumed at step ").split()[4].rstrip(","))
-
-    def actor_pids(self, cls: str) -> list[int]:
-        out = []
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if p.cmdline() and p.cmdline()[0].startswith(f"ray::{cls}"):
-                    out.append(p.pid)
-            except psutil.Error:
-                pass
-        assert out, f"no ray::{cls} process under the launcher"
-        return out
-
-    def finish(self) -> int:
-        try:
-            return self.proc.wait(timeout=T)
-        finally:
-            self.kill_all()
-
-    def kill_all(self) -> list[psutil.Process]:
-        """SIGKILL the launcher, then every process under it still there after 60 s (by pid); returns those."""
-        try:
-            family = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            family = []
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        _, alive = psutil.wait_procs(family, timeout=60)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=30)
-        return alive
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
 
 
 def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:

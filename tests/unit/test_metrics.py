@@ -323,7 +323,8 @@ async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
             self.groups += 2
             return {"running": self.running, "queued": 1, "kv_tokens": 5, "tokens_generated": self.tokens,
                     "groups": self.groups, "group_prompt_tokens": 6 * self.groups,
-                    "group_prefill_tokens": 6 * self.groups * (1 if self.shared else 4)}
+                    "group_prefill_tokens": 6 * self.groups * (1 if self.shared else 4),
+                    "session_hits": self.running, "session_tokens_reused": 10 * self.running}
 
     class Rollouter:
         sent, admitted, failed, version = 3, 5, 1, 2
@@ -344,6 +345,7 @@ async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
     assert "throughput/generated_tokens_per_s" not in first and second["throughput/generated_tokens_per_s"] > 0
     assert "fully_async/rollouter/idle_ratio" not in first and 0 < second["fully_async/rollouter/idle_ratio"] <= 1
     assert second["engine/requests_spread"] == 0.25
+    assert (second["engine/session_hits"], second["engine/session_tokens_reused"]) == (6, 60)  # summed over engines
     assert second["engine/prefill_tokens_per_group"] == second["engine/prompt_tokens_per_group"] == 6
     assert "engine/prefix_cache_hit_rate" not in second  # no vLLM counters
     assert all(is_known(n) for n in second), [n for n in second if not is_known(n)]

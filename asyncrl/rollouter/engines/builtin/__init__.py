@@ -2,8 +2,9 @@
 
 One concern a file: `engine` (the scheduler: admit, step, pause, weights), `model_runner` (one
 step's forward and sampling over every running request), `kv_cache` (paged KV blocks shared by a
-group's requests), `decoder` (the lean forward for Llama-layout models), `sampling` (seeded draws
-and behaviour log-probs), `config` (`TorchEngineConfig`).
+group's requests), `sessions` (a conversation's blocks kept between its turns), `decoder` (the lean
+forward for Llama-layout models), `sampling` (seeded draws and behaviour log-probs), `config`
+(`TorchEngineConfig`).
 """
 
 from asyncrl.rollouter.engines.builtin.config import TorchEngineConfig

@@ -35,6 +35,12 @@ class TorchEngineConfig:
     decoder: str = "auto"
     """``auto``: the lean Llama-layout forward (`asyncrl.rollouter.engines.builtin.decoder`) where the model has
     that layout, else the model's own; ``hf``: always the model's own ``forward``."""
+    session_idle_s: float = 60.0
+    """A conversation's kept KV (`asyncrl.rollouter.engines.builtin.sessions`) is freed when its next
+    turn has not come this many seconds after the last one ended (a tool call that slow is rare)."""
+    session_max_blocks: int = 2048
+    """Most KV blocks (16 tokens each) the kept turns of conversations may hold together; beyond it
+    the least recently kept is freed. 0 keeps nothing: every turn prefills its whole prompt."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype != "auto":
@@ -48,5 +54,9 @@ class TorchEngineConfig:
             raise ValueError(f"max_model_len must be >= 2 (or None for the model's), got {self.max_model_len}")
         if self.decoder not in ("auto", "hf"):
             raise ValueError(f"decoder must be 'auto' or 'hf', got {self.decoder!r}")
+        if self.session_idle_s <= 0:
+            raise ValueError(f"session_idle_s must be > 0, got {self.session_idle_s}")
+        if self.session_max_blocks < 0:
+            raise ValueError(f"session_max_blocks must be >= 0 (0 keeps no session's KV), got {self.session_max_blocks}")
         if self.pause_timeout_s <= 0:
             raise ValueError(f"pause_timeout_s must be > 0, got {self.pause_timeout_s}")

@@ -31,8 +31,11 @@ Pause modes are vLLM's (see `asyncrl.rollouter.engines.base`): ``abort`` ends ev
 running requests with their KV cache and queues new ones. ``clear_cache=True`` with
 ``keep`` drops the KV; on resume the engine re-prefills prompt + generated tokens (counted
 in ``stats()["reprefill_tokens"]``). Figures and where a step's time goes: ``docs/engine.md``.
-Left out: prefix caching across groups (only a group's own requests share their prompt's
-blocks), chunked prefill, speculative decoding, tensor parallelism.
+
+Conversations: a turn with a ``session_id`` that ends (stop/length) leaves its KV blocks kept
+under the session; the next turn, on the same weights and with a prompt that extends the kept
+tokens, prefills only its new tokens (`asyncrl.rollouter.engines.builtin.sessions`). Left out:
+prefix caching across groups and sessions, chunked prefill, speculative decoding, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class TorchEngine:
             eos = mcfg.eos_token_id
             self._eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._runner = ModelRunner(self.model, config.device, config.seed, config.decoder)
+        self._runner = ModelRunner(self.model, config.device, config.seed, config.decoder,
+                                   session_idle_s=config.session_idle_s, session_max_blocks=config.session_max_blocks)
         self._version = 0
         self._queued: deque[Sequence] = deque()
         self._running: dict[str, Sequence] = {}
@@ -155,7 +159,10 @@ class TorchEngine:
         return await seq.future
 
     async def end_session(self, session_id: str) -> None:
-        """Nothing is kept between a session's turns yet: each turn prefills its whole prompt."""
+        """Free the KV blocks kept for ``session_id``'s next turn (a turn of it still running is kept
+        when it ends, until the idle timeout ``session_idle_s``); an unknown id is ignored."""
+        async with self._start():
+            self._runner.sessions.end(session_id)
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
@@ -273,6 +280,7 @@ class TorchEngine:
                     raise ValueError(
                         f"load_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
                     )
+            self._runner.weights_changed()
             await asyncio.to_thread(self._copy_weights, named)
 
     def weight_views(self) -> dict[str, torch.Tensor]:
@@ -284,6 +292,7 @@ class TorchEngine:
         """
         if self._paused is None:
             raise EngineError("weight_views needs a paused engine: call pause('keep') first")
+        self._runner.weights_changed()  # the caller may write into them
         return {name: p.detach() for name, p in self._params.items()}
 
     @torch.no_grad()
@@ -296,20 +305,18 @@ class TorchEngine:
         cond = self._start()
         async with cond:
             self._version = int(version)
+            self._runner.weights_changed()
 
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> dict[str, int]:
-        """running, queued, requests (accepted so far), tokens_generated, kv_tokens, reprefill_tokens
-        (+ prefill_tokens: prompt tokens computed; shared_prefill_tokens: prompt tokens a request
-        took from another's prefill; steps, version)."""
-        return dict(
-            running=len(self._running),
-            queued=len(self._queued),
-            kv_tokens=sum(seq.cached for seq in self._running.values()),
-            version=self._version,
-            **self._counters,
-        )
+        """running, queued, requests (accepted so far), tokens_generated, kv_tokens, reprefill_tokens,
+        prefill_tokens (prompt tokens computed), shared_prefill_tokens (taken from another's prefill), steps,
+        version; session_live, session_blocks (kept turns now) and `sessions.COUNTERS`."""
+        sessions = self._runner.sessions
+        return dict(running=len(self._running), queued=len(self._queued),
+                    kv_tokens=sum(seq.cached for seq in self._running.values()), version=self._version,
+                    session_live=len(sessions), session_blocks=sessions.blocks, **self._counters, **sessions.counters)
 
     def kv_memory(self) -> dict[str, int]:
         """KV cache memory: ``bytes`` the block pools hold now and ``peak_bytes`` ever; ``used_bytes``
@@ -338,9 +345,7 @@ class TorchEngine:
                     if self._running:
                         await self._step()
                     cond.notify_all()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # (not CancelledError: a BaseException)
             # Forwarded to every waiting caller; later calls re-raise it from _check_open.
             self._failure = exc
             self._fail_all(EngineError(f"the engine's scheduler failed: {exc!r}"))
@@ -356,6 +361,8 @@ class TorchEngine:
             del self._running[seq.rid]
         if not self._running:
             return
+        if self._runner.sessions:
+            self._runner.sessions.expire()
         plan = self._runner.plan(list(self._running.values()), self._version)
         tokens, logprobs = await asyncio.to_thread(self._runner.forward, plan)
         version = self._version
@@ -375,6 +382,8 @@ class TorchEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._running.pop(seq.rid, None)
+        if seq.request.session_id is not None and reason in ("stop", "length"):
+            self._runner.keep(seq, self._version)
         _resolve(seq, seq.result(reason))
 
     def _fail_all(self, error: BaseException) -> None:

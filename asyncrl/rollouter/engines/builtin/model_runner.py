@@ -13,7 +13,9 @@ the same tokens: the first runs the prompt, the others take its blocks (shared, 
 write) and sample their first token, each with its own seed, from its logits. A request
 admitted later, while a request with its prompt still runs and the weights are the same
 version: it takes that request's blocks for all but the prompt's last token and feeds only
-that one.
+that one. A turn of a conversation (``session_id``) whose earlier turn's blocks are kept
+(`asyncrl.rollouter.engines.builtin.sessions`) adopts them and feeds only the tokens past them,
+among the prompts; a finished turn hands its blocks to the session (`keep`).
 
 The forward is `asyncrl.rollouter.engines.builtin.decoder.LlamaDecoder` for Llama-layout models, else the
 model's own ``forward``. `plan` (bookkeeping) runs on the engine's event loop between steps;
@@ -32,6 +34,7 @@ import torch
 from asyncrl.rollouter.engines.builtin.decoder import LlamaDecoder
 from asyncrl.rollouter.engines.builtin.kv_cache import PagedKVCache, step_masks
 from asyncrl.rollouter.engines.builtin.sampling import sample_tokens
+from asyncrl.rollouter.engines.builtin.sessions import SessionKV
 from asyncrl.types import GenerateRequest, GenerateResult
 
 
@@ -53,6 +56,9 @@ class Sequence:
     ``clear_cache``)."""
     prefilled: int = 0
     """Prompt tokens computed for it (its part of the engine's ``prefill_tokens``)."""
+    stale_kv: bool = False
+    """Its cache holds keys/values of weights replaced since (it was paused with ``keep`` across a
+    weight update): not kept for its session's next turn."""
 
     @property
     def rid(self) -> str:
@@ -106,7 +112,8 @@ PAD_BUDGET = 256
 class ModelRunner:
     """Runs the model for the scheduler: the paged KV cache, the forward, the sampler."""
 
-    def __init__(self, model, device: str, seed: int, decoder: str = "auto") -> None:
+    def __init__(self, model, device: str, seed: int, decoder: str = "auto", session_idle_s: float = 60.0,
+                 session_max_blocks: int = 2048) -> None:
         self.model = model
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
@@ -120,14 +127,38 @@ class ModelRunner:
         """Prompt -> (a running request that prefilled it, the weight version it did so under)."""
         self.peak_tokens = 0
         """Most tokens the running requests had cached at once (shared prompt tokens counted per request)."""
+        self.sessions = SessionKV(self.cache, session_idle_s, session_max_blocks)
+        """Finished turns' blocks kept for their conversation's next turn."""
 
     def drop_kv(self) -> None:
         """Forget every request's cache (they re-prefill from their tokens)."""
         for seq in self.held:
-            seq.blocks, seq.cached = [], 0
+            seq.blocks, seq.cached, seq.stale_kv = [], 0, False
         self.held = []
         self.donors.clear()
+        self.sessions.clear()
         self.cache.clear()
+
+    def keep(self, seq: Sequence, version: int) -> None:
+        """``seq``, a turn of a session, ended: keep its blocks for the session's next turn (not when
+        its cache outlived a weight update)."""
+        if seq.cached and not seq.stale_kv:
+            self.sessions.keep(seq.request.session_id, seq.blocks, seq.tokens[: seq.cached], version)
+            seq.blocks = []  # the session holds them now
+
+    def weights_changed(self) -> None:
+        """The weights changed: kept turns are stale, and so is every running request's cache."""
+        for seq in self.held:
+            seq.stale_kv = seq.stale_kv or seq.cached > 0
+        self.sessions.clear()
+
+    def _resume(self, seq: Sequence, version: int) -> bool:
+        """Give ``seq`` its session's kept blocks where they hold the start of its prompt."""
+        kept = self.sessions.take(seq.request.session_id, seq.tokens, version)
+        if kept is None:
+            return False
+        seq.blocks, seq.cached = kept
+        return True
 
     @torch.inference_mode()
     def plan(self, running: list[Sequence], version: int) -> StepPlan:
@@ -140,11 +171,14 @@ class ModelRunner:
         self.held = list(running)
         self.donors = {k: d for k, d in self.donors.items() if id(d[0]) in live and d[1] == version}
         leaders: dict[tuple[int, ...], int] = {}
-        decode, prefill, followers, lead_of = [], [], [], []
+        decode, prefill, followers, lead_of, resumed = [], [], [], [], []
         taken, fed = 0, 0  # prompt tokens taken from running requests; requests fed that way
         for seq in running:
             if not seq.needs_prefill:
                 decode.append(seq)
+                continue
+            if seq.request.session_id is not None and not seq.n_generated and self._resume(seq, version):
+                resumed.append(seq)  # its conversation's earlier turns are cached: it feeds the rest
                 continue
             key = tuple(seq.tokens)
             if key in leaders:
@@ -161,7 +195,7 @@ class ModelRunner:
                 prefill.append(seq)
                 if not seq.n_generated:
                     self.donors[key] = (seq, version)
-        rows = decode + prefill
+        rows = decode + prefill + resumed
         pending = [s.tokens[s.cached :] for s in rows]
         for seq, p in zip(rows, pending):
             if seq.needs_prefill or not seq.n_generated:  # a prompt (or one re-read after clear_cache); fed: 1 token
@@ -174,7 +208,8 @@ class ModelRunner:
             leader = prefill[lead]
             seq.blocks, seq.cached = self.cache.fork(leader.blocks), leader.cached
         self.peak_tokens = max(self.peak_tokens, sum(s.cached for s in running))
-        # Prompts run whole, plus the last prompt token of each request fed from a running one.
+        # Prompts run whole (a resumed turn: past its kept tokens), plus the last prompt token of each
+        # request fed from a running one.
         prefill_tokens = sum(len(p) for p in pending[len(decode):]) + fed
         return StepPlan(rows, pending, starts, len(decode), followers, [len(decode) + i for i in lead_of],
                         prefill_tokens=prefill_tokens, shared_tokens=taken + sum(s.cached for s in followers))
