@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict:
 def agent_main(args: argparse.Namespace) -> dict:
     """``--agent``: many conversations at once (`bench_scale_agent`)."""
     print(f"bench_scale --agent: {args.agent_conversations} conversations at once, {args.agent_turns} turns each, "
-          f"n={args.n}, {args.agent_replicas} simulated replicas in process ({args.max_running} slots x "
+          f"n={args.agent_n}, {args.agent_replicas} simulated replicas in process ({args.max_running} slots x "
           f"{args.tokens_per_s:g} tokens/s), tool latency median {args.tool_median_s:g} s p99 {args.tool_p99_s:g} s; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     result = asyncio.run(bench_scale_agent.agent_run(args))

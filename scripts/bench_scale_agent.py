@@ -13,8 +13,9 @@ as an async tool (a task on the loop, under its timeout and concurrency bound).
 The feed admits ``--agent-rounds`` times the concurrency in all; the run ends when every
 admitted group was sent. Measured:
 
-- ``loop_lag_p99_ms``: a timer task sleeps 10 ms again and again and records how late it wakes
-  (the Rollouter's loop, which here also runs the replicas' schedulers: an upper bound);
+- ``loop_lag_p99_ms``: a timer task sleeps 10 ms again and again and records how late it wakes,
+  over the whole run (the Rollouter's loop, which here also runs the replicas' schedulers: an
+  upper bound); ``window_lag_*`` over the window below only (the start's admission burst left out);
 - ``turn_req_s``, ``tool_calls_per_s``: engine requests and tool calls a second while the
   concurrency was full (from the first moment it was, until the feed admitted its last group);
 - ``lost`` / ``duplicated``: admitted conversations (prompt, k) that ended in no sent group / in
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import math
 import os
 import time
@@ -43,6 +45,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--agent", action="store_true", help="run the agent-loop scale bench instead of the replica sizes")
     g.add_argument("--agent-conversations", type=int, default=1000, help="conversations in flight at once")
     g.add_argument("--agent-rounds", type=float, default=2.0, help="conversations admitted in all, in units of the above")
+    g.add_argument("--agent-n", type=int, default=1,
+                   help="conversations per prompt (1: each its own group, so every one in flight is live; with more, "
+                        "a group holds its slot until its slowest conversation ends)")
     g.add_argument("--agent-turns", type=int, default=4, help="model turns per conversation (a tool call after each but the last)")
     g.add_argument("--agent-replicas", type=int, default=32, help="simulated replicas (in this process)")
     g.add_argument("--tool-median-s", type=float, default=0.2, help="tool latency: the log-normal's median")
@@ -74,11 +79,13 @@ class SimToolEnv(Env):
         self.turn = 0
 
     async def reset(self, prompt):
+        self.counts["live"] += 1
         return [{"role": "user", "content": prompt.text}]
 
     async def step(self, assistant_text: str) -> Step:
         self.turn += 1
         if self.turn >= self.turns:
+            self.counts["live"] -= 1
             return Step(observation=[], done=True)
         output = await self.runner.call(self.sleep_tool, {"seconds": self.latency.draw()})
         self.counts["tool_calls"] += 1
@@ -125,12 +132,31 @@ class _Sink:
         self.changed.set()
 
 
-async def _lag_timer(lags: list[float], stop: asyncio.Event) -> None:
-    """How late a 10 ms sleep wakes, again and again: the event loop's lag."""
+class GcPauses:
+    """Durations of the collector's runs (a pause of the event loop the lag timer also sees)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self.oldest: list[float] = []
+        """Those of full collections (generation 2)."""
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._t0)
+            if info["generation"] == 2:
+                self.oldest.append(self.pauses[-1])
+
+
+async def _lag_timer(lags: list[float], live: list[int], counts: dict, stop: asyncio.Event) -> None:
+    """How late a 10 ms sleep wakes, again and again: the event loop's lag (and the live conversations then)."""
     while not stop.is_set():
         t0 = time.perf_counter()
         await asyncio.sleep(LAG_TICK_S)
         lags.append(time.perf_counter() - t0 - LAG_TICK_S)
+        live.append(counts["live"])
 
 
 def check_delivery(admitted: list[str], sent, n: int, turns: int) -> dict:
@@ -152,12 +178,12 @@ async def agent_run(args: argparse.Namespace) -> dict:
     from asyncrl.rollouter.actor import EngineActor
     from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, settle_gc
 
-    n = args.n
+    n = args.agent_n
     if args.agent_conversations % n:
         raise SystemExit(f"--agent-conversations ({args.agent_conversations}) must be a multiple of --n ({n})")
     concurrent = args.agent_conversations // n
     total = max(concurrent, round(concurrent * args.agent_rounds))
-    counts = {"tool_calls": 0}
+    counts = {"tool_calls": 0, "live": 0}
     agent = _agent(args, counts)
     prefill = args.prefill_tokens_per_s or None
     engines = [EngineActor(kind="sim", max_running=args.max_running, tokens_per_s=args.tokens_per_s,
@@ -181,17 +207,20 @@ async def agent_run(args: argparse.Namespace) -> dict:
         return sum([(await e.stats())["requests"] for e in engines])
 
     lags: list[float] = []
+    live: list[int] = []
     stop = asyncio.Event()
     settle_gc()
-    timer = asyncio.create_task(_lag_timer(lags, stop))
+    gc_pauses = GcPauses()
+    gc.callbacks.append(gc_pauses)
+    timer = asyncio.create_task(_lag_timer(lags, live, counts, stop))
     t_start, c_start = time.perf_counter(), time.process_time()
     run = asyncio.create_task(rollouter.run(num_groups=total))
     try:
         while len(admitted) < concurrent and not run.done():  # the window opens once the concurrency is full
             await asyncio.sleep(0.005)
-        t0, r0, k0, lag0 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags)
+        t0, r0, k0, lag0, cpu0 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags), time.process_time()
         await run  # returns once the feed admitted its last group
-        t1, r1, k1, lag1 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags)
+        t1, r1, k1, lag1, cpu1 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags), time.process_time()
         deadline = time.monotonic() + 600
         while len(sink.sent) < len(admitted) and time.monotonic() < deadline:
             sink.changed.clear()
@@ -209,30 +238,37 @@ async def agent_run(args: argparse.Namespace) -> dict:
         for e in engines:
             await e.close()
         agent.close()
+        gc.callbacks.remove(gc_pauses)
     window = max(t1 - t0, 1e-9)
     turn_requests = sum(s["requests"] for s in stats)
     turns = [t for _, _, trajectories in sink.sent for _, t in trajectories]
-    window_lags = lags[lag0:lag1] or lags
+    window_lags = lags[lag0:lag1] or lags  # the concurrency full; ``lags``: the whole run, its start's burst included
     return {
         "agent_conversations": args.agent_conversations, "conversations_admitted": len(admitted) * n,
         "conversations_sent": len(turns), "loop_lag_p50_ms": 1e3 * float(np.percentile(window_lags, 50)),
-        "loop_lag_p99_ms": 1e3 * float(np.percentile(window_lags, 99)), "loop_lag_max_ms": 1e3 * max(window_lags),
-        "turn_req_s": (r1 - r0) / window, "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
+        "loop_lag_p99_ms": 1e3 * float(np.percentile(lags, 99)), "loop_lag_max_ms": 1e3 * max(lags),
+        "window_lag_p99_ms": 1e3 * float(np.percentile(window_lags, 99)),
+        "window_lag_max_ms": 1e3 * max(window_lags), "live_conversations_mean": float(np.mean(live[lag0:lag1] or [0])),
+        "turn_req_s": (r1 - r0) / window, "cpu_ms_per_turn": 1e3 * (cpu1 - cpu0) / max(r1 - r0, 1), "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
         "mean_turns": float(np.mean(turns)) if turns else 0.0,
         **check_delivery(admitted, sink.sent, n, args.agent_turns),
         "turn_requests": turn_requests, "engine_calls_per_turn": rollouter.pool.calls / max(turn_requests, 1),
         "prefill_tokens_per_turn": sum(s["prefill_tokens"] for s in stats) / max(turn_requests, 1),
         "session_tokens_reused_per_turn": sum(s["session_tokens_reused"] for s in stats) / max(turn_requests, 1),
-        "cpu_util": cpu / wall, "wall_s": wall, "replicas": args.agent_replicas, "load_avg_1m": os.getloadavg()[0],
+        "gc_pauses": len(gc_pauses.pauses), "gc_pause_max_ms": 1e3 * max(gc_pauses.pauses, default=0.0),
+        "gc_pause_total_ms": 1e3 * sum(gc_pauses.pauses), "gc_full": len(gc_pauses.oldest),
+        "gc_full_max_ms": 1e3 * max(gc_pauses.oldest, default=0.0), "cpu_util": cpu / wall, "wall_s": wall, "replicas": args.agent_replicas, "load_avg_1m": os.getloadavg()[0],
     }
 
 
 def report(result: dict) -> str:
     r = result
     return (f"agent: {r['agent_conversations']} conversations at once ({r['conversations_admitted']} admitted, "
-            f"{r['conversations_sent']} sent, {r['wall_s']:.1f} s, CPU {r['cpu_util']:.2f}): loop lag p50 "
-            f"{r['loop_lag_p50_ms']:.1f} p99 {r['loop_lag_p99_ms']:.1f} max {r['loop_lag_max_ms']:.1f} ms (target <= "
-            f"{TARGET_LOOP_LAG_P99_MS:g}), {r['turn_req_s']:.0f} turn requests/s (target >= {TARGET_TURN_REQ_S:g}), "
+            f"{r['conversations_sent']} sent, {r['live_conversations_mean']:.0f} live on average, {r['wall_s']:.1f} s, CPU {r['cpu_util']:.2f}): loop lag p50 "
+            f"{r['loop_lag_p50_ms']:.1f} p99 {r['loop_lag_p99_ms']:.1f} max {r['loop_lag_max_ms']:.1f} ms (target p99 <= "
+            f"{TARGET_LOOP_LAG_P99_MS:g}; at full concurrency p99 {r['window_lag_p99_ms']:.1f} max "
+            f"{r['window_lag_max_ms']:.1f} ms; GC max {r['gc_pause_max_ms']:.1f} ms), {r['turn_req_s']:.0f} turn "
+            f"requests/s (target >= {TARGET_TURN_REQ_S:g}; {r['cpu_ms_per_turn']:.2f} ms CPU each), "
             f"{r['tool_calls_per_s']:.0f} tool calls/s, mean turns {r['mean_turns']:.2f}, {r['engine_calls_per_turn']:.2f} "
             f"engine calls/turn, prefill {r['prefill_tokens_per_turn']:.1f} tokens/turn (reused "
             f"{r['session_tokens_reused_per_turn']:.1f}); lost {r['lost']} duplicated {r['duplicated']} bad turns "
