@@ -34,6 +34,11 @@ prompts to fill every slot. After ``--warmup-s`` the clock runs ``--seconds``. R
 - ``rss_mb``: the Rollouter process's resident memory at the end.
 
     python scripts/bench_scale.py --json
+
+``--agent`` runs another bench instead: 1,000 multi-turn tool-using conversations at once through
+one Rollouter (`bench_scale_agent`: the event loop's lag, turn requests/s, nothing lost or duplicated).
+
+    python scripts/bench_scale.py --agent --json
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import statistics
 import time
 
 import numpy as np
+
+import bench_scale_agent
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -80,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the replicas live: Ray actors (the headline figures) and/or the Rollouter's process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    bench_scale_agent.add_args(p)
     return p.parse_args(argv)
 
 
@@ -570,6 +577,8 @@ def _summary(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.agent:
+        return agent_main(args)
     load = os.getloadavg()
     print(f"bench_scale: replicas {args.replicas}, {args.max_running} slots x {args.tokens_per_s:g} tokens/s each, "
           f"n={args.n}, trainer {args.train_groups_s:g} groups/s, {args.seconds:g} s per size after "
@@ -595,6 +604,20 @@ def main(argv: list[str] | None = None) -> dict:
           f"p99 {largest['sync_fanout_p99_ms']:.1f} ms (target <= {TARGET_FANOUT_P99_MS:g}), CPU per request "
           f"{result['cpu_ratio_vs_8']}x of at 8 (target <= {TARGET_CPU_RATIO}); load average now "
           f"{os.getloadavg()[0]:.2f}", flush=True)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+def agent_main(args: argparse.Namespace) -> dict:
+    """``--agent``: many conversations at once (`bench_scale_agent`)."""
+    print(f"bench_scale --agent: {args.agent_conversations} conversations at once, {args.agent_turns} turns each, "
+          f"n={args.agent_n}, {args.agent_replicas} simulated replicas in process ({args.max_running} slots x "
+          f"{args.tokens_per_s:g} tokens/s), tool latency median {args.tool_median_s:g} s p99 {args.tool_p99_s:g} s; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    result = asyncio.run(bench_scale_agent.agent_run(args))
+    result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+    print(bench_scale_agent.report(result), flush=True)
     if args.json:
         print(json.dumps(result))
     return result

@@ -80,7 +80,8 @@ log = logging.getLogger("asyncrl.rollouter")
 
 
 _ADMIT_BURST = 64
-"""Groups the feed admits in one turn of the event loop before it lets other work run."""
+"""Groups the feed admits in one turn of the event loop before it lets other work run; with an
+agent loop, conversations (each starts by rendering its prompt on the loop: ~0.6 ms, docs/scale.md)."""
 
 
 class Rollouter:
@@ -227,6 +228,7 @@ class Rollouter:
             async with self._gate:
                 await self._open_round()
         burst = 0
+        weight = 1 if self.agent is None else self.cfg.n * self.agent.sessions  # what one admission starts
         try:
             async with asyncio.TaskGroup() as tg:
                 while stop_at is None or self.admitted < stop_at:
@@ -242,8 +244,9 @@ class Rollouter:
                     self.stats.gate_blocked_s += time.monotonic() - t0
                     # A sync opens the gate for a whole step at once: start its groups a few at a time,
                     # one event-loop turn apart, so a pause or resume waits behind a few groups' start.
-                    burst += 1
-                    if burst % _ADMIT_BURST == 0:
+                    burst += weight
+                    if burst >= _ADMIT_BURST:
+                        burst = 0
                         await asyncio.sleep(0)
         except* GroupFilterStalled as eg:  # nothing passes the filter: the run stops, saying so
             raise eg.exceptions[0] from None

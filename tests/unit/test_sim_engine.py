@@ -187,3 +187,62 @@ async def test_an_id_in_flight_is_refused_and_free_again_once_it_ended(until):
         assert len((await engine.generate(req("same", max_tokens=3))).response_ids) == 3
     finally:
         await engine.close()
+
+
+def turn(rid: str, prompt, session: str | None = "s", seed: int = 1) -> GenerateRequest:
+    return GenerateRequest(rid, np.asarray(prompt, dtype=np.int64), max_tokens=400, session_id=session,
+                           sampling=SamplingParams(seed=seed))
+
+
+async def test_a_turn_that_extends_its_session_prefills_only_its_new_tokens():
+    engine = SimEngine(tokens_per_s=1e6, max_running=8, median_tokens=3, long_tail=1)
+    try:
+        prompt = np.arange(3, 13)  # 10 tokens
+        first = await engine.generate(turn("t0", prompt))
+        assert engine.stats()["prefill_tokens"] == 10 and engine.stats()["session_live"] == 1
+        context = np.concatenate([prompt, first.response_ids, [7, 8]])  # turn, then a 2-token observation
+        second = await engine.generate(turn("t1", context))
+        s = engine.stats()
+        assert s["prefill_tokens"] == 10 + 2 and s["session_hits"] == 1
+        assert s["session_tokens_reused"] == 10 + len(first.response_ids)
+        # a prompt that does not extend the kept turn prefills whole
+        diverged = np.concatenate([context[:-1], [9], second.response_ids, [4]])
+        third = await engine.generate(turn("t2", diverged))
+        assert engine.stats()["prefill_tokens"] == 12 + len(diverged)
+        assert engine.stats()["session_misses"] == 1
+        # t2's turn is kept, but the weights changed since: its extension prefills whole
+        before = engine.stats()["prefill_tokens"]
+        await engine.pause("keep")
+        await engine.finish_weight_update(1)
+        await engine.resume()
+        extended = np.concatenate([diverged, third.response_ids, [5]])
+        await engine.generate(turn("t3", extended))
+        assert engine.stats()["prefill_tokens"] == before + len(extended)
+        assert engine.stats()["session_misses"] == 2 and engine.stats()["session_hits"] == 1
+        # after end_session the next turn prefills whole too; another session never shares
+        await engine.end_session("s")
+        assert engine.stats()["session_live"] == 0
+        await engine.generate(turn("o", prompt, session="other"))
+        assert engine.stats()["session_hits"] == 1 and engine.stats()["session_live"] == 1
+    finally:
+        await engine.close()
+
+
+async def test_prefill_takes_time_for_new_tokens_only():
+    # 1,000 prompt tokens a second: a 300-token prompt waits >= 0.3 s before its first token
+    engine = SimEngine(tokens_per_s=1e5, max_running=8, median_tokens=2, long_tail=1, prefill_tokens_per_s=1000)
+    try:
+        t0 = time.monotonic()
+        first = await engine.generate(turn("a", np.arange(300) % 50 + 3))
+        assert time.monotonic() - t0 >= 0.3
+        assert engine.progress(["a"]) == {}
+        t0 = time.monotonic()
+        await engine.generate(turn("b", np.concatenate([np.arange(300) % 50 + 3, first.response_ids, [5]])))
+        hit_s = time.monotonic() - t0
+        assert engine.stats()["prefill_tokens"] == 301 and engine.stats()["session_hits"] == 1
+        t0 = time.monotonic()
+        await engine.generate(turn("c", np.arange(300) % 50 + 3, session=None))  # no session: whole prompt again
+        assert time.monotonic() - t0 >= 0.3 and engine.stats()["prefill_tokens"] == 601
+        assert hit_s < 0.3  # one token's prefill, not 303 (a generous bound on a loaded machine)
+    finally:
+        await engine.close()

@@ -16,7 +16,9 @@ running request per step, as a batching engine does; a full engine makes ``token
 a second. Nothing is done per token: the engine keeps a step clock (frozen while paused with
 ``keep`` or ``abort``), each running request knows the step it started at, and one scheduler task
 per engine wakes only when the next request is due. So a replica costs a task and a heap, and a
-hundred of them fit in one event loop beside the Rollouter.
+hundred of them fit in one event loop beside the Rollouter. With ``prefill_tokens_per_s`` set, a
+request's first token also waits for its prefill; a turn of a conversation (``session_id``) that
+extends its session's last turn prefills only its new tokens (`SimSessions`, until `end_session`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from asyncrl.rollouter.engines.base import (PAUSE_MODES, EngineClosedError, EngineError, EnginePausedError, PauseMode,
                                            mix64)
+from asyncrl.rollouter.engines.sim_sessions import SimSessions
 from asyncrl.tasks.arithmetic import long_tail_probs
 from asyncrl.types import GenerateRequest, GenerateResult
 
@@ -59,6 +62,9 @@ class SimEngineConfig:
     """Mixed into every request's own seed (its ``sampling.seed``, else its id)."""
     pause_timeout_s: float = 600.0
     """How long ``pause("wait")`` waits for in-flight requests to drain."""
+    prefill_tokens_per_s: float | None = None
+    """Prompt tokens a second one request's prefill takes before its first token (in its slot, not
+    slowing the others). None: prefill takes no time (the single-turn benchmarks' model)."""
 
     def __post_init__(self) -> None:
         if self.tokens_per_s <= 0:
@@ -68,6 +74,8 @@ class SimEngineConfig:
                 raise ValueError(f"SimEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.long_tail & (self.long_tail - 1):
             raise ValueError(f"SimEngineConfig.long_tail must be 1 or a power of 2, got {self.long_tail}")
+        if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
+            raise ValueError(f"SimEngineConfig.prefill_tokens_per_s must be > 0 or None, got {self.prefill_tokens_per_s}")
         if self.vocab_size <= 3 or not 0 <= self.eos_token_id < 3:
             raise ValueError("SimEngineConfig.vocab_size must be > 3 and eos_token_id in 0..2")
 
@@ -85,14 +93,14 @@ class _Request:
     logprobs: np.ndarray
     stops: bool
     start: float = 0.0
-    """Engine step at which it got its slot."""
+    """Engine step its first token's decode began at (its slot, plus its prefill)."""
 
     @property
     def rid(self) -> str:
         return self.request.request_id
 
     def generated(self, step: float) -> int:
-        return min(len(self.ids), int(step - self.start + 1e-9))
+        return max(0, min(len(self.ids), int(step - self.start + 1e-9)))
 
 
 @dataclass
@@ -144,6 +152,7 @@ class SimEngine:
         self._finished = asyncio.Event()
         """Set whenever a request ends (``pause("wait")`` watches it)."""
         self._tie = 0
+        self._sessions = SimSessions()
         # What `_draw` takes responses from: the length distribution's CDF over k (a response of
         # ``median * 2**k`` tokens) and token / log-prob tables long enough for the longest one.
         self._length_cdf = np.cumsum(long_tail_probs(self.config.long_tail))[:-1].tolist()
@@ -223,7 +232,8 @@ class SimEngine:
         return _Request(request, asyncio.get_running_loop().create_future(), ids, logprobs, stops)
 
     async def end_session(self, session_id: str) -> None:
-        """The simulator keeps no KV."""
+        """Forget what ``session_id``'s last turn left for its next (`SimSessions`); unknown ids are ignored."""
+        self._sessions.end(session_id)
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
@@ -276,6 +286,7 @@ class SimEngine:
             for r in list(self._running.values()):
                 self._finish(r, r.generated(now), "abort")
         if clear_cache:
+            self._sessions.clear()
             for r in self._running.values():
                 self._counters["reprefill_tokens"] += len(r.request.prompt_ids) + r.generated(now)
 
@@ -315,7 +326,7 @@ class SimEngine:
         now = self._clock.now()
         kv = sum(len(r.request.prompt_ids) + r.generated(now) for r in self._running.values())
         return dict(running=len(self._running), queued=len(self._queued), kv_tokens=kv, version=self._version,
-                    **self._counters)
+                    session_live=len(self._sessions), **self._counters, **self._sessions.counters)
 
     # ---------------------------------------------------------------- scheduler
 
@@ -341,11 +352,16 @@ class SimEngine:
             if r.future.done():  # a cancelled caller's request is dropped here
                 self._in_flight.discard(r.rid)
                 continue
-            r.start = now
+            new = self._sessions.new_tokens(r.request.session_id, self._version, r.request.prompt_ids)
+            self._counters["prefill_tokens"] += new
+            r.start = now + self._prefill_steps(new)
             self._running[r.rid] = r
-            self._counters["prefill_tokens"] += len(r.request.prompt_ids)
             self._tie += 1
-            heapq.heappush(self._due, (now + len(r.ids), self._tie, r))
+            heapq.heappush(self._due, (r.start + len(r.ids), self._tie, r))
+
+    def _prefill_steps(self, tokens: int) -> float:
+        rate = self.config.prefill_tokens_per_s
+        return 0.0 if rate is None else tokens / rate / self.config.step_s
 
     def _complete_due(self) -> None:
         now = self._clock.now()
@@ -360,6 +376,8 @@ class SimEngine:
         self._in_flight.discard(r.rid)
         self._counters["tokens_generated"] += n
         self._finished.set()
+        if r.request.session_id is not None and reason in ("stop", "length"):  # its KV, for the session's next turn
+            self._sessions.keep(r.request.session_id, self._version, r.request.prompt_ids, r.ids[:n])
         if r.future.done():
             return
         # Token i is done at step start + i + 1, with the weights of the last update before then (an

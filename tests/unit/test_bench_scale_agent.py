@@ -1,0 +1,48 @@
+"""``scripts/bench_scale.py --agent`` (many conversations at once through one Rollouter), small:
+every admitted conversation ends in exactly one sent group with all its turns, each turn one
+engine request of its session, and the JSON last line carries the figures docs/scale.md quotes."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_scale  # noqa: E402
+import bench_scale_agent  # noqa: E402
+
+KEYS = {"agent_conversations", "loop_lag_p99_ms", "turn_req_s", "lost", "duplicated", "tool_calls_per_s", "mean_turns",
+        "bad_turns", "failed", "turn_requests", "prefill_tokens_per_turn", "session_tokens_reused_per_turn"}
+
+
+@pytest.mark.timeout(120)
+def test_fifty_conversations_end_in_one_group_each_with_every_turn(capsys):
+    result = bench_scale.main(["--agent", "--json", "--agent-conversations", "48", "--agent-rounds", "2",
+                               "--agent-replicas", "4", "--tool-median-s", "0.005", "--tool-p99-s", "0.02"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
+    assert KEYS <= result.keys()
+    assert result["agent_conversations"] == 48 and result["conversations_admitted"] == 96
+    assert result["conversations_sent"] == 96
+    assert result["lost"] == result["duplicated"] == result["bad_turns"] == result["failed"] == 0
+    assert result["mean_turns"] == 4.0
+    assert result["turn_requests"] == 96 * 4  # each turn one engine request, none repeated
+    assert result["turn_req_s"] > 0 and result["tool_calls_per_s"] > 0 and result["loop_lag_p99_ms"] >= 0
+    # turns 2-4 extend their session's last turn: the replica prefills only the observation
+    assert result["session_tokens_reused_per_turn"] > result["prefill_tokens_per_turn"] > 0
+
+
+def test_delivery_counts_lost_duplicated_and_short_conversations():
+    sent = [("sample_0_0", "ok", [(0, 4), (1, 4)]), ("sample_0_1", "ok", [(0, 4), (1, 3)]),
+            ("sample_0_1", "failed", [(0, 4)]), ("sample_0_9", "ok", [(0, 4)])]
+    assert bench_scale_agent.check_delivery(["sample_0_0", "sample_0_1", "sample_0_2"], sent, n=2, turns=4) == {
+        "lost": 2, "duplicated": 2, "bad_turns": 1, "failed": 1}  # sample_0_2 lost; a second 0_1 and an unadmitted 0_9
+
+
+def test_tool_latency_has_the_median_and_p99_asked_for():
+    import numpy as np
+
+    latency = bench_scale_agent.ToolLatency(0.2, 2.0, seed=0)
+    draws = np.array([latency.draw() for _ in range(20000)])
+    assert abs(np.median(draws) - 0.2) < 0.01 and 1.7 < np.percentile(draws, 99) < 2.3
