@@ -188,10 +188,25 @@ def connect(placement, cpu_actors: int) -> Cluster:
         # Ray's GCS keeps the events of the last 100,000 actor calls by default: a run makes one
         # call per request, so over 1000 demo steps the GCS grew 91 -> 361 MB (scripts/soak.py)
         # before it stopped. Keep RAY_TASK_EVENTS of them (Ray's own dashboard shows those).
-        ray.init(address="local", num_cpus=max(cpu_actors, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-                 _system_config={"task_events_max_num_task_in_gcs": RAY_TASK_EVENTS})
+        for attempt in range(1, _LOCAL_STARTS + 1):
+            try:
+                ray.init(address="local", num_cpus=max(cpu_actors, os.cpu_count() or 1), include_dashboard=False,
+                         log_to_driver=True, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                         _system_config={"task_events_max_num_task_in_gcs": RAY_TASK_EVENTS})
+                break
+            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+                # Ray gives its raylet a fixed 30 s to register; a machine busy with other work can
+                # take longer. That start is abandoned and a fresh one tried.
+                if "timed out during startup" not in str(e) or attempt == _LOCAL_STARTS:
+                    raise
+                print(f"asyncrl: the local Ray did not start in time ({e}); starting it again "
+                      f"({attempt}/{_LOCAL_STARTS - 1})", flush=True)
+                ray.shutdown()
     return Cluster(nodes=alive_nodes(), started_here=not address)
+
+
+_LOCAL_STARTS = 3
+"""Tries to start a local Ray whose raylet did not register within Ray's 30 s (a loaded machine)."""
 
 
 def alive_nodes() -> list[Node]:

@@ -1,0 +1,46 @@
+"""The launcher's local Ray start: a raylet that did not register within Ray's fixed 30 s (a loaded
+machine) is started again, any other failure is raised at once. Ray's slow start cannot be made
+to happen on demand, so ``ray.init`` is replaced by a stand-in that fails as Ray does."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from asyncrl import placement
+
+RAY_TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.")
+
+
+def _stand_in(monkeypatch, failures):
+    import ray
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if failures:
+            raise failures.pop(0)
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(placement, "alive_nodes", lambda: [])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return calls
+
+
+def test_a_raylet_slow_to_register_gets_a_fresh_start(monkeypatch, capsys):
+    calls = _stand_in(monkeypatch, [RAY_TIMEOUT, RAY_TIMEOUT])
+    placement.connect(SimpleNamespace(address=None), cpu_actors=3)
+    assert [c if c == "shutdown" else "init" for c in calls] == ["init", "shutdown", "init", "shutdown", "init"]
+    assert capsys.readouterr().out.count("did not start in time") == 2
+
+
+def test_it_gives_up_after_three_starts_and_other_errors_are_not_retried(monkeypatch):
+    _stand_in(monkeypatch, [RAY_TIMEOUT] * 3)
+    with pytest.raises(Exception, match="timed out during startup"):
+        placement.connect(SimpleNamespace(address=None), cpu_actors=3)
+    calls = _stand_in(monkeypatch, [ValueError("bad num_cpus")])
+    with pytest.raises(ValueError, match="bad num_cpus"):
+        placement.connect(SimpleNamespace(address=None), cpu_actors=3)
+    assert len(calls) == 1
