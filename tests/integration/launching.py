@@ -7,6 +7,7 @@ killed by pid.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import subprocess
@@ -15,6 +16,9 @@ import threading
 from pathlib import Path
 
 import psutil
+import torch
+
+from asyncrl.types import CommittedSet, parse_sample_id
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 600.0  # deadline of any one wait (the shared CI machine starts Ray slowly)
@@ -95,3 +99,45 @@ class Launch:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+
+# The whole-run crash tests' shared run (test_resume.py, test_restarts.py) and checks.
+
+STEPS, GROUPS = 14, 2
+COMMON = ["--steps", str(STEPS), "--n", "2", "--groups-per-step", str(GROUPS), "--max-tokens", "3",
+          "--lr", "1e-3", "--sync-every", "1", "--staleness-threshold", "0", "--engines", "2", "--seed", "3",
+          "trainer.checkpoint_every=2", "--max-restarts", "0"]  # each death stops the run (restarts: below)
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = run_dir / "checkpoints"
+    out = run_dir / "final.pt"
+    dcp_to_torch_save(ckpt / (ckpt / "latest").read_text().strip(), out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+def sidecar(run_dir: Path) -> dict:
+    ckpt = run_dir / "checkpoints"
+    return json.loads((ckpt / (ckpt / "latest").read_text().strip() / "trainer_state.json").read_text())
+
+
+def check_exactly_once(run_dir: Path, steps: int = STEPS, groups: int = GROUPS) -> None:
+    """samples.jsonl names each id once, exactly the final checkpoint's committed set, every step
+    trained; every feed index below ``next_index`` trained, dropped with a reason, or pending."""
+    records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    ids = [r["sample_id"] for r in records]
+    assert len(ids) == len(set(ids)), "a sample_id is listed twice"
+    state = sidecar(run_dir)
+    assert state["step"] == steps
+    committed = CommittedSet.from_json(state["committed"])
+    assert committed == set(ids)
+    assert all(r["reason"] for r in records if r["status"] == "dropped")
+    trained = [r for r in records if r["status"] == "trained"]
+    assert sorted(r["step"] for r in trained) == sorted(s for s in range(1, steps + 1) for _ in range(groups))
+    feed = state["rollouter_state"]
+    done = {parse_sample_id(sid)[1] for sid in ids}
+    pending = {parse_sample_id(sid)[1] for sid in feed["in_flight"] + feed["unacked"]}
+    assert set(range(feed["next_index"])) <= done | pending  # trained, dropped, or still pending
+    assert max(done | pending) < feed["next_index"]
