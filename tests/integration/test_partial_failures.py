@@ -58,7 +58,7 @@ async def test_engine_killed_mid_round_its_requests_go_to_the_live_replica_and_t
     cfg = RolloutConfig(n=N, max_tokens=4, groups_per_sync=G, staleness_threshold=1.0, max_concurrent=8,
                         request_timeout_s=60)
     prompts = [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64),
-                      max_tokens=64 if i % 2 == 0 else 4) for i in range(8)]
+                      max_tokens=64) for i in range(8)]
     producer = MemorySink()
     r = Rollouter(cfg, engines, producer, prompts, lambda prompt, ids: 1.0,
                   partial=PartialRolloutConfig(enable=True, max_age=2, truncate_at="threshold"), aggregator=aggregator)
