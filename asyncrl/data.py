@@ -199,18 +199,25 @@ class Reward:
 _VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
+def import_callable(module: str, name: str, setting: str, error: type[Exception]) -> Callable:
+    """``module.name``, a user's callable; ``error`` (its message led by ``setting``, e.g.
+    ``"reward mymod:score"``) when the module does not import or ``name`` is not a callable in it."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any import-time failure of the user's module
+        raise error(f"{setting}: cannot import {module} ({type(e).__name__}: {e})") from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise error(f"{setting}: {module} has no callable {name!r}")
+    return fn
+
+
 def load_reward(spec: str) -> Reward:
     """``module:function`` -> `Reward`; `DataError` names a malformed spec, an import failure or a bad signature."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise DataError(f"reward must look like 'module:function', got {spec!r}")
-    try:
-        mod = importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - any import-time failure of the user's module
-        raise DataError(f"reward {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
-    fn = getattr(mod, name, None)
-    if not callable(fn):
-        raise DataError(f"reward {spec}: {module} has no callable {name!r}")
+    fn = import_callable(module, name, f"reward {spec}", DataError)
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -24,7 +24,6 @@ Rollouter judges each finished group before it is sent (`Rollouter._one_group`):
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,14 +79,9 @@ def load(spec: str) -> Callable[[GroupView], bool] | None:
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"rollout.group_filter must be none, zero_std or module:function, got {spec!r}")
-    try:
-        mod = importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - any import-time failure of the user's module
-        raise ValueError(f"rollout.group_filter={spec}: cannot import {module} ({type(e).__name__}: {e})") from None
-    fn = getattr(mod, name, None)
-    if not callable(fn):
-        raise ValueError(f"rollout.group_filter={spec}: {module} has no callable {name!r}")
-    return fn
+    from asyncrl.data import import_callable
+
+    return import_callable(module, name, f"rollout.group_filter={spec}", ValueError)
 
 
 class GroupFilter:
