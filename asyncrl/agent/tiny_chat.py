@@ -60,23 +60,14 @@ def build_chat_tokenizer():
 def build_chat_model(path, seed: int = 0):
     """A tiny Qwen2 with random weights over `build_chat_tokenizer`, saved to ``path`` (model and
     tokenizer, standard Hugging Face files): a model a `ToolEnv` run accepts, for demos and tests."""
-    from pathlib import Path
+    from transformers import Qwen2Config
 
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from asyncrl.models.tiny import TINY_CONFIG
+    from asyncrl.models.tiny import TINY_CONFIG, save_random_model
 
     tok = build_chat_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                       **{**TINY_CONFIG, "max_position_embeddings": 1024})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_random_model(cfg, tok, path, seed)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,7 @@ def build_tokenizer():
 
 def build_tiny_model(path: str | os.PathLike, seed: int = 0, **overrides):
     """Build the tiny model with random weights and save model + tokenizer to ``path``."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     tok = build_tokenizer()
     cfg = Qwen2Config(
@@ -57,6 +56,14 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0, **overrides):
         eos_token_id=tok.eos_token_id,
         **{**TINY_CONFIG, **overrides},
     )
+    return save_random_model(cfg, tok, path, seed)
+
+
+def save_random_model(cfg, tok, path: str | os.PathLike, seed: int = 0) -> Path:
+    """A causal LM of ``cfg`` with seeded random fp32 weights, saved with ``tok`` to ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     path = Path(path)
