@@ -13,21 +13,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.models.tiny import build_tiny_model
 from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.rollouter.engines.builtin.kv_cache import BLOCK_TOKENS
 from asyncrl.types import GenerateRequest, SamplingParams
+from tests.unit import test_torch_engine
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    torch.set_num_threads(1)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def ref(model_path):
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+model_path, ref = test_torch_engine.model_path, test_torch_engine.ref  # its fixtures: the tiny model, its HF forward
 
 
 def tokens(n, seed):
