@@ -175,9 +175,12 @@ def run_restarting(cfg, plan, cluster, run_dir: Path) -> int:
                       file=sys.stderr, flush=True)
                 raise
             if restarts >= cfg.max_restarts:
-                if cfg.max_restarts:
-                    print(f"asyncrl: no restart left (max_restarts={cfg.max_restarts} used)", file=sys.stderr, flush=True)
-                raise
+                # A fault of the run, not of the code: one line naming it (its traceback would
+                # point into the launcher, not at the fault), exit 1.
+                left = f"no restart left (max_restarts={cfg.max_restarts} used)" if cfg.max_restarts else "max_restarts=0"
+                print(f"asyncrl: the run failed ({left}): {fault_line(e)}; once fixed, continue with: "
+                      f"python -m asyncrl.launch --resume {run_dir}", file=sys.stderr, flush=True)
+                return 1
             restarts += 1
             cause = fault_line(e)[:500]
             with open(run_dir / "restarts.jsonl", "a") as f:

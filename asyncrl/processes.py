@@ -336,9 +336,26 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         trainer.on_dropped = lambda ids: procs.rollouter.on_dropped.remote(ids)
         print(f"asyncrl: mode {cfg.mode}" + (", partial rollout" if partial.enable else ""), flush=True)
         return procs
+    except TimeoutError as e:  # a process that does not come up: say where each one waits
+        where = where_they_wait(run_dir, f"start-up: {e}")
+        await procs.close(drain=False)
+        raise TimeoutError(f"{e}; {where}") from None
     except BaseException:
         await procs.close(drain=False)
         raise
+
+
+def where_they_wait(run_dir: Path, reason: str) -> str:
+    """The run's processes' stacks into ``run_dir/hang-<time>.txt`` (`asyncrl.hang.dump_stacks`);
+    one line naming the file and the call each process (the launcher left out) waits in."""
+    from asyncrl.hang import dump_stacks
+
+    try:
+        path, lines = dump_stacks(run_dir, reason=reason)
+    except Exception as e:  # noqa: BLE001 - naming the wait must not hide the timeout itself
+        return f"(their stacks could not be taken: {type(e).__name__}: {e})"
+    others = [line for line in lines if not line.startswith("launcher ")]
+    return f"stacks in {path}" + (": " + "; ".join(others) if others else ": no process of the run answered")
 
 
 @dataclass

@@ -93,7 +93,10 @@ class TrainerWorker:
         torch.manual_seed(cfg.seed)
         if not dist.is_initialized():
             backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=init_timeout_s)
-            if rendezvous is None:
+            if world_size == 1:
+                # One rank needs no rendezvous: an in-process store, no port to pick or lose.
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            elif rendezvous is None:
                 dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                         rank=rank, world_size=world_size, timeout=timeout)
             else:

@@ -120,6 +120,15 @@ def test_a_dead_process_restarts_the_run_and_a_type_error_stops_it_with_its_trac
     assert "not restarting: TypeError" in err and f"--resume {tmp_path}" in err
 
 
+def test_past_its_restarts_the_run_exits_1_naming_the_fault_and_resume(tmp_path, monkeypatch, capsys):
+    failures = [TimeoutError(f"trainer ranks not up ({k})") for k in range(3)]
+    code, calls = _restart_loop(tmp_path, monkeypatch, failures)
+    assert code == 1 and calls == [0, 1, 2]  # the first run and max_restarts=2 more
+    err = capsys.readouterr().err
+    assert ("asyncrl: the run failed (no restart left (max_restarts=2 used)): TimeoutError: trainer ranks not up (2)"
+            in err) and f"--resume {tmp_path}" in err
+
+
 def _died(cls: str, pid: int) -> ray.exceptions.ActorDiedError:
     """The error Ray raises in the caller when the process of an actor of class ``cls`` died."""
     import os
