@@ -291,7 +291,7 @@ async def generation_sections(args, model_path, dtype, prompts, lengths, report,
                 await engine.engine.close()
             except Exception:
                 say("engine close failed:\n" + traceback.format_exc())
-            del engine
+            engine = None
         gc.collect()
 
 
@@ -385,7 +385,7 @@ def training_section(args, model_path, prompts, lengths, report):
         worker.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
-        del worker
+        worker = None
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
