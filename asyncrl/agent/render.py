@@ -12,15 +12,26 @@ message and once with the observation after it, and keeping the difference. For 
 
 (the closing ``\\n`` of the assistant message the model did not write, the observation, and the
 next generation prompt). `PlainRenderer` serves envs with their own plain-text format.
+
+Rendering runs on the Rollouter's event loop once per turn, so its costs are kept off the
+template where that is exact: the markers around a one-message observation are rendered once
+per role and the text put between them (only for templates shown, at start, to insert a text
+verbatim); an opening rendered for one prompt is kept for the next sample of its group; text is
+encoded by the fast tokenizer's backend (checked at start to give the tokenizer's own ids).
 """
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from typing import Any
 
 from asyncrl.agent.base import Message
 
 _SENTINEL = "\u2063asyncrl-turn\u2063"  # invisible separators: text no template rewrites
+_SLOT = "\u2063asyncrl-text\u2063"
+_PROBE = "  a {b} %s\n\tc  "  # whitespace at both ends, braces, a format mark: what a template could rewrite
+_PROMPTS_KEPT = 256
 
 
 def as_messages(observation: str | list[Message] | None) -> list[Message]:
@@ -51,10 +62,32 @@ class ChatRenderer:
         self._head = head
         self._closing = head[cut + len(_SENTINEL):]
         """What closes an assistant turn after its text (ChatML: ``<|im_end|>\\n``)."""
+        self.encode = self._pick_encoder()
         closing_ids = self.encode(self._closing)
         self.stop_ids: tuple[int, ...] = tuple(closing_ids[:1])
         """The end-of-turn token the model writes (first token of the closing)."""
         self._stop_text = {i: tokenizer.decode([i]) for i in self.stop_ids}
+        self._wrap: dict[str, tuple[str, str] | None] = {}
+        """Per role: the text before and after a one-message observation's content (None: the
+        template does not insert it verbatim, so it is rendered each time)."""
+        self._prompts: OrderedDict[str, list[int]] = OrderedDict()
+
+    def _pick_encoder(self):
+        """``text -> ids`` as ``tokenizer.encode(text, add_special_tokens=False)`` gives them: the
+        fast tokenizer's backend directly (under half the wrapper's time per call) where it gives
+        the same ids on a probe of the template's own text, else the tokenizer."""
+        def slow(text: str) -> list[int]:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+        backend = getattr(self.tokenizer, "_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) else None
+        if backend is None or not hasattr(backend, "encode"):
+            return slow
+
+        def fast(text: str) -> list[int]:
+            return backend.encode(text, add_special_tokens=False).ids
+
+        probe = self._head + "\n" + _PROBE + " 12 + 30 = 42"
+        return fast if fast(probe) == slow(probe) else slow
 
     @staticmethod
     def _base() -> list[Message]:
@@ -64,24 +97,55 @@ class ChatRenderer:
         return self.tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
     def prompt_ids(self, messages: str | list[Message], tools=()) -> list[int]:
         """The opening messages with the generation prompt, tools shown when given."""
-        return self.encode(self._render(as_messages(messages), tools))
+        messages = as_messages(messages)
+        try:
+            key = json.dumps([messages, [getattr(t, "schema", t) for t in tools or ()]], sort_keys=True)
+        except (TypeError, ValueError):  # not JSON (a user's own objects): rendered every time
+            return self.encode(self._render(messages, tools))
+        ids = self._prompts.get(key)
+        if ids is None:
+            ids = self._prompts[key] = self.encode(self._render(messages, tools))
+            if len(self._prompts) > _PROMPTS_KEPT:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return list(ids)
+
+    def _wrapping(self, role: str) -> tuple[str, str] | None:
+        """The text around a ``role`` message's content after an assistant turn, once the
+        template is seen to insert a probe text verbatim there (else None)."""
+        if role not in self._wrap:
+            wrap = None
+            full = self._render(self._base() + [{"role": role, "content": _SLOT}])
+            if full.startswith(self._head) and full.count(_SLOT) == 1:
+                before, after = full[len(self._head):].split(_SLOT)
+                probe = self._render(self._base() + [{"role": role, "content": _PROBE}])
+                if probe == self._head + before + _PROBE + after:
+                    wrap = (before, after)
+            self._wrap[role] = wrap
+        return self._wrap[role]
 
     def observation_ids(self, turn_ids: list[int], observation: str | list[Message] | None) -> list[int]:
         """Tokens to append after a model turn ``turn_ids``: the rest of the turn's closing, the
         observation's messages and the next generation prompt."""
-        full = self._render(self._base() + as_messages(observation))
-        if not full.startswith(self._head):
-            raise ValueError("ChatRenderer: the chat template renders earlier messages differently once an "
-                             "observation follows; token-in-token-out needs an append-only template")
+        messages = as_messages(observation)
+        wrap = None
+        if len(messages) == 1 and messages[0].keys() == {"role", "content"} and isinstance(messages[0]["content"], str):
+            wrap = self._wrapping(messages[0]["role"])
+        if wrap is not None:
+            after_head = wrap[0] + messages[0]["content"] + wrap[1]
+        else:
+            full = self._render(self._base() + messages)
+            if not full.startswith(self._head):
+                raise ValueError("ChatRenderer: the chat template renders earlier messages differently once an "
+                                 "observation follows; token-in-token-out needs an append-only template")
+            after_head = full[len(self._head):]
         closing = self._closing
         if turn_ids and turn_ids[-1] in self._stop_text and closing.startswith(self._stop_text[turn_ids[-1]]):
             closing = closing[len(self._stop_text[turn_ids[-1]]):]
-        return self.encode(closing + full[len(self._head):])
+        return self.encode(closing + after_head)
 
     def turn_text(self, turn_ids: list[int]) -> str:
         """The model turn's text, its end-of-turn marker stripped."""

@@ -9,6 +9,8 @@ decoding then replays it, so every turn, observation and marker is known to the 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -299,3 +301,63 @@ async def test_single_turn_generation_is_the_trivial_loop(engine, ref, tok):
     assert (tr.finish_reason, tr.turns) == ("stop", 1) and tr.loss_mask.all()
     assert tok.decode(tr.response_ids) == call("ab") + "<|im_end|>"
     np.testing.assert_allclose(tr.logprobs, recompute(ref, tr), atol=1e-4, rtol=0)
+
+
+def _rendered_in_full(r, tok, turn_ids, observation):
+    """What `observation_ids` gave before its caches: the template rendered around the observation."""
+    from asyncrl.agent.render import as_messages
+
+    full = r._render(r._base() + as_messages(observation))
+    closing = r._closing
+    if turn_ids[-1] in r._stop_text:
+        closing = closing[len(r._stop_text[turn_ids[-1]]):]
+    return tok.encode(closing + full[len(r._head):], add_special_tokens=False)
+
+
+@pytest.mark.parametrize("observation", [
+    "say more", "  leading and trailing spaces  ", "braces {x} and %s and\nnew\tlines",
+    [{"role": "tool", "content": '{"result": 42}'}], [{"role": "tool", "content": " 7 "}],
+    [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],  # two messages: rendered in full
+])
+def test_cached_observation_markers_give_the_templates_own_tokens(tok, observation):
+    from asyncrl.agent import ChatRenderer
+
+    r = ChatRenderer(tok)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for turn in ([5, im_end], [5, tok.eos_token_id]):
+        first = r.observation_ids(turn, observation)
+        assert first == r.observation_ids(turn, observation) == _rendered_in_full(r, tok, turn, observation)
+    one = observation if isinstance(observation, list) else [{"role": "user"}]
+    # ChatML inserts a text verbatim: a one-message observation is served from the role's markers
+    assert (r._wrap.get(one[0]["role"]) is not None) == (len(one) == 1)
+
+
+def test_a_template_that_rewrites_the_text_is_rendered_every_time(tok):
+    """A template that trims what it shows is not cached for that role: its tokens stay exact."""
+    from asyncrl.agent import ChatRenderer
+
+    trimming = copy.deepcopy(tok)
+    trimming.chat_template = tok.chat_template.replace("message.content", "(message.content | trim)")
+    assert trimming.chat_template != tok.chat_template
+    r = ChatRenderer(trimming)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = r.observation_ids([5, im_end], "  padded  ")
+    assert r._wrap["user"] is None
+    assert ids == _rendered_in_full(r, trimming, [5, im_end], "  padded  ")
+    assert "  padded" not in trimming.decode(ids) and "padded" in trimming.decode(ids)
+
+
+def test_the_opening_of_a_group_is_rendered_once_and_given_as_a_copy(tok, monkeypatch):
+    from asyncrl.agent import ChatRenderer
+
+    r = ChatRenderer(tok)
+    calls = []
+    render = r._render
+    monkeypatch.setattr(r, "_render", lambda *a, **k: calls.append(a) or render(*a, **k))
+    first = r.prompt_ids("what is 6 x 7?")
+    first.append(-1)  # the caller's list is its own
+    again = r.prompt_ids([{"role": "user", "content": "what is 6 x 7?"}])
+    assert len(calls) == 1 and again == tok.encode(render([{"role": "user", "content": "what is 6 x 7?"}]),
+                                                   add_special_tokens=False)
+    r.prompt_ids("another prompt")
+    assert len(calls) == 2
