@@ -15,7 +15,7 @@ next generation prompt). `PlainRenderer` serves envs with their own plain-text f
 
 Rendering runs on the Rollouter's event loop once per turn, so its costs are kept off the
 template where that is exact: the markers around a one-message observation are rendered once
-per role and the text put between them (only for templates shown, at start, to insert a text
+per message shape (role, tool name) and the text put between them (only for templates shown, at start, to insert a text
 verbatim); an opening rendered for one prompt is kept for the next sample of its group; text is
 encoded by the fast tokenizer's backend (checked at start to give the tokenizer's own ids).
 """
@@ -68,8 +68,9 @@ class ChatRenderer:
         """The end-of-turn token the model writes (first token of the closing)."""
         self._stop_text = {i: tokenizer.decode([i]) for i in self.stop_ids}
         self._wrap: dict[str, tuple[str, str] | None] = {}
-        """Per role: the text before and after a one-message observation's content (None: the
-        template does not insert it verbatim, so it is rendered each time)."""
+        """Per message shape (its fields but the content, as JSON): the text before and after a
+        one-message observation's content (None: the template does not insert it verbatim, so
+        it is rendered each time)."""
         self._prompts: OrderedDict[str, list[int]] = OrderedDict()
 
     def _pick_encoder(self):
@@ -113,27 +114,33 @@ class ChatRenderer:
             self._prompts.move_to_end(key)
         return list(ids)
 
-    def _wrapping(self, role: str) -> tuple[str, str] | None:
-        """The text around a ``role`` message's content after an assistant turn, once the
-        template is seen to insert a probe text verbatim there (else None)."""
-        if role not in self._wrap:
+    def _wrapping(self, message: Message) -> tuple[str, str] | None:
+        """The text around ``message``'s content after an assistant turn, for messages like it
+        (the same fields but the content: role, a tool's name...), once the template is seen to
+        insert a probe text verbatim there (else None)."""
+        fields = {k: v for k, v in message.items() if k != "content"}
+        try:
+            key = json.dumps(fields, sort_keys=True)
+        except (TypeError, ValueError):
+            return None
+        if key not in self._wrap:
             wrap = None
-            full = self._render(self._base() + [{"role": role, "content": _SLOT}])
+            full = self._render(self._base() + [{**fields, "content": _SLOT}])
             if full.startswith(self._head) and full.count(_SLOT) == 1:
                 before, after = full[len(self._head):].split(_SLOT)
-                probe = self._render(self._base() + [{"role": role, "content": _PROBE}])
+                probe = self._render(self._base() + [{**fields, "content": _PROBE}])
                 if probe == self._head + before + _PROBE + after:
                     wrap = (before, after)
-            self._wrap[role] = wrap
-        return self._wrap[role]
+            self._wrap[key] = wrap
+        return self._wrap[key]
 
     def observation_ids(self, turn_ids: list[int], observation: str | list[Message] | None) -> list[int]:
         """Tokens to append after a model turn ``turn_ids``: the rest of the turn's closing, the
         observation's messages and the next generation prompt."""
         messages = as_messages(observation)
         wrap = None
-        if len(messages) == 1 and messages[0].keys() == {"role", "content"} and isinstance(messages[0]["content"], str):
-            wrap = self._wrapping(messages[0]["role"])
+        if len(messages) == 1 and isinstance(messages[0].get("content"), str):
+            wrap = self._wrapping(messages[0])
         if wrap is not None:
             after_head = wrap[0] + messages[0]["content"] + wrap[1]
         else:

@@ -316,7 +316,7 @@ def _rendered_in_full(r, tok, turn_ids, observation):
 
 @pytest.mark.parametrize("observation", [
     "say more", "  leading and trailing spaces  ", "braces {x} and %s and\nnew\tlines",
-    [{"role": "tool", "content": '{"result": 42}'}], [{"role": "tool", "content": " 7 "}],
+    [{"role": "tool", "content": '{"result": 42}'}], [{"role": "tool", "name": "lookup", "content": " 7 "}],
     [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],  # two messages: rendered in full
 ])
 def test_cached_observation_markers_give_the_templates_own_tokens(tok, observation):
@@ -328,8 +328,8 @@ def test_cached_observation_markers_give_the_templates_own_tokens(tok, observati
         first = r.observation_ids(turn, observation)
         assert first == r.observation_ids(turn, observation) == _rendered_in_full(r, tok, turn, observation)
     one = observation if isinstance(observation, list) else [{"role": "user"}]
-    # ChatML inserts a text verbatim: a one-message observation is served from the role's markers
-    assert (r._wrap.get(one[0]["role"]) is not None) == (len(one) == 1)
+    # ChatML inserts a text verbatim: a one-message observation is served from its shape's markers
+    assert any(w is not None for w in r._wrap.values()) == (len(one) == 1)
 
 
 def test_a_template_that_rewrites_the_text_is_rendered_every_time(tok):
@@ -342,7 +342,7 @@ def test_a_template_that_rewrites_the_text_is_rendered_every_time(tok):
     r = ChatRenderer(trimming)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     ids = r.observation_ids([5, im_end], "  padded  ")
-    assert r._wrap["user"] is None
+    assert list(r._wrap.values()) == [None]
     assert ids == _rendered_in_full(r, trimming, [5, im_end], "  padded  ")
     assert "  padded" not in trimming.decode(ids) and "padded" in trimming.decode(ids)
 
