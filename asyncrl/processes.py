@@ -355,7 +355,9 @@ def where_they_wait(run_dir: Path, reason: str) -> str:
     except Exception as e:  # noqa: BLE001 - naming the wait must not hide the timeout itself
         return f"(their stacks could not be taken: {type(e).__name__}: {e})"
     others = [line for line in lines if not line.startswith("launcher ")]
-    return f"stacks in {path}" + (": " + "; ".join(others) if others else ": no process of the run answered")
+    if not others:  # not started yet, or not under the launcher (a cluster it joined)
+        return f"stacks in {path}: no process of the run answered (on a joined cluster: `ray stack` on its nodes)"
+    return f"stacks in {path}: " + "; ".join(others)
 
 
 @dataclass
