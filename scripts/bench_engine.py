@@ -215,14 +215,15 @@ def vllm_unavailable() -> str | None:
 
 
 class StaticRunner:
-    """transformers' ``generate`` on consecutive left-padded batches of ``slots`` prompts."""
+    """transformers' ``generate`` on consecutive left-padded batches of ``slots`` prompts (on
+    ``device`` in ``dtype``: fp32 on CPU here; `bench_gpu.py` runs it on a GPU)."""
 
-    def __init__(self, model_path, slots):
+    def __init__(self, model_path, slots, device="cpu", dtype=None):
         import torch
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        self.slots = slots
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32).to(device).eval()
+        self.slots, self.device = slots, device
         self.warm = False
 
     def _generate(self, batch_prompts, max_new):
@@ -237,9 +238,10 @@ class StaticRunner:
             mask[i, width - len(p) :] = 1
         with torch.no_grad():
             out = self.model.generate(
-                ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad
+                ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new, do_sample=False,
+                eos_token_id=None, pad_token_id=pad
             )
-        return out[:, width:]
+        return out[:, width:].cpu()
 
     def run(self, prompts, lengths):
         if not self.warm:
@@ -250,6 +252,10 @@ class StaticRunner:
         for b in range(0, len(prompts), self.slots):
             out = self._generate(prompts[b : b + self.slots], max(lengths[b : b + self.slots]))
             outs.extend(o[:n].numpy() for o, n in zip(out, lengths[b : b + self.slots]))
+        if self.device != "cpu":
+            import torch
+
+            torch.cuda.synchronize()
         return outs, time.perf_counter() - start
 
 

@@ -54,7 +54,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine.workload
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine's workload and static runner
+from bench_engine import StaticRunner  # noqa: E402
 
 #: Qwen2.5-0.5B's shape (random weights).
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -158,38 +159,12 @@ class Engine:
         return [r.response_ids for r in results], seconds, delta, reload_s
 
 
-class Static:
-    """HF ``generate`` on consecutive left-padded batches of ``slots`` prompts."""
+class Static(StaticRunner):
+    """`bench_engine.StaticRunner` on the device; its warm-up is the bench's own (whole batch, short)."""
 
     def __init__(self, model_path, slots, device, dtype):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-        self.slots, self.device = slots, device
-
-    def _generate(self, batch_prompts, max_new):
-        import torch
-
-        pad = self.model.config.pad_token_id
-        width = max(len(p) for p in batch_prompts)
-        ids = torch.full((len(batch_prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(batch_prompts):  # left padding, as generate expects for decoder-only models
-            ids[i, width - len(p):] = torch.as_tensor(p)
-            mask[i, width - len(p):] = 1
-        with torch.no_grad():
-            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new,
-                                      do_sample=False, eos_token_id=None, pad_token_id=pad)
-        return out[:, width:].cpu()
-
-    def run(self, prompts, lengths):
-        start = time.perf_counter()
-        outs = []
-        for b in range(0, len(prompts), self.slots):
-            out = self._generate(prompts[b:b + self.slots], max(lengths[b:b + self.slots]))
-            outs.extend(o[:n].numpy() for o, n in zip(out, lengths[b:b + self.slots]))
-        sync(self.device)
-        return outs, time.perf_counter() - start
+        super().__init__(model_path, slots, device, dtype)
+        self.warm = True
 
 
 def equal_fraction(a, b, lengths) -> float:
