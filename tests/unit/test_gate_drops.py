@@ -15,31 +15,12 @@ import pytest
 import torch
 
 from asyncrl.models.tiny import build_tiny_model, build_tokenizer
-from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig
 from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.trainer.config import OptimConfig, TrainerConfig, WorkerConfig
-from asyncrl.trainer.ranks import RankGroup
-from asyncrl.sync.inprocess import InProcessSyncer
-from asyncrl.trainer.trainer import Trainer
+from tests.unit.inprocess import train_steps
 
 G, N, STEPS = 2, 2, 6
-
-
-class QueueStream:
-    """Producer and source in one process: what the ZeroMQ stream does, minus the sockets."""
-
-    def __init__(self):
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.acks: list[tuple[str, str | None]] = []
-
-    async def send(self, group):
-        await self.queue.put(group)
-
-    async def recv(self, timeout=None):
-        return await asyncio.wait_for(self.queue.get(), timeout)
-
-    def ack(self, sample_ids, reason=None):
-        self.acks.extend((sid, reason) for sid in sample_ids)
 
 
 class AbortingEngine:
@@ -66,17 +47,6 @@ class AbortingEngine:
             task.cancel()
 
 
-class NotifyingSyncer:
-    def __init__(self, inner, rollouter):
-        self.inner, self.rollouter = inner, rollouter
-
-    async def sync(self):
-        await self.rollouter.on_pause()
-        version = await self.inner.sync()
-        await self.rollouter.on_sync(version)
-        return version
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     torch.set_num_threads(1)
@@ -91,19 +61,8 @@ async def test_dropped_groups_give_budget_back_and_the_trainer_is_never_starved(
     rcfg = RolloutConfig(n=N, max_tokens=24, groups_per_sync=tcfg.groups_per_sync, staleness_threshold=0.0)
     prompts = [Prompt(text=f"p{i}", prompt_ids=np.array([1, 4 + i, 5], dtype=np.int64)) for i in range(8)]
     engine = TorchEngine(model_path, seed=0, eos_token_ids=())
-    stream = QueueStream()
-    ranks = RankGroup.start_local(tcfg)
-    rollouter = Rollouter(rcfg, [AbortingEngine(engine)], stream, prompts, lambda text, ids: float(ids[0] % 2))
-    trainer = Trainer(tcfg, ranks, stream, NotifyingSyncer(InProcessSyncer(ranks, [engine]), rollouter),
-                      on_dropped=rollouter.on_dropped)
-    feed = asyncio.create_task(rollouter.run())
-    try:
-        results = [await asyncio.wait_for(trainer.train_step(), 120) for _ in range(STEPS)]
-    finally:
-        feed.cancel()
-        await asyncio.gather(feed, return_exceptions=True)
-        await engine.close()
-        ranks.close()
+    results, rollouter, trainer, stream = await train_steps(tcfg, rcfg, engine, prompts, lambda text, ids: float(ids[0] % 2),
+                                                            STEPS, serving=AbortingEngine(engine))
     dropped = [sid for r in results for sid, why in r.dropped]
     # Half of all groups were dropped as incomplete, yet every step trained its G groups.
     assert len(dropped) >= STEPS * G - 1, dropped

@@ -22,6 +22,7 @@ from asyncrl.rollouter.filters import GroupFilter, GroupFilterStalled, GroupView
 from asyncrl.rollouter.partial import PartialRolloutConfig
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
 from asyncrl.types import FILTERED_KEY, Group, Trajectory, parse_sample_id
+from tests.unit.inprocess import NotifyingSyncer, QueueStream, train_steps
 
 USER_FILTERS = '''
 from asyncrl.types import parse_sample_id
@@ -193,53 +194,13 @@ async def test_a_filter_that_raises_or_returns_no_verdict_fails_its_group_with_t
 
 # ------------------------------------------------------------------------------ with the Trainer
 
-class QueueStream:
-    """Producer and source in one process: what the ZeroMQ stream does, minus the sockets (it keeps
-    the groups sent and not acked, as the producer does, for the Rollouter's snapshot)."""
-
-    def __init__(self):
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.acks: list[tuple[str, str | None]] = []
-        self._unacked: dict[str, Group] = {}
-
-    async def send(self, group):
-        self._unacked[group.sample_id] = group
-        await self.queue.put(group)
-
-    async def recv(self, timeout=None):
-        return await asyncio.wait_for(self.queue.get(), timeout)
-
-    def ack(self, sample_ids, reason=None):
-        self.acks.extend((sid, reason) for sid in sample_ids)
-        for sid in sample_ids:
-            self._unacked.pop(sid, None)
-
-    @property
-    def unacked(self) -> list[Group]:
-        return list(self._unacked.values())
-
-
-class NotifyingSyncer:
-    def __init__(self, inner, rollouter):
-        self.inner, self.rollouter = inner, rollouter
-
-    async def sync(self):
-        await self.rollouter.on_pause()
-        version = await self.inner.sync()
-        await self.rollouter.on_sync(version)
-        return version
-
-
 async def test_dropping_70_percent_keeps_full_batches_on_policy_and_audits_each_drop_once(model_path, user_filters,
                                                                                          tmp_path):
     """On-policy (staleness 0, a sync every step): with 7 groups in 10 dropped, every step still
     trains its G groups, every trained token has version gap 0 (a budget refunded twice would let
     the Rollouter run a version ahead), and samples.jsonl names each drop once, reason filtered."""
     from asyncrl.models.tiny import build_tokenizer
-    from asyncrl.sync.inprocess import InProcessSyncer
     from asyncrl.trainer.config import OptimConfig, TrainerConfig, WorkerConfig
-    from asyncrl.trainer.ranks import RankGroup
-    from asyncrl.trainer.trainer import Trainer
 
     G, steps = 2, 4
     tok = build_tokenizer()
@@ -249,19 +210,7 @@ async def test_dropping_70_percent_keeps_full_batches_on_policy_and_audits_each_
     rcfg = RolloutConfig(n=2, max_tokens=4, groups_per_sync=tcfg.groups_per_sync, staleness_threshold=0.0,
                          group_filter=f"{user_filters}:keep_3_in_10")
     engine = TorchEngine(model_path, seed=0, eos_token_ids=())
-    stream = QueueStream()
-    ranks = RankGroup.start_local(tcfg)
-    rollouter = Rollouter(rcfg, [engine], stream, make_prompts(8), odd_first_token)
-    trainer = Trainer(tcfg, ranks, stream, NotifyingSyncer(InProcessSyncer(ranks, [engine]), rollouter),
-                      on_dropped=rollouter.on_dropped)
-    feed = asyncio.create_task(rollouter.run())
-    try:
-        results = [await asyncio.wait_for(trainer.train_step(), 120) for _ in range(steps)]
-    finally:
-        feed.cancel()
-        await asyncio.gather(feed, return_exceptions=True)
-        await engine.close()
-        ranks.close()
+    results, rollouter, trainer, stream = await train_steps(tcfg, rcfg, engine, make_prompts(8), odd_first_token, steps)
     trained = [sid for r in results for sid in r.sample_ids]
     assert sorted(parse_sample_id(s)[1] for s in trained) == [2, 5, 8, 12, 15, 18, 22, 25]
     assert all(len(r.sample_ids) == G and r.metrics["staleness_max"] == 0.0 for r in results)
