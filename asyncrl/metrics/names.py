@@ -98,6 +98,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "response_length/truncated_ratio": (T, "truncated / responses in the step"),
     "train/replayed_groups": (T, "groups of the step the skip role replayed from dumps (no engine request)"),
     "train/reward_mean": (T, "mean reward of the step's responses"),
+    "agent/turns_mean": (T, "model turns per conversation in the step (agent loops only)"),
+    "agent/turns_max": (T, "most model turns of one conversation in the step (agent loops only)"),
     "train/loss": (T, "policy loss"),
     "train/grad_norm": (T, "gradient norm before clipping"),
     "train/lr": (T, "learning rate"),

@@ -278,6 +278,7 @@ class Trainer:
         metrics = _step_metrics(per_batch, batches, dropped)
         metrics.update(_partial_metrics(groups))
         metrics.update(_filter_metrics(len(groups), dropped))
+        metrics.update(_agent_metrics(groups))
         # The metric stream's reporter (asyncrl.metrics.report) adds timing_s/step, param_sync and
         # fully_async/trainer/idle_ratio; these three only the Trainer knows.
         metrics.update({"timing_s/wait_data": t_collected - t_start, "timing_s/update_actor": t_trained - t_collected,
@@ -345,6 +346,15 @@ def _partial_metrics(groups: list[Group]) -> dict[str, float]:
         "fully_async/partial/age_mean": sum(ages) / max(len(ages), 1),
         "fully_async/partial/age_max": float(max(ages, default=0)),
     }
+
+
+def _agent_metrics(groups: list[Group]) -> dict[str, float]:
+    """Turns of the step's conversations (agent loops; nothing for single-turn responses)."""
+    turns = [t.turns for g in groups for t in g.trajectories]
+    if not turns or all(t == 1 for t in turns) and not any(t.loss_mask is not None for g in groups
+                                                            for t in g.trajectories):
+        return {}
+    return {"agent/turns_mean": sum(turns) / len(turns), "agent/turns_max": float(max(turns))}
 
 
 def _filter_metrics(trained: int, dropped: list[tuple[str, str]]) -> dict:
