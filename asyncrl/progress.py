@@ -58,10 +58,11 @@ def _bound_text(m: dict) -> str:
 
 def step_line(m: dict, steps: int) -> str:
     val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
+    turns = f"  turns {m['agent/turns_mean']:.1f}" if "agent/turns_mean" in m else ""
     bound = _bound_text(m)
     return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
             f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{bound}{val}")
+            f"{m['tokens_per_s']:.0f} tok/s  {m['time_s']:.0f}s{turns}{bound}{val}")
 
 
 class ProgressView:

@@ -25,6 +25,7 @@ so ``truncated`` never reaches this loop from the Rollouter.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,8 +113,12 @@ class EnvLoop(AgentLoop):
         if renderer is None:
             renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else PlainRenderer(tokenizer)
         self.renderer = renderer
+        self.counts = {"episodes": 0, "turns": 0, "tool_calls": 0, "tool_errors": 0, "env_step_s": 0.0}
+        """Totals over this loop's episodes (the Rollouter reports them as ``agent/*``):
+        ``env_step_s`` is the time spent in `Env.step` (tool calls included)."""
 
     async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory:
+        self.counts["episodes"] += 1
         env = self.make_env()
         try:
             opening = await env.reset(prompt)
@@ -138,9 +143,15 @@ class EnvLoop(AgentLoop):
                 return ep.finish(turn.finish_reason)
             turn_ids = turn.token_ids.tolist()
             ep.final_text = self.renderer.turn_text(turn_ids)
+            counts = self.counts
+            t0 = time.perf_counter()
             step = await env.step(ep.final_text)
+            counts["env_step_s"] += time.perf_counter() - t0
             if not isinstance(step, Step):
                 raise TypeError(f"{type(env).__name__}.step must return a Step, got {type(step).__name__}")
+            counts["turns"] += 1
+            counts["tool_calls"] += step.tool_calls
+            counts["tool_errors"] += step.tool_errors
             ep.record(step)
             if step.done:
                 return ep.finish("stop")

@@ -56,6 +56,12 @@ NAMES: dict[str, tuple[str, str]] = {
     "fault/engine_restarts": (T, "engine replicas started again so far (engine.max_restarts each)"),
     # rollouter
     "rollouter/admitted": (R, "prompts admitted through the staleness gate so far"),
+    "agent/episodes": (R, "conversations an env loop started so far"),
+    "agent/turns": (R, "model turns answered by an env so far"),
+    "agent/tool_calls": (R, "tool calls the envs made so far (Step.tool_calls)"),
+    "agent/tool_errors": (R, "of those, calls that ended in an error observation"),
+    "agent/tool_calls_per_turn": (R, "agent/tool_calls / agent/turns so far"),
+    "agent/env_step_s": (R, "seconds spent in Env.step so far (tool calls included), over all conversations"),
     "rollouter/in_flight": (R, "prompts admitted and not yet sent"),
     "rollouter/failed_groups": (R, "groups sent as failed so far"),
     "rollouter/filtered_groups": (R, "groups the group filter dropped so far (rollout.group_filter)"),

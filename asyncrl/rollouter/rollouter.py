@@ -376,6 +376,9 @@ class Rollouter:
                    filter_judged=self.filter.judged, filter_dropped=self.filter.dropped,
                    timed_out=pool.timed_out, dead_engines=pool.dead_engines, engine_calls=pool.calls,
                    requests_spread=pool.spread())
+        counts = getattr(self.agent.loop, "counts", None) if self.agent is not None else None
+        if counts:  # an EnvLoop's totals (a user's own AgentLoop keeps none)
+            out.update({f"agent_{k}": v for k, v in counts.items()})
         return out
 
 

@@ -58,8 +58,9 @@ def test_dashboard_shows_published_events(tmp_path):
                     trainer.emit_many(_step_events(step), step=step, version=step - 1)
                 rollouter.emit_many({"throughput/generated_tokens_per_s": 640.0, "stream/credit": 5.0,
                                      "fully_async/rollouter/idle_ratio": 0.125,
-                                     "engine/0/running": 3.0, "engine/1/running": 7.0})
-                total = 3 * len(_step_events(1)) + 5
+                                     "engine/0/running": 3.0, "engine/1/running": 7.0,
+                                     "agent/tool_calls_per_turn": 0.75, "agent/tool_errors": 1.0})
+                total = 3 * len(_step_events(1)) + 7
                 page.wait_for_function(f"document.getElementById('status').dataset.received === '{total}'",
                                        timeout=15_000)
                 page.wait_for_function("document.querySelector('[data-panel=replicas] .chart canvas') !== null",
@@ -68,7 +69,7 @@ def test_dashboard_shows_published_events(tmp_path):
                     const d = window.asyncrlDashboard;
                     return {reward: d.panelData('reward'), staleness: d.panelData('staleness'),
                             partial: d.panelData('partial'), replicas: d.panelData('replicas'),
-                            throughput: d.panelData('throughput')};
+                            throughput: d.panelData('throughput'), agent: d.panelData('agent')};
                 }""")
                 assert data["reward"][1] == pytest.approx([0.1, 0.2, 0.3])
                 assert data["staleness"] == [list(range(9)), [0, 7, 0, 0, 0, 0, 0, 0, 0]]
@@ -78,12 +79,13 @@ def test_dashboard_shows_published_events(tmp_path):
                 trained = [v for v in data["throughput"][2] if v is not None]
                 assert trained == [100, 200, 300]
                 assert [v for v in data["throughput"][1] if v is not None] == [640]
+                assert [[v for v in data["agent"][k] if v is not None] for k in (2, 3)] == [[0.75], [1]]
                 # The DOM shows the latest values, and every panel drew a chart.
                 assert page.inner_text("[data-panel=reward] [data-series='train/reward_mean'] b") == "0.300"
                 assert page.inner_text("[data-panel=idle] [data-series='fully_async/rollouter/idle_ratio'] b") \
                     == "0.125"
                 for panel in ("throughput", "reward", "staleness", "stream", "idle", "sync", "lengths",
-                              "partial", "replicas", "loss"):
+                              "partial", "replicas", "loss", "agent"):
                     assert page.locator(f"[data-panel={panel}] canvas").count() == 1, panel
                 page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
                 browser.close()

@@ -113,6 +113,15 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
         assert len({q.sampling.seed for q in own}) == t.turns
     assert len(engine.requests) == sum(t.turns for t in trajectories)
     assert sorted(engine.ended) == sorted(f"{t.sample_id}/{t.index}" for t in trajectories)
+    # The loop's totals, reported as agent/*: every turn answered by the env, a lookup per turn but the last.
+    from asyncrl.metrics.report import RolloutReporter
+
+    stats = r.stats_now()
+    assert stats["agent_episodes"] == len(trajectories) and stats["agent_turns"] == sum(t.turns for t in trajectories)
+    assert stats["agent_tool_calls"] == sum(t.turns - 1 for t in trajectories) and stats["agent_tool_errors"] == 0
+    assert stats["agent_env_step_s"] > 0
+    values = await RolloutReporter([], n=3).poll(r, None)
+    assert values["agent/tool_calls_per_turn"] == stats["agent_tool_calls"] / stats["agent_turns"]
     # Turns after the first prefill only their new tokens: the engine kept the session's KV (all but
     # the last sampled token of the turn before, which was never fed), on unchanged weights.
     for t in trajectories:

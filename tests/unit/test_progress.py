@@ -49,6 +49,8 @@ def test_step_line_and_bar_say_the_bound_only_when_known(capsys):
     assert "bound" not in step_line(metrics(1), 3)  # a step without the timings: no field, no error
     line = step_line(metrics(2, **timed(1.0, 0.6, 0.0), **{"val/reward_mean": 0.5}), 3)
     assert "  bound engine  val/reward 0.500" in line
+    assert "turns" not in line  # single-turn responses
+    assert "  turns 2.8  bound engine" in step_line(metrics(2, **timed(1.0, 0.6, 0.0), **{"agent/turns_mean": 2.75}), 3)
     out = io.StringIO()
     view = ProgressView(3, live=True, console=Console(file=out, force_terminal=True, width=200))
     view.update(metrics(2, **timed(1.0, 0.0, 0.5)))
