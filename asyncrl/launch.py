@@ -246,9 +246,9 @@ def preflight(cfg) -> None:
         raise data.DataError(f"{getattr(cfg.data, name)}: chat-message prompts need a model with a chat template; "
                              "the built-in demo model has none (set model.path)")
     if chat:
-        from transformers import AutoTokenizer
+        from asyncrl.models import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)
         for name, rows in chat.items():
             data.check_renderable(tokenizer, rows, getattr(cfg.data, name))
 

@@ -410,9 +410,9 @@ def _default_model() -> str:
 
 def _special_token_ids(model_path: str) -> tuple[int, int | None]:
     """The tokenizer's pad id (its EOS when it has none) and its EOS id."""
-    from transformers import AutoTokenizer
+    from asyncrl.models import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     eos = tok.eos_token_id
     return int(tok.pad_token_id if tok.pad_token_id is not None else eos), None if eos is None else int(eos)
 

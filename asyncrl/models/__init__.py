@@ -8,7 +8,9 @@ rebuilds it with the warm-start recipe.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 #: The shipped warm-started model: a local Hugging Face model directory (package data).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "tiny_arith"
@@ -26,4 +28,29 @@ def default_model_path() -> Path:
     return DEFAULT_MODEL_DIR
 
 
-__all__ = ["DEFAULT_MODEL_DIR", "default_model_path"]
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a model directory, as its checkpoint declares it.
+
+    ``AutoTokenizer``, except where ``tokenizer_config.json`` declares the generic fast tokenizer
+    (``TokenizersBackend`` / ``PreTrainedTokenizerFast``) over a ``tokenizer.json``: transformers 5
+    then builds the model type's own class instead (``Qwen2Tokenizer`` for a qwen2 model), whose
+    pre-tokenizer need not be the saved one's (the tiny chat tokenizer lost every space that way).
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    config = path / "tokenizer_config.json"
+    if config.is_file() and (path / "tokenizer.json").is_file():
+        try:
+            declared = json.loads(config.read_text()).get("tokenizer_class")
+        except (OSError, ValueError):
+            declared = None
+        if declared in _GENERIC_TOKENIZERS:
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+__all__ = ["DEFAULT_MODEL_DIR", "default_model_path", "load_tokenizer"]

@@ -221,9 +221,9 @@ def check_agent(cfg: AgentConfig, model_path: str) -> None:
         return
     cls = load_agent_loop_class(path) if cfg.loop is not None else load_env_class(path)
     if isinstance(cls, type) and issubclass(cls, ToolEnv):
-        from transformers import AutoTokenizer
+        from asyncrl.models import load_tokenizer
 
-        check_tool_template(AutoTokenizer.from_pretrained(model_path), field=f"{field}={path} with model {model_path}")
+        check_tool_template(load_tokenizer(model_path), field=f"{field}={path} with model {model_path}")
     try:
         built = cls()
     except Exception as e:  # noqa: BLE001 - the user's constructor; reported in one line

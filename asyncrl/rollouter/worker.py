@@ -107,12 +107,11 @@ class RolloutWorker:
         """``resume``: ``{"saved": <the checkpoint's rollouter_state>, "committed": <CommittedSet
         JSON>, "dropped": int}`` of a restored Trainer: the feed continues where it stood, and
         what was admitted but not trained is generated again first (`RolloutState.resume`)."""
-        from transformers import AutoTokenizer
-
         from asyncrl.hang import enable_stack_dumps
+        from asyncrl.models import load_tokenizer
 
         enable_stack_dumps()  # the launcher's hang watchdog asks every process where it waits
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
         self.cfg, self.engines, self.stream = cfg, engines, stream
         self.prompts = load_prompts(tokenizer, data_spec)
         self.val_prompts = load_prompts(tokenizer, data_spec, data_spec.val) if data_spec.val else []

@@ -127,3 +127,20 @@ def test_the_package_imports_without_torch_or_ray():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_saved_tiny_chat_model_keeps_its_tokenizer(tmp_path):
+    """transformers 5 loads a qwen2 model's generic tokenizer as Qwen2Tokenizer, which drops the
+    tiny chat tokenizer's spaces; `load_tokenizer` honours the class the checkpoint declares."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.agent.tiny_chat import build_chat_model, build_chat_tokenizer
+    from asyncrl.models import load_tokenizer
+
+    path = build_chat_model(tmp_path / "m")
+    text = "Call add, then answer."
+    want = build_chat_tokenizer().encode(text, add_special_tokens=False)
+    assert AutoTokenizer.from_pretrained(path).encode(text, add_special_tokens=False) != want  # the trap
+    tok = load_tokenizer(path)
+    assert tok.encode(text, add_special_tokens=False) == want and tok.decode(want) == text
+    assert tok.chat_template == build_chat_tokenizer().chat_template
