@@ -128,6 +128,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "val/reward_mean": (T, "greedy reward on the validation file (every data.val_every steps)"),
     "val/response_length_mean": (T, "mean validation response length"),
     "val/samples": (T, "validation prompts scored"),
+    "val/turns_mean": (T, "mean model turns of a validation conversation (agent loops only)"),
 }
 
 

@@ -23,12 +23,15 @@ Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands eac
   response ``k``'s session ``s`` is trajectory ``k * sessions + s`` of a group of ``n * sessions``.
   Another count fails the group (`SessionCountError`), as does a loop or env that raises
   (`AgentLoopError`, naming it and the error); an engine's error passes through unchanged.
+- Validation (``data.val``) runs the same loop on each validation prompt, greedily, on one replica
+  (`validate_agent_response`: request ids ``val_{step}_{i}/t{turn}``), scored as in training.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -158,14 +161,69 @@ class RolloutLLM:
 
     async def end_sessions(self) -> None:
         """Let the engine drop what it keeps for this response's conversations (a no-op where it keeps nothing)."""
-        if self.calls.replica is None:
-            return
-        engine = self.r.pool.engines[self.calls.replica]
-        for session_id in self.sessions:
-            try:
-                await asyncio.wait_for(call(engine, "end_session", session_id), 10.0)
-            except Exception as exc:  # noqa: BLE001 - the engine may be gone; its KV went with it
-                log.debug("end_session(%s) failed: %r", session_id, exc)
+        if self.calls.replica is not None:
+            await end_sessions(self.r.pool.engines[self.calls.replica], self.sessions)
+
+
+async def end_sessions(engine: Any, session_ids: list[str]) -> None:
+    """``end_session`` on ``engine`` for each id; an engine that is gone took its KV with it."""
+    for session_id in session_ids:
+        try:
+            await asyncio.wait_for(call(engine, "end_session", session_id), 10.0)
+        except Exception as exc:  # noqa: BLE001 - the engine may be gone; its KV went with it
+            log.debug("end_session(%s) failed: %r", session_id, exc)
+
+
+class ValidationLLM:
+    """The `LLM` of one validation conversation: greedy turns on one replica, request ids
+    ``{request_id}/t{turn}`` under the session ``{request_id}`` (``/s{j}`` for a multi-output
+    loop's later conversations), each under the request deadline. Never truncated: validation
+    runs outside the rounds of partial rollout."""
+
+    def __init__(self, engine: Any, request_id: str, timeout_s: float):
+        self.engine, self.base, self.timeout_s = engine, request_id, timeout_s
+        self.session_id = request_id
+        self.sessions = [request_id]
+        self.turns = 0
+
+    def session(self) -> str:
+        """Start another conversation (as `RolloutLLM.session`)."""
+        self.session_id = f"{self.base}/s{len(self.sessions)}"
+        self.sessions.append(self.session_id)
+        return self.session_id
+
+    async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
+        from asyncrl.agent import Turn
+
+        request = GenerateRequest(request_id=f"{self.base}/t{self.turns}", prompt_ids=np.asarray(token_ids, np.int64),
+                                  max_tokens=max_tokens, session_id=self.session_id,
+                                  sampling=SamplingParams(greedy=True, stop_token_ids=tuple(stop)))
+        self.turns += 1
+        result = await asyncio.wait_for(call(self.engine, "generate", request), self.timeout_s)
+        return Turn(result.response_ids, result.logprobs, result.versions, result.finish_reason)
+
+
+async def validate_agent_response(agent: Agent, engine: Any, request_id: str, prompt: Prompt, reward_fn: Any,
+                                  timeout_s: float) -> list[tuple[float, int, int]]:
+    """One greedy run of the loop for a validation prompt: (reward, response tokens, model turns)
+    of each trajectory it returns. The reward as in training: the env's, else ``reward_fn`` on the
+    last model turn. A loop that raises fails the validation with `AgentLoopError`, naming it."""
+    llm = ValidationLLM(engine, request_id, timeout_s)
+    try:
+        out = await agent.loop.run(prompt, llm)
+    except Exception as exc:
+        raise AgentLoopError(f"{agent.name} raised {type(exc).__name__} on validation prompt {request_id}: {exc}") from exc
+    finally:
+        await end_sessions(engine, llm.sessions)
+    scored = []
+    for ep in out if isinstance(out, (list, tuple)) else [out]:
+        reward = ep.reward
+        if reward is None:
+            ids = last_turn(np.asarray(ep.response_ids), np.asarray(ep.loss_mask))
+            reward = await reward_fn(prompt, ids) if inspect.iscoroutinefunction(reward_fn) else \
+                await asyncio.to_thread(reward_fn, prompt, ids)  # a plain reward runs off the event loop
+        scored.append((float(reward), len(ep.response_ids), int(ep.turns)))
+    return scored
 
 
 async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int, prompt: Prompt, calls: GroupCalls,

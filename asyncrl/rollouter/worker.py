@@ -6,9 +6,9 @@ The launcher builds it with plain values (configs, engine handles, the stream's 
 `feed_state` for its checkpoints and `stats` for each step's metrics. Prompts come from a verl-layout file (`asyncrl.data`) or, with none given,
 the built-in arithmetic task. Data and reward were checked by the launcher before Ray
 started; here they are loaded again in the process that uses them. `validate` scores the
-validation file greedily on the same engines. The skip registry is per process, so this actor
-calls `SkipManager.init` with the run's ``skip`` config and the shape of its rollouts (model,
-prompts, reward, n, token budget, sampling).
+validation file greedily on the same engines (through the agent loop, when one is configured).
+The skip registry is per process, so this actor calls `SkipManager.init` with the run's
+``skip`` config and the shape of its rollouts (model, prompts, reward, n, token budget, sampling).
 """
 
 from __future__ import annotations
@@ -224,31 +224,44 @@ class RolloutWorker:
         out["engine_counters"] = engine_counters([s for s in stats if isinstance(s, dict)])
         return out
     async def validate(self, step: int) -> dict[str, float]:
-        """One greedy response per validation prompt, scored: metrics under ``val/``.
+        """One greedy response per validation prompt, scored: metrics under ``val/``. With an agent
+        loop (``rollout.agent.*``) the response is a greedy run of that loop, as in training
+        (`validate_agent_response`; ``val/turns_mean`` counts its model turns).
 
-        Request ids are ``val_{step}_{i}``: they never take the form of a training ``sample_id``
-        (``sample_{epoch}_{index}``), never enter the stream and never move the feed.
+        Request ids are ``val_{step}_{i}`` (``.../t{turn}`` for an agent loop's turns): they never
+        take the form of a training ``sample_id`` (``sample_{epoch}_{index}``), never enter the
+        stream and never move the feed.
         """
         if not self.val_prompts:
             return {}
         slots = asyncio.Semaphore(self.cfg.max_concurrent)
 
-        async def one(i: int, prompt: Prompt) -> tuple[float, int]:
+        async def one(i: int, prompt: Prompt) -> list[tuple[float, int, int]]:
+            engine = self.engines[i % len(self.engines)]
+            if self.agent is not None:
+                from asyncrl.rollouter.agents import validate_agent_response
+
+                async with slots:
+                    return await validate_agent_response(self.agent, engine, f"val_{step}_{i}", prompt,
+                                                         self.reward_fn, self.cfg.request_timeout_s)
             request = GenerateRequest(request_id=f"val_{step}_{i}", prompt_ids=prompt.prompt_ids,
                                       max_tokens=self.cfg.max_tokens, sampling=SamplingParams(greedy=True))
             async with slots:
-                engine = self.engines[i % len(self.engines)]
                 result = await asyncio.wait_for(call(engine, "generate", request), self.cfg.request_timeout_s)
             if inspect.iscoroutinefunction(self.reward_fn):
                 reward = await self.reward_fn(prompt, result.response_ids)
             else:  # a plain reward runs off the event loop, as in training
                 reward = await asyncio.to_thread(self.reward_fn, prompt, result.response_ids)
-            return reward, len(result.response_ids)
+            return [(reward, len(result.response_ids), 1)]
 
-        scored = await asyncio.gather(*(one(i, p) for i, p in enumerate(self.val_prompts)))
-        rewards = np.asarray([r for r, _ in scored], dtype=np.float64)
-        return {"val/reward_mean": float(rewards.mean()), "val/response_length_mean": float(np.mean([n for _, n in scored])),
-                "val/samples": float(len(scored))}
+        scored = [s for per_prompt in await asyncio.gather(*(one(i, p) for i, p in enumerate(self.val_prompts)))
+                  for s in per_prompt]
+        rewards = np.asarray([r for r, _, _ in scored], dtype=np.float64)
+        out = {"val/reward_mean": float(rewards.mean()), "val/response_length_mean": float(np.mean([n for _, n, _ in scored])),
+               "val/samples": float(len(scored))}
+        if self.agent is not None:
+            out["val/turns_mean"] = float(np.mean([t for _, _, t in scored]))
+        return out
 
     def feed_state(self) -> dict:
         """The feed position and what is in flight, for the Trainer's checkpoint (``rollouter_state``)."""

@@ -27,9 +27,9 @@ T = 600.0  # deadline of any one wait (the shared CI machine starts Ray slowly)
 class Launch:
     """One ``python -m asyncrl.launch`` process in its own session; its output read by a thread."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, cwd: Path = ROOT):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "asyncrl.launch", *args], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "asyncrl.launch", *args], cwd=cwd, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []

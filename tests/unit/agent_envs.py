@@ -130,3 +130,8 @@ class ThreeFixedTurns(AgentLoop):
             versions += turn.versions.tolist()
         return AgentTrajectory(prompt_ids=prompt.prompt_ids, response_ids=ids, loss_mask=mask, logprobs=logprobs,
                                versions=versions, finish_reason=turn.finish_reason, turns=3, reward=1.0)
+
+
+def exact_answer(data_source, solution_str, ground_truth, extra_info=None):
+    """A verl-style reward: 1 when the final answer is the ground truth."""
+    return float(solution_str.strip() == ground_truth)

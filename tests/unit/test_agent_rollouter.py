@@ -357,3 +357,49 @@ async def test_the_skip_manager_dumps_and_replays_whole_conversations(model_path
         for t, u in zip(g.trajectories, h.trajectories):
             assert u.turns == t.turns >= 2 and np.array_equal(u.loss_mask, t.loss_mask)
             assert np.array_equal(u.response_ids, t.response_ids) and np.array_equal(u.versions, t.versions)
+
+
+async def test_validation_runs_the_agent_loop_greedily_and_scores_its_last_turn(model_path, tok, tmp_path,
+                                                                                 monkeypatch):
+    import json
+
+    import transformers
+
+    from asyncrl.rollouter.worker import DataSpec, RolloutWorker
+
+    # Saved beside a Qwen2 config, this tokenizer loads back as transformers' Qwen2Tokenizer, which
+    # drops spaces: the worker gets the tokenizer the model was trained with instead.
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    val = tmp_path / "val.jsonl"
+    rows = [{"prompt": QUESTION, "data_source": "toy", "reward_model": {"ground_truth": answer}}
+            for answer in ("AB CD", "nope")]
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    seen = []
+    generate = engine.generate
+
+    async def spy(request, truncatable=False):
+        seen.append(request)
+        return await generate(request, truncatable)
+
+    engine.generate = spy
+    cfg = RolloutConfig(n=2, max_tokens=8, agent=AgentConfig(env="tests.unit.agent_envs:LookupEnv", max_turns=4,
+                                                             max_tokens_per_turn=80, max_context_tokens=1024))
+    worker = RolloutWorker(cfg, [engine], stream=None, model_path=str(model_path),
+                           data_spec=DataSpec(train=str(val), val=str(val), reward="tests.unit.agent_envs:exact_answer"))
+    try:
+        metrics = await asyncio.wait_for(worker.validate(step=3), 120)
+    finally:
+        await engine.close()
+        worker.agent.close()
+    # The trained conversation, replayed greedily: two tool calls, then the answer "AB CD" (the
+    # first row's ground truth, not the second's). Each turn a request of its own in the prompt's session.
+    assert metrics == {"val/reward_mean": 0.5, "val/response_length_mean": metrics["val/response_length_mean"],
+                       "val/samples": 2.0, "val/turns_mean": 3.0}
+    assert sorted(q.request_id for q in seen) == [f"val_3_{i}/t{j}" for i in range(2) for j in range(3)]
+    assert all(q.sampling.greedy and q.session_id == q.request_id.split("/")[0] for q in seen)
+    last = max(seen, key=lambda q: len(q.prompt_ids))  # a conversation's third turn: its whole history as prompt
+    assert metrics["val/response_length_mean"] > len(last.prompt_ids) - len(seen[0].prompt_ids)
+    assert sorted(engine.ended) == ["val_3_0", "val_3_1"]  # each conversation's KV let go
+    assert engine.requests == []  # nothing through training's group calls
+    assert worker.feed_state()["next_index"] == 0  # validation never moves the training feed
