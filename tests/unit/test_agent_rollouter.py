@@ -359,17 +359,15 @@ async def test_the_skip_manager_dumps_and_replays_whole_conversations(model_path
             assert np.array_equal(u.response_ids, t.response_ids) and np.array_equal(u.versions, t.versions)
 
 
-async def test_validation_runs_the_agent_loop_greedily_and_scores_its_last_turn(model_path, tok, tmp_path,
-                                                                                 monkeypatch):
+async def test_validation_runs_the_agent_loop_greedily_and_scores_its_last_turn(model_path, tok, tmp_path):
     import json
-
-    import transformers
 
     from asyncrl.rollouter.worker import DataSpec, RolloutWorker
 
-    # Saved beside a Qwen2 config, this tokenizer loads back as transformers' Qwen2Tokenizer, which
-    # drops spaces: the worker gets the tokenizer the model was trained with instead.
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    # The worker loads the model's tokenizer itself (asyncrl.models.load_tokenizer): the one it was trained with.
+    from asyncrl.models import load_tokenizer
+
+    assert load_tokenizer(model_path).encode(QUESTION) == tok.encode(QUESTION)
     val = tmp_path / "val.jsonl"
     rows = [{"prompt": QUESTION, "data_source": "toy", "reward_model": {"ground_truth": answer}}
             for answer in ("AB CD", "nope")]
