@@ -97,6 +97,14 @@ def group_nbytes(tokens: int) -> int:
     return sum(a.nbytes for t in _arrays(tokens, 0) for a in t)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, every thread (ZeroMQ's I/O thread too), user + system."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _rate(times: list[float], warmup: int) -> float:
     """Groups per second between the warmup-th and the last receive."""
     return (len(times) - 1 - warmup) / (times[-1] - times[warmup])
@@ -105,7 +113,7 @@ def _rate(times: list[float], warmup: int) -> float:
 # ---------------------------------------------------------------------------------- (a) stream
 
 
-def _stream_producer(port: int, tokens: int, count: int, window: int) -> None:
+def _stream_producer(port: int, tokens: int, count: int, window: int, out) -> None:
     import asyncio
 
     from asyncrl.queue import StreamConfig, StreamProducer
@@ -113,10 +121,12 @@ def _stream_producer(port: int, tokens: int, count: int, window: int) -> None:
     async def run() -> None:
         arrays = _arrays(tokens, 1)
         groups = [make_group(i, arrays) for i in range(count)]  # built before the clock, as for (c)
+        cpu = _cpu_s()
         async with StreamProducer(StreamConfig(endpoint=ENDPOINT.format(port=port), window=window), producer_id="bench") as p:
             for g in groups:
                 await p.send(g)
             await p.wait_acked(timeout=120)
+        out.put(("producer_cpu", (_cpu_s() - cpu) / count))
 
     asyncio.run(run())
 
@@ -126,16 +136,19 @@ def _stream_consumer(port: int, count: int, window: int, out) -> None:
 
     from asyncrl.queue import StreamConfig, StreamConsumer, group_codec
 
-    async def run() -> tuple[list[float], float, bool]:
+    async def run() -> tuple[list[float], float, bool, float]:
         times = []
         async with StreamConsumer(StreamConfig(endpoint=ENDPOINT.format(port=port), window=window)) as c:
             out.put("ready")
-            for _ in range(count):
+            for i in range(count):
                 g = await c.recv(timeout=120)
                 c.ack([g.sample_id])
                 times.append(time.monotonic())
+                if i == 0:
+                    cpu = _cpu_s()
+            cpu = (_cpu_s() - cpu) / (count - 1)
             assert len(g.trajectories) == N_RESPONSES
-            return times, c.stats.received / c.stats.messages, group_codec._fast is not None
+            return times, c.stats.received / c.stats.messages, group_codec._fast is not None, cpu
 
     out.put(asyncio.run(run()))
 
@@ -156,13 +169,14 @@ def _tune(sock, tuned: bool) -> None:
         sock.setsockopt(zmq.RCVBUF, StreamConfig.socket_buffer_bytes)
 
 
-def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned: bool) -> None:
+def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned: bool, out) -> None:
     import zmq
 
     from asyncrl.queue.group_codec import pack_groups, prepare_group
 
     arrays = _arrays(tokens, 1)
     frames = pack_groups([prepare_group(make_group(i, arrays)) for i in range(per_message)])
+    cpu = _cpu_s()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     _tune(sock, tuned)
@@ -171,6 +185,7 @@ def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned
         sock.send_multipart(frames, copy=False)
     sock.close(linger=-1)
     ctx.term()  # returns once every queued message went out
+    out.put(("producer_cpu", (_cpu_s() - cpu) / (messages * per_message)))
 
 
 def _raw_consumer(port: int, messages: int, tuned: bool, out) -> None:
@@ -181,22 +196,30 @@ def _raw_consumer(port: int, messages: int, tuned: bool, out) -> None:
     sock.bind(ENDPOINT.format(port=port))
     out.put("ready")
     times = []
-    for _ in range(messages):
+    for i in range(messages):
         sock.recv_multipart(copy=False)
         times.append(time.monotonic())
+        if i == 0:
+            cpu = _cpu_s()
+    cpu = (_cpu_s() - cpu) / (messages - 1)
     sock.close()
-    out.put(times)
+    out.put((times, cpu))
 
 
-def _raw_rate(tokens: int, count: int, warmup: int, per_message: int, tuned: bool = True) -> float:
-    """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message."""
+def _raw_rate(tokens: int, count: int, warmup: int, per_message: int, tuned: bool = True) -> tuple[float, float, float]:
+    """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message,
+    and the CPU seconds per group of its producer and of its consumer."""
     messages = max(count // per_message, warmup // per_message + 10)
     port = free_port()
-    times = _run_pair(_raw_producer, _raw_consumer, (port, tokens, messages, per_message, tuned), (port, messages, tuned))
-    return per_message * _rate(times, warmup // per_message)
+    (times, consumer_cpu), producer_cpu = _run_pair(
+        _raw_producer, _raw_consumer, (port, tokens, messages, per_message, tuned), (port, messages, tuned)
+    )
+    return per_message * _rate(times, warmup // per_message), producer_cpu, consumer_cpu / per_message
 
 
-def _run_pair(producer, consumer, producer_args, consumer_args) -> list[float]:
+def _run_pair(producer, consumer, producer_args, consumer_args) -> tuple[object, float]:
+    """Run ``consumer`` then ``producer`` in their own processes; returns what the consumer
+    reported and the producer's CPU seconds per group."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -204,14 +227,16 @@ def _run_pair(producer, consumer, producer_args, consumer_args) -> list[float]:
     c = ctx.Process(target=consumer, args=(*consumer_args, out))
     c.start()
     assert _get(out, [c], 60) == "ready"
-    p = ctx.Process(target=producer, args=producer_args)
+    p = ctx.Process(target=producer, args=(*producer_args, out))
     p.start()
-    times = _get(out, [c, p], 300)
+    results = [_get(out, [c, p], 300) for _ in range(2)]  # in either order
+    producer_cpu = next(r[1] for r in results if isinstance(r, tuple) and r[0] == "producer_cpu")
+    consumer_result = next(r for r in results if not (isinstance(r, tuple) and r[0] == "producer_cpu"))
     for proc in (p, c):
         proc.join(timeout=120)
         if proc.exitcode != 0:
             raise RuntimeError(f"{proc.name} exited with {proc.exitcode}")
-    return times
+    return consumer_result, producer_cpu
 
 
 def _get(out, procs, timeout: float):
@@ -292,13 +317,14 @@ def _use_codec(codec: str) -> None:
         os.environ.pop("ASYNCRL_PURE_PYTHON", None)
 
 
-def _stream_rate(tokens: int, count: int, args) -> tuple[float, float, bool]:
-    """Groups/s of one stream run, the groups its messages held on average, whether C ran."""
+def _stream_rate(tokens: int, count: int, args) -> tuple[float, float, bool, float, float]:
+    """Groups/s of one stream run, the groups its messages held on average, whether C ran, and
+    the CPU seconds per group of its producer and of its consumer."""
     port = free_port()
-    (times, per_message, accelerated) = _run_pair(
+    (times, per_message, accelerated, consumer_cpu), producer_cpu = _run_pair(
         _stream_producer, _stream_consumer, (port, tokens, count, args.window), (port, count, args.window)
     )
-    return _rate(times, args.warmup), per_message, accelerated
+    return _rate(times, args.warmup), per_message, accelerated, producer_cpu, consumer_cpu
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -318,20 +344,26 @@ def _run_case(name: str, tokens: int, count: int, codec: str, args, extras: bool
     runs = []
     for i in range(args.repeats):
         load = _load()
-        stream, per_message, accelerated = _stream_rate(tokens, count, args)
+        stream, per_message, accelerated, *stream_cpu = _stream_rate(tokens, count, args)
         if accelerated != (codec == "accel"):
             raise RuntimeError(f"the stream ran {'C' if accelerated else 'pure Python'}, not {CODECS[codec]}: "
                                "build the extension with `python setup.py build_ext --inplace`")
-        raw = _raw_rate(tokens, count, args.warmup, 1)
+        raw, *raw_cpu = _raw_rate(tokens, count, args.warmup, 1)
         run = {"stream": stream, "raw_zmq": raw, "vs_raw": stream / raw, "groups_per_message": per_message,
                "load_1m": load}
+        # CPU per group (every thread, user + system) of each side: what a busy machine makes scarce.
+        for path, (producer_cpu, consumer_cpu) in (("stream", stream_cpu), ("raw_zmq", raw_cpu)):
+            run[f"{path}_cpu_us_producer"], run[f"{path}_cpu_us_consumer"] = producer_cpu * 1e6, consumer_cpu * 1e6
         if extras:  # after the pair, so they do not stretch the gap between its two halves
-            run["raw_zmq_batched"] = _raw_rate(tokens, count, args.warmup, max(1, round(per_message)))
-            run["raw_zmq_untuned"] = _raw_rate(tokens, count, args.warmup, 1, tuned=False)
+            run["raw_zmq_batched"] = _raw_rate(tokens, count, args.warmup, max(1, round(per_message)))[0]
+            run["raw_zmq_untuned"] = _raw_rate(tokens, count, args.warmup, 1, tuned=False)[0]
         runs.append(run)
         others = "".join(f", {k} {run[k]:.0f}" for k in ("raw_zmq_batched", "raw_zmq_untuned") if k in run)
         print(f"{name} {codec:<6} run {i + 1}/{args.repeats}: stream {stream:.0f} groups/s, raw_zmq {raw:.0f}"
-              f"{others}, vs_raw {stream / raw:.3f}, {per_message:.1f} groups/message, load {load:.2f}", flush=True)
+              f"{others}, vs_raw {stream / raw:.3f}, {per_message:.1f} groups/message, load {load:.2f}; "
+              f"CPU us/group producer+consumer: stream {run['stream_cpu_us_producer']:.0f}+"
+              f"{run['stream_cpu_us_consumer']:.0f}, raw_zmq {run['raw_zmq_cpu_us_producer']:.0f}+"
+              f"{run['raw_zmq_cpu_us_consumer']:.0f}", flush=True)
     return {"runs": runs, **{k: _spread([r[k] for r in runs]) for k in runs[0]}}
 
 
@@ -388,6 +420,9 @@ def main() -> None:
                 ratios = [r["stream"] / r[path] for r in s["runs"]]
                 results[f"vs_{path[4:]}_median{suffix}"] = round(statistics.median(ratios), 3)
         results[f"groups_per_message{suffix}"] = round(s["groups_per_message"]["median"], 1)
+        for key in ("stream_cpu_us_producer", "stream_cpu_us_consumer", "raw_zmq_cpu_us_producer",
+                    "raw_zmq_cpu_us_consumer"):
+            results[f"{key}{suffix}"] = round(s[key]["median"], 1)
         if name in ray_rates and codec == codecs[0]:
             print(f"{name:<5} {'':<7} {'ray_queue':<16} {ray_rates[name]:>12.0f} {'':>11} {ray_rates[name] * mb:>12.1f}")
             results[f"ray_queue_groups_s{suffix}"] = round(ray_rates[name], 1)
@@ -396,8 +431,11 @@ def main() -> None:
     print()
     for (name, codec), s in summary.items():
         v, each = s["vs_raw"], ", ".join(f"{r['vs_raw']:.3f}" for r in s["runs"])
+        cpu = {k: s[k]["median"] for k in s if "_cpu_us_" in k}
         print(f"{name} {codec}: vs_raw median {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f}), "
-              f"runs {each}  (target: median >= 0.9)")
+              f"runs {each}  (target: median >= 0.9); CPU us/group, median, producer+consumer: stream "
+              f"{cpu['stream_cpu_us_producer']:.0f}+{cpu['stream_cpu_us_consumer']:.0f}, raw_zmq "
+              f"{cpu['raw_zmq_cpu_us_producer']:.0f}+{cpu['raw_zmq_cpu_us_consumer']:.0f}")
     results["load_avg_start"] = [round(x, 2) for x in loads[0]]
     results["load_avg_end"] = [round(x, 2) for x in loads[-1]]
     print(f"load average at the start {'/'.join(f'{x:.2f}' for x in loads[0])}, "
