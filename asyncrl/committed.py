@@ -7,10 +7,14 @@ the records themselves.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterable, Iterator, Set
 from typing import Any
 
 
+# The stream's consumer asks about each id twice (is it a duplicate when it arrives, then
+# add it when it is acked): a memo of the ids in flight makes the second a dict lookup.
+@functools.lru_cache(maxsize=8192)
 def _split_sample_id(sample_id: str) -> tuple[int, int] | None:
     """``(epoch, index)`` of a well-formed sample_id, else None (cheaper than the regex)."""
     head, sep, index = sample_id.rpartition("_")

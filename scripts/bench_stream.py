@@ -24,8 +24,17 @@ logprobs, versions arrays) go from one process to another through:
 
 MB/s counts the groups' array bytes. Each figure is taken at the receiver, from the
 ``--warmup``-th group to the last, so connection set-up and the first window are left out.
-Groups are built before the clock starts. Each path runs ``--repeat`` times, alternating with
-the others, and its best run counts: on a shared machine that is the least disturbed one.
+Groups are built before the clock starts. Each case runs ``--repeats`` (5) times per codec as
+stream, raw, stream, raw, ...; each run's ratio is the stream's rate over the raw rate taken
+right after it, and the median of those ratios counts, with its spread (a shared machine moves
+a path by 30% between minutes: one run proves nothing). Both codecs run: ``accel`` (the C
+extension ``asyncrl/queue/_fastgroups``) and ``python`` (``ASYNCRL_PURE_PYTHON=1``); the
+batched and untuned raw baselines run after each pair of the first codec only.
+
+Every run is printed with the 1-minute load average beside it, then the medians; with
+``--json`` the last line holds ``vs_raw_median``, ``vs_raw_min``, ``vs_raw_max`` (1k, C),
+the same with ``_8k`` for the 8k case and ``_py`` for the pure-Python codec, each run's ratio
+(``vs_raw_runs*``), the date, the CPU count and the load averages at the start and the end.
 """
 
 from __future__ import annotations
@@ -55,7 +64,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--window", type=int, default=64, help="StreamConfig.window of the stream")
     p.add_argument("--skip-ray", action="store_true", help="leave out the Ray baseline")
     p.add_argument("--cases", default="1k,8k", help="comma-separated subset of 1k,8k")
-    p.add_argument("--repeat", type=int, default=3, help="runs of each path, alternating; the best one counts")
+    p.add_argument("--repeats", "--repeat", dest="repeats", type=int, default=5,
+                   help="runs of each case and codec, stream and raw alternating; the median counts")
+    p.add_argument("--codecs", default="accel,python",
+                   help="comma-separated: accel (the C extension), python (ASYNCRL_PURE_PYTHON=1)")
     return p.parse_args()
 
 
@@ -85,6 +97,14 @@ def group_nbytes(tokens: int) -> int:
     return sum(a.nbytes for t in _arrays(tokens, 0) for a in t)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, every thread (ZeroMQ's I/O thread too), user + system."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _rate(times: list[float], warmup: int) -> float:
     """Groups per second between the warmup-th and the last receive."""
     return (len(times) - 1 - warmup) / (times[-1] - times[warmup])
@@ -93,7 +113,7 @@ def _rate(times: list[float], warmup: int) -> float:
 # ---------------------------------------------------------------------------------- (a) stream
 
 
-def _stream_producer(port: int, tokens: int, count: int, window: int) -> None:
+def _stream_producer(port: int, tokens: int, count: int, window: int, out) -> None:
     import asyncio
 
     from asyncrl.queue import StreamConfig, StreamProducer
@@ -101,10 +121,12 @@ def _stream_producer(port: int, tokens: int, count: int, window: int) -> None:
     async def run() -> None:
         arrays = _arrays(tokens, 1)
         groups = [make_group(i, arrays) for i in range(count)]  # built before the clock, as for (c)
+        cpu = _cpu_s()
         async with StreamProducer(StreamConfig(endpoint=ENDPOINT.format(port=port), window=window), producer_id="bench") as p:
             for g in groups:
                 await p.send(g)
             await p.wait_acked(timeout=120)
+        out.put(("producer_cpu", (_cpu_s() - cpu) / count))
 
     asyncio.run(run())
 
@@ -112,18 +134,21 @@ def _stream_producer(port: int, tokens: int, count: int, window: int) -> None:
 def _stream_consumer(port: int, count: int, window: int, out) -> None:
     import asyncio
 
-    from asyncrl.queue import StreamConfig, StreamConsumer
+    from asyncrl.queue import StreamConfig, StreamConsumer, group_codec
 
-    async def run() -> tuple[list[float], float]:
+    async def run() -> tuple[list[float], float, bool, float]:
         times = []
         async with StreamConsumer(StreamConfig(endpoint=ENDPOINT.format(port=port), window=window)) as c:
             out.put("ready")
-            for _ in range(count):
+            for i in range(count):
                 g = await c.recv(timeout=120)
                 c.ack([g.sample_id])
                 times.append(time.monotonic())
+                if i == 0:
+                    cpu = _cpu_s()
+            cpu = (_cpu_s() - cpu) / (count - 1)
             assert len(g.trajectories) == N_RESPONSES
-            return times, c.stats.received / c.stats.messages
+            return times, c.stats.received / c.stats.messages, group_codec._fast is not None, cpu
 
     out.put(asyncio.run(run()))
 
@@ -144,13 +169,14 @@ def _tune(sock, tuned: bool) -> None:
         sock.setsockopt(zmq.RCVBUF, StreamConfig.socket_buffer_bytes)
 
 
-def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned: bool) -> None:
+def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned: bool, out) -> None:
     import zmq
 
     from asyncrl.queue.group_codec import pack_groups, prepare_group
 
     arrays = _arrays(tokens, 1)
     frames = pack_groups([prepare_group(make_group(i, arrays)) for i in range(per_message)])
+    cpu = _cpu_s()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     _tune(sock, tuned)
@@ -159,6 +185,7 @@ def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned
         sock.send_multipart(frames, copy=False)
     sock.close(linger=-1)
     ctx.term()  # returns once every queued message went out
+    out.put(("producer_cpu", (_cpu_s() - cpu) / (messages * per_message)))
 
 
 def _raw_consumer(port: int, messages: int, tuned: bool, out) -> None:
@@ -169,22 +196,30 @@ def _raw_consumer(port: int, messages: int, tuned: bool, out) -> None:
     sock.bind(ENDPOINT.format(port=port))
     out.put("ready")
     times = []
-    for _ in range(messages):
+    for i in range(messages):
         sock.recv_multipart(copy=False)
         times.append(time.monotonic())
+        if i == 0:
+            cpu = _cpu_s()
+    cpu = (_cpu_s() - cpu) / (messages - 1)
     sock.close()
-    out.put(times)
+    out.put((times, cpu))
 
 
-def _raw_rate(tokens: int, count: int, warmup: int, per_message: int, tuned: bool = True) -> float:
-    """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message."""
+def _raw_rate(tokens: int, count: int, warmup: int, per_message: int, tuned: bool = True) -> tuple[float, float, float]:
+    """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message,
+    and the CPU seconds per group of its producer and of its consumer."""
     messages = max(count // per_message, warmup // per_message + 10)
     port = free_port()
-    times = _run_pair(_raw_producer, _raw_consumer, (port, tokens, messages, per_message, tuned), (port, messages, tuned))
-    return per_message * _rate(times, warmup // per_message)
+    (times, consumer_cpu), producer_cpu = _run_pair(
+        _raw_producer, _raw_consumer, (port, tokens, messages, per_message, tuned), (port, messages, tuned)
+    )
+    return per_message * _rate(times, warmup // per_message), producer_cpu, consumer_cpu / per_message
 
 
-def _run_pair(producer, consumer, producer_args, consumer_args) -> list[float]:
+def _run_pair(producer, consumer, producer_args, consumer_args) -> tuple[object, float]:
+    """Run ``consumer`` then ``producer`` in their own processes; returns what the consumer
+    reported and the producer's CPU seconds per group."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -192,14 +227,16 @@ def _run_pair(producer, consumer, producer_args, consumer_args) -> list[float]:
     c = ctx.Process(target=consumer, args=(*consumer_args, out))
     c.start()
     assert _get(out, [c], 60) == "ready"
-    p = ctx.Process(target=producer, args=producer_args)
+    p = ctx.Process(target=producer, args=(*producer_args, out))
     p.start()
-    times = _get(out, [c, p], 300)
+    results = [_get(out, [c, p], 300) for _ in range(2)]  # in either order
+    producer_cpu = next(r[1] for r in results if isinstance(r, tuple) and r[0] == "producer_cpu")
+    consumer_result = next(r for r in results if not (isinstance(r, tuple) and r[0] == "producer_cpu"))
     for proc in (p, c):
         proc.join(timeout=120)
         if proc.exitcode != 0:
             raise RuntimeError(f"{proc.name} exited with {proc.exitcode}")
-    return times
+    return consumer_result, producer_cpu
 
 
 def _get(out, procs, timeout: float):
@@ -269,27 +306,88 @@ def _ray_rate(tokens: int, count: int, warmup: int, window: int) -> float:
 
 # ---------------------------------------------------------------------------------- main
 
+CODECS = {"accel": "the C accelerator (asyncrl/queue/_fastgroups)", "python": "pure Python (ASYNCRL_PURE_PYTHON=1)"}
+
+
+def _use_codec(codec: str) -> None:
+    """Make the processes spawned from now on run ``codec`` (they inherit the environment)."""
+    if codec == "python":
+        os.environ["ASYNCRL_PURE_PYTHON"] = "1"
+    else:
+        os.environ.pop("ASYNCRL_PURE_PYTHON", None)
+
+
+def _stream_rate(tokens: int, count: int, args) -> tuple[float, float, bool, float, float]:
+    """Groups/s of one stream run, the groups its messages held on average, whether C ran, and
+    the CPU seconds per group of its producer and of its consumer."""
+    port = free_port()
+    (times, per_message, accelerated, consumer_cpu), producer_cpu = _run_pair(
+        _stream_producer, _stream_consumer, (port, tokens, count, args.window), (port, count, args.window)
+    )
+    return _rate(times, args.warmup), per_message, accelerated, producer_cpu, consumer_cpu
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _run_case(name: str, tokens: int, count: int, codec: str, args, extras: bool) -> dict:
+    """``args.repeats`` runs of stream then raw ZeroMQ, back to back; each run's ratio is its
+    stream's rate over the raw rate measured right after it, so a noisy neighbour hits both."""
+    _use_codec(codec)
+    runs = []
+    for i in range(args.repeats):
+        load = _load()
+        stream, per_message, accelerated, *stream_cpu = _stream_rate(tokens, count, args)
+        if accelerated != (codec == "accel"):
+            raise RuntimeError(f"the stream ran {'C' if accelerated else 'pure Python'}, not {CODECS[codec]}: "
+                               "build the extension with `python setup.py build_ext --inplace`")
+        raw, *raw_cpu = _raw_rate(tokens, count, args.warmup, 1)
+        run = {"stream": stream, "raw_zmq": raw, "vs_raw": stream / raw, "groups_per_message": per_message,
+               "load_1m": load}
+        # CPU per group (every thread, user + system) of each side: what a busy machine makes scarce.
+        for path, (producer_cpu, consumer_cpu) in (("stream", stream_cpu), ("raw_zmq", raw_cpu)):
+            run[f"{path}_cpu_us_producer"], run[f"{path}_cpu_us_consumer"] = producer_cpu * 1e6, consumer_cpu * 1e6
+        if extras:  # after the pair, so they do not stretch the gap between its two halves
+            run["raw_zmq_batched"] = _raw_rate(tokens, count, args.warmup, max(1, round(per_message)))[0]
+            run["raw_zmq_untuned"] = _raw_rate(tokens, count, args.warmup, 1, tuned=False)[0]
+        runs.append(run)
+        others = "".join(f", {k} {run[k]:.0f}" for k in ("raw_zmq_batched", "raw_zmq_untuned") if k in run)
+        print(f"{name} {codec:<6} run {i + 1}/{args.repeats}: stream {stream:.0f} groups/s, raw_zmq {raw:.0f}"
+              f"{others}, vs_raw {stream / raw:.3f}, {per_message:.1f} groups/message, load {load:.2f}; "
+              f"CPU us/group producer+consumer: stream {run['stream_cpu_us_producer']:.0f}+"
+              f"{run['stream_cpu_us_consumer']:.0f}, raw_zmq {run['raw_zmq_cpu_us_producer']:.0f}+"
+              f"{run['raw_zmq_cpu_us_consumer']:.0f}", flush=True)
+    return {"runs": runs, **{k: _spread([r[k] for r in runs]) for k in runs[0]}}
+
 
 def main() -> None:
+    import datetime
+    import statistics
+
     args = _parse()
-    results: dict[str, float] = {}
     cases = {"1k": (1024, args.groups_1k), "8k": (8192, args.groups_8k)}
     cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
-    rates: dict[str, dict[str, float]] = {}
-    batch: dict[str, float] = {}  # groups per stream message, mean of the last run
-    for name, (tokens, count) in cases.items():
-        r = rates[name] = {"stream": 0.0, "raw_zmq": 0.0, "raw_zmq_batched": 0.0, "raw_zmq_untuned": 0.0}
-        for _ in range(args.repeat):  # alternating, so a noisy neighbour hits all paths alike
-            port = free_port()
-            times, per_message = _run_pair(
-                _stream_producer, _stream_consumer, (port, tokens, count, args.window), (port, count, args.window)
-            )
-            r["stream"] = max(r["stream"], _rate(times, args.warmup))
-            batch[name] = per_message
-            r["raw_zmq"] = max(r["raw_zmq"], _raw_rate(tokens, count, args.warmup, 1))
-            r["raw_zmq_untuned"] = max(r["raw_zmq_untuned"], _raw_rate(tokens, count, args.warmup, 1, tuned=False))
-            per_message = max(1, round(per_message))
-            r["raw_zmq_batched"] = max(r["raw_zmq_batched"], _raw_rate(tokens, count, args.warmup, per_message))
+    codecs = [c for c in args.codecs.split(",") if c]
+    if unknown := [c for c in codecs if c not in CODECS]:
+        raise SystemExit(f"--codecs: unknown {unknown}; choose from {','.join(CODECS)}")
+    loads = [os.getloadavg()]
+    results: dict = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                     "cpus": os.cpu_count(), "repeats": args.repeats}
+    print(f"{results['date']}, {results['cpus']} CPUs, load average {'/'.join(f'{x:.2f}' for x in loads[0])}; "
+          f"{args.repeats} runs per case and codec, stream then raw_zmq", flush=True)
+    summary: dict[tuple[str, str], dict] = {}
+    for codec in codecs:
+        for name, (tokens, count) in cases.items():
+            summary[name, codec] = _run_case(name, tokens, count, codec, args, extras=codec == codecs[0])
+    _use_codec(codecs[0])
+    ray_rates: dict[str, float] = {}
     if not args.skip_ray:
         import ray
 
@@ -297,28 +395,51 @@ def main() -> None:
         try:
             for name, (tokens, count) in cases.items():
                 n = max(args.warmup + 50, int(count * args.ray_fraction))
-                rates[name]["ray_queue"] = max(_ray_rate(tokens, n, args.warmup, args.window) for _ in range(args.repeat))
+                ray_rates[name] = statistics.median(_ray_rate(tokens, n, args.warmup, args.window)
+                                                    for _ in range(args.repeats))
         finally:
             ray.shutdown()
+    loads.append(os.getloadavg())
 
-    print(f"{'case':<5} {'path':<16} {'groups/s':>10} {'MB/s':>10}")
-    for name, (tokens, _) in cases.items():
-        mb = group_nbytes(tokens) / 1e6
-        suffix = "" if name == "1k" else f"_{name}"
-        for path, gps in rates[name].items():
-            print(f"{name:<5} {path:<16} {gps:>10.0f} {gps * mb:>10.1f}")
-            results[f"{path}_mb_s{suffix}"] = round(gps * mb, 1)
-            results[f"{path}_groups_s{suffix}"] = round(gps, 1)
-        results[f"vs_raw{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq"], 3)
-        results[f"vs_raw_batched{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq_batched"], 3)
-        results[f"vs_raw_untuned{suffix}"] = round(rates[name]["stream"] / rates[name]["raw_zmq_untuned"], 3)
-        results[f"groups_per_message{suffix}"] = round(batch[name], 1)
-        if "ray_queue" in rates[name]:
-            results[f"vs_ray{suffix}"] = round(rates[name]["stream"] / rates[name]["ray_queue"], 2)
+    print(f"\n{'case':<5} {'codec':<7} {'path':<16} {'groups/s median (min-max)':>28} {'MB/s median':>12}")
+    for (name, codec), s in summary.items():
+        mb = group_nbytes(cases[name][0]) / 1e6
+        suffix = ("" if name == "1k" else f"_{name}") + ("" if codec == "accel" else "_py")
+        for path in ("stream", "raw_zmq", "raw_zmq_batched", "raw_zmq_untuned"):
+            if path in s:
+                m = s[path]
+                print(f"{name:<5} {codec:<7} {path:<16} {m['median']:>12.0f} ({m['min']:.0f}-{m['max']:.0f}) "
+                      f"{m['median'] * mb:>12.1f}")
+                results[f"{path}_groups_s{suffix}"] = round(m["median"], 1)
+                results[f"{path}_mb_s{suffix}"] = round(m["median"] * mb, 1)
+        for stat in ("median", "min", "max"):
+            results[f"vs_raw_{stat}{suffix}"] = round(s["vs_raw"][stat], 3)
+        results[f"vs_raw_runs{suffix}"] = [round(r["vs_raw"], 3) for r in s["runs"]]
+        for path in ("raw_zmq_batched", "raw_zmq_untuned"):
+            if path in s:
+                ratios = [r["stream"] / r[path] for r in s["runs"]]
+                results[f"vs_{path[4:]}_median{suffix}"] = round(statistics.median(ratios), 3)
+        results[f"groups_per_message{suffix}"] = round(s["groups_per_message"]["median"], 1)
+        for key in ("stream_cpu_us_producer", "stream_cpu_us_consumer", "raw_zmq_cpu_us_producer",
+                    "raw_zmq_cpu_us_consumer"):
+            results[f"{key}{suffix}"] = round(s[key]["median"], 1)
+        if name in ray_rates and codec == codecs[0]:
+            print(f"{name:<5} {'':<7} {'ray_queue':<16} {ray_rates[name]:>12.0f} {'':>11} {ray_rates[name] * mb:>12.1f}")
+            results[f"ray_queue_groups_s{suffix}"] = round(ray_rates[name], 1)
+            results[f"vs_ray{suffix}"] = round(s["stream"]["median"] / ray_rates[name], 2)
         results[f"group_mb{suffix}"] = round(mb, 3)
-    for name in cases:
-        print(f"{name}: the stream's messages held {batch[name]:.1f} groups on average; raw_zmq_batched used that many")
-    print(f"ratios: {', '.join(f'{k}={v}' for k, v in results.items() if k.startswith('vs_'))}  (targets: vs_raw >= 0.7, vs_ray >= 10)")
+    print()
+    for (name, codec), s in summary.items():
+        v, each = s["vs_raw"], ", ".join(f"{r['vs_raw']:.3f}" for r in s["runs"])
+        cpu = {k: s[k]["median"] for k in s if "_cpu_us_" in k}
+        print(f"{name} {codec}: vs_raw median {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f}), "
+              f"runs {each}  (target: median >= 0.9); CPU us/group, median, producer+consumer: stream "
+              f"{cpu['stream_cpu_us_producer']:.0f}+{cpu['stream_cpu_us_consumer']:.0f}, raw_zmq "
+              f"{cpu['raw_zmq_cpu_us_producer']:.0f}+{cpu['raw_zmq_cpu_us_consumer']:.0f}")
+    results["load_avg_start"] = [round(x, 2) for x in loads[0]]
+    results["load_avg_end"] = [round(x, 2) for x in loads[-1]]
+    print(f"load average at the start {'/'.join(f'{x:.2f}' for x in loads[0])}, "
+          f"at the end {'/'.join(f'{x:.2f}' for x in loads[-1])} (1/5/15 min, {results['cpus']} CPUs)")
     if args.json:
         print(json.dumps(results))
 

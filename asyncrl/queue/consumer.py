@@ -215,9 +215,12 @@ class StreamConsumer(StreamEndpoint):
         if unknown:
             raise ValueError(f"ack of sample_ids never delivered by recv(): {unknown[:5]}")
         for sid in sample_ids:
-            if sid in committed:
+            # A delivered id is never committed (recv hands out only ids that are not), so the
+            # committed set, which parses each id it is asked about, is asked only about the rest.
+            if sid in delivered:
+                delivered.remove(sid)
+            elif sid in committed:
                 continue
-            delivered.discard(sid)
             committed.add(sid)
             if reason is None:
                 self.stats.acked += 1
