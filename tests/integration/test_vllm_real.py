@@ -523,7 +523,8 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
     partial = PartialRolloutConfig(enable=True, max_age=3, truncate_at="threshold")
     aggregator = AggregatorActor([served.actor], threshold=partial.resolved_threshold(2, per_step))
     agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
-    prompts = [Prompt(text="long" if i % 4 == 0 else "short", prompt_ids=np.array([1, 4 + i, 5])) for i in range(groups)]
+    prompts = [Prompt(text="long" if i % 4 == 0 else "short", prompt_ids=np.array([1, 4 + i, 5]))
+               for i in range(groups)]
     # The engine serves version v0 (earlier tests synced it): the Rollouter starts as a run resumed
     # at step v0 does, so that its rounds are the engine's versions.
     r = Rollouter(RolloutConfig(n=2, max_tokens=3, groups_per_sync=per_step, staleness_threshold=0.0, max_concurrent=4),
