@@ -15,8 +15,10 @@ after the update against the new weights, the prefix cache salted per version (a
 ``pause("abort")`` and ``pause("wait")`` refusing new requests, abort and truncate with partial
 output and the resumed response, weights refused while serving and a sync failed in vLLM's
 worker refusing ``resume()`` until a complete one lands, ``close()`` with requests in flight and
-requests after it, a killed EngineCore failing its requests instead of hanging them, and
-asyncrl's NCCL bucket geometry against vLLM's own packer.
+requests after it, a killed EngineCore failing its requests instead of hanging them,
+asyncrl's NCCL bucket geometry against vLLM's own packer, and agent loops through the Rollouter
+(turns against the trainer's recompute and the prefix cache, a weight sync during a tool call,
+partial rollout truncating a turn that resumes next round).
 
 Skipped, with the reason, where vLLM does not import.
 """
