@@ -15,8 +15,10 @@ after the update against the new weights, the prefix cache salted per version (a
 ``pause("abort")`` and ``pause("wait")`` refusing new requests, abort and truncate with partial
 output and the resumed response, weights refused while serving and a sync failed in vLLM's
 worker refusing ``resume()`` until a complete one lands, ``close()`` with requests in flight and
-requests after it, a killed EngineCore failing its requests instead of hanging them, and
-asyncrl's NCCL bucket geometry against vLLM's own packer.
+requests after it, a killed EngineCore failing its requests instead of hanging them,
+asyncrl's NCCL bucket geometry against vLLM's own packer, and agent loops through the Rollouter
+(turns against the trainer's recompute and the prefix cache, a weight sync during a tool call,
+partial rollout truncating a turn that resumes next round).
 
 Skipped, with the reason, where vLLM does not import.
 """
@@ -99,9 +101,10 @@ class Served:
             self._syncing = False
         return self
 
-    async def sync(self, change=None) -> tuple[dict, dict]:
+    async def sync(self, change=None, clear_cache: bool = False) -> tuple[dict, dict]:
         """One weight sync the coordinator's way, of the trainer's weights after ``change(trainer)``:
-        pause keep, broadcast + receive, resume. The new version is the engine's + 1."""
+        pause keep (``clear_cache``: vLLM re-prefills the kept requests), broadcast + receive,
+        resume. The new version is the engine's + 1."""
         from asyncrl.sync import make_sender
 
         version = self.engine.version + 1
@@ -113,7 +116,7 @@ class Served:
         try:
             (init,) = sender.connect()
             await self.actor.init_weight_sync(init)
-            await self.actor.pause("keep", clear_cache=False)
+            await self.actor.pause("keep", clear_cache=clear_cache)
             sent, received = await asyncio.gather(asyncio.to_thread(sender.send, version=version),
                                                   self.actor.receive_weights(version=version))
             await self.actor.resume()
@@ -438,6 +441,128 @@ async def test_an_agent_loops_turns_on_vllm_match_the_trainer_and_reuse_the_pref
         # turn k+1's prompt = turn k's prompt + its 6 tokens (+ the observation): its full blocks were cached
         later_turns_blocks += sum((len(t.prompt_ids) + 10 * k - 4) // block * block for k in (1, 2))
     assert cached >= later_turns_blocks > 0, (cached, later_turns_blocks)
+
+
+def _weights(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _recompute_per_version(model, weights: dict, t) -> np.ndarray:
+    """Each model token's log-prob recomputed under the weights of its own version (observations: 0)."""
+    want = np.zeros(len(t.response_ids), dtype=np.float32)
+    model_tokens = t.loss_mask == 1
+    for v in sorted(set(t.versions[model_tokens].tolist())):
+        model.load_state_dict(weights[v])
+        at = model_tokens & (t.versions == v)
+        want[at] = _recompute(model, t.prompt_ids, t.response_ids)[at]
+    return want
+
+
+@on_module_loop
+async def test_a_weight_sync_during_a_tool_call_gives_the_next_turn_the_new_version_on_vllm(served):
+    """A sync lands while a conversation waits in a "tool call" between turns 1 and 2: turn 1 carries
+    the old version, turns 2 and 3 the new one, and every model token's behaviour log-prob equals the
+    trainer's recompute under the weights of its version (the next turn's prompt is prefilled afresh
+    under the new salt: no KV of the old weights is reused)."""
+    import copy
+
+    from asyncrl.agent import OBSERVATION_VERSION
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.agents import build_agent
+    from asyncrl.rollouter.config import AgentConfig
+    from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+    from tests.unit import agent_envs
+
+    v0 = served.engine.version
+    weights = {v0: _weights(served.trainer)}
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:GatedThreeTurns"), None)
+    agent_envs.GatedThreeTurns.called, agent_envs.GatedThreeTurns.go = asyncio.Event(), asyncio.Event()
+    prompts = [Prompt(text="p", prompt_ids=np.asarray(LONG_PROMPT, dtype=np.int64))]
+    r = Rollouter(RolloutConfig(n=1, max_tokens=8, groups_per_sync=100), [served.actor], MemorySink(), prompts,
+                  lambda p, ids: 0.0, agent=agent)
+    try:
+        task = asyncio.create_task(r.run(num_groups=1))
+        await asyncio.wait_for(agent_envs.GatedThreeTurns.called.wait(), 60)  # turn 1 done, in the tool call
+        await r.on_pause()
+        await served.sync(_perturb)
+        weights[v0 + 1] = _weights(served.trainer)
+        await r.on_sync(v0 + 1)
+        agent_envs.GatedThreeTurns.go.set()
+        await asyncio.wait_for(task, 60)
+    finally:
+        agent.close()
+    (t,) = r.producer.groups[0].trajectories
+    model = t.loss_mask == 1
+    assert t.turns == 3 and model.sum() == 18
+    assert t.versions[model].tolist() == [v0] * 6 + [v0 + 1] * 12  # turn 1 at the old version, turns 2 and 3 the new
+    assert (t.versions[~model] == OBSERVATION_VERSION).all() and (t.logprobs[~model] == 0).all()
+    scratch = copy.deepcopy(served.trainer)
+    want = _recompute_per_version(scratch, weights, t)
+    np.testing.assert_allclose(t.logprobs[model], want[model], atol=1e-4)
+    # the control: under the old weights, the later turns' log-probs are another policy's
+    scratch.load_state_dict(weights[v0])
+    assert np.abs(t.logprobs[model][6:] - _recompute(scratch, t.prompt_ids, t.response_ids)[model][6:]).max() > 1e-3
+
+@on_module_loop
+async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_next_round_on_vllm(served):
+    """The synchronous workflow on vLLM with conversations (`tests.unit.agent_envs:LongSecondTurn`):
+    a round keeps 4 prompts in flight and ends once the step has its 2 groups, the aggregator
+    aborting the long second turns mid-turn; each resumes next round from prompt + partial turn,
+    prefilled under the new weights. Every model token's behaviour log-prob equals the trainer's
+    recompute under its own version; the observation is masked."""
+    import copy
+
+    from asyncrl.agent import OBSERVATION_VERSION
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.agents import build_agent
+    from asyncrl.rollouter.aggregator import AggregatorActor
+    from asyncrl.rollouter.config import AgentConfig
+    from asyncrl.rollouter.partial import PartialRolloutConfig
+    from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
+
+    v0, groups, per_step = served.engine.version, 6, 2
+    weights = {v0: _weights(served.trainer)}
+    partial = PartialRolloutConfig(enable=True, max_age=3, truncate_at="threshold")
+    aggregator = AggregatorActor([served.actor], threshold=partial.resolved_threshold(2, per_step))
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
+    prompts = [Prompt(text="long" if i % 4 == 0 else "short", prompt_ids=np.array([1, 4 + i, 5]))
+               for i in range(groups)]
+    # The engine serves version v0 (earlier tests synced it): the Rollouter starts as a run resumed
+    # at step v0 does, so that its rounds are the engine's versions.
+    r = Rollouter(RolloutConfig(n=2, max_tokens=3, groups_per_sync=per_step, staleness_threshold=0.0, max_concurrent=4),
+                  [served.actor], MemorySink(), prompts, lambda p, ids: 0.0, state=RolloutState(done=v0 * per_step),
+                  partial=partial, aggregator=aggregator, agent=agent)
+    await r.on_sync(v0)
+    task = asyncio.create_task(r.run(num_groups=groups))
+    async with asyncio.timeout(180):
+        while not task.done():  # a Trainer's syncs: each once the step has its groups
+            need = (served.engine.version - v0 + 1) * per_step
+            while not task.done() and sum(g.complete for g in r.producer.groups) < need:
+                await asyncio.sleep(0.01)
+            if task.done():
+                break
+            await r.on_pause()
+            await served.sync(_perturb, clear_cache=True)  # a turn still running re-prefills on the new weights
+            weights[served.engine.version] = _weights(served.trainer)
+            await r.on_sync(served.engine.version)
+        await task
+    assert all(g.complete for g in r.producer.groups) and len(r.producer.groups) == groups
+    assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
+    assert not r.snapshot()["partials"]  # a conversation's truncated turn is never checkpointed
+    trajectories = [t for g in r.producer.groups for t in g.trajectories]
+    resumed = [t for t in trajectories if t.age >= 1]
+    long = [t for t in resumed if t.prompt_ids[1] in (4, 8)]
+    assert long, [t.prompt_ids.tolist() for t in resumed]
+    for t in long:  # stopped mid-turn and resumed: the turn's later tokens carry later versions
+        assert len(t.response_ids) == 3 + 2 + 48 and t.finish_reason == "length"
+        second = t.versions[5:]
+        assert len(set(second.tolist())) >= 2 and np.all(np.diff(second) >= 0)
+    scratch = copy.deepcopy(served.trainer)
+    for t in trajectories:
+        model = t.loss_mask == 1
+        assert model.tolist() == [True] * 3 + [False] * 2 + [True] * (len(model) - 5)
+        assert (t.versions[~model] == OBSERVATION_VERSION).all() and (t.logprobs[~model] == 0).all()
+        np.testing.assert_allclose(t.logprobs[model], _recompute_per_version(scratch, weights, t)[model], atol=1e-4)
 
 
 def test_geometry_matches_vllms_own_packer():

@@ -110,6 +110,9 @@ class ThreeFixedTurns(AgentLoop):
     """Three 6-token turns around a fixed 4-token observation, whatever the model writes (a random
     model's conversation on vLLM: only the turns' tokens, log-probs and prefix-cache hits matter)."""
 
+    async def tool_call(self, k: int) -> None:
+        """Where a tool call's wall time would go: before the observation ahead of turn ``k``."""
+
     async def run(self, prompt, llm):
         import numpy as np
 
@@ -119,6 +122,7 @@ class ThreeFixedTurns(AgentLoop):
         ids, mask, logprobs, versions = [], [], [], []
         for k in range(3):
             if k:
+                await self.tool_call(k)
                 ids += obs.tolist()
                 mask += [0] * len(obs)
                 logprobs += [0.0] * len(obs)
@@ -130,6 +134,19 @@ class ThreeFixedTurns(AgentLoop):
             versions += turn.versions.tolist()
         return AgentTrajectory(prompt_ids=prompt.prompt_ids, response_ids=ids, loss_mask=mask, logprobs=logprobs,
                                versions=versions, finish_reason=turn.finish_reason, turns=3, reward=1.0)
+
+
+class GatedThreeTurns(ThreeFixedTurns):
+    """`ThreeFixedTurns` whose first "tool call" waits for the test's go, as `GatedLookupEnv`'s
+    does (a weight sync lands meanwhile), with no chat template needed."""
+
+    called: asyncio.Event | None = None
+    go: asyncio.Event | None = None
+
+    async def tool_call(self, k: int) -> None:
+        if k == 1:
+            type(self).called.set()
+            await type(self).go.wait()
 
 
 def exact_answer(data_source, solution_str, ground_truth, extra_info=None):
