@@ -236,26 +236,33 @@ class ModelRunner:
                       starts: list[int]) -> torch.Tensor:
         """One forward over ``rows[lo:hi]``; the logits after each row's last real token."""
         device = self.device
-        starts = starts[lo:hi]
-        lens = [len(p) for p in pending[lo:hi]]
-        width_q = max(lens)
-        ids = torch.tensor([p + [0] * (width_q - len(p)) for p in pending[lo:hi]], dtype=torch.long, device=device)
+        starts = np.asarray(starts[lo:hi], dtype=np.int64)
+        lens = np.fromiter((len(p) for p in pending[lo:hi]), dtype=np.int64, count=hi - lo)
+        width_q = int(lens.max())
         self.cache.begin([s.blocks for s in rows[lo:hi]], starts, lens, width_q)
+        # Ids, columns and positions in numpy (a few small ops, each far cheaper than a torch op).
         # Row r's query i is at column start + i; padded queries write to scratch and their
         # outputs are dropped (each real query's mask stops at its own column).
-        cols = torch.tensor(starts, device=device)[:, None] + torch.arange(width_q, device=device)
-        width = max(s + n for s, n in zip(starts, lens))
-        last = torch.tensor(lens, device=device)[:, None] - 1
-        # Padded queries reuse their row's last real position (a learned position table stays in range).
-        positions = torch.minimum(cols, cols.gather(1, last)) if width_q > 1 else cols
-        mask = step_masks(self.model.config, cols, width)
+        if width_q == 1:  # decode: one token per row, at column `start`
+            ids = np.fromiter((p[0] for p in pending[lo:hi]), dtype=np.int64, count=hi - lo)[:, None]
+            cols = positions = starts[:, None]
+        else:
+            ids = np.zeros((hi - lo, width_q), dtype=np.int64)
+            for r, p in enumerate(pending[lo:hi]):
+                ids[r, : len(p)] = p
+            cols = starts[:, None] + np.arange(width_q)
+            # Padded queries reuse their row's last real position (a learned position table stays in range).
+            positions = np.minimum(cols, (starts + lens - 1)[:, None])
+        width = int((starts + lens).max())
+        mask = step_masks(self.model.config, cols, width, device)
+        ids, positions, last = (torch.from_numpy(a).to(device) for a in (ids, positions, lens - 1))
         if self.decoder is not None:
-            return self.decoder(ids, positions, mask, self.cache, last[:, 0])
+            return self.decoder(ids, positions, mask, self.cache, last)
         # Logits only from the shortest row's last token on (an int logits_to_keep means the same
         # in every transformers 5.x; a tensor of positions does not), then each row's own last one.
-        keep = width_q - min(lens) + 1
+        keep = width_q - int(lens.min()) + 1
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=keep)
         if keep == 1:
             return out.logits[:, -1]
-        return out.logits[torch.arange(hi - lo, device=device), last[:, 0] - (width_q - keep)]
+        return out.logits[torch.arange(hi - lo, device=device), last - (width_q - keep)]
