@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     import os
     import statistics
 
-    from asyncrl.rollouter.engines.builtin import engine, kv_cache, model_runner
+    from asyncrl.rollouter.engines.builtin import kv_cache, model_runner
     from bench_engine import SHORT_MODEL, EngineRunner, short_workload, workload
 
     short = args.workload == "short"
@@ -115,16 +115,15 @@ def main(argv=None) -> int:
     model_runner.ModelRunner._forward_rows = forward_rows_timed
     model_runner.ModelRunner.forward = timed(totals, "runner.forward", model_runner.ModelRunner.forward)
     model_runner.ModelRunner.plan = timed(totals, "plan (blocks)", model_runner.ModelRunner.plan)
-    runs_of_steps = hasattr(engine.TorchEngine, "_run_steps")
+    runs_of_steps = hasattr(model_runner.ModelRunner, "run_steps")
     if runs_of_steps:
-        engine.TorchEngine._run_steps = timed(totals, "run_steps", engine.TorchEngine._run_steps)
-        run_steps = engine.TorchEngine._run_steps
+        run_steps = timed(totals, "run_steps", model_runner.ModelRunner.run_steps)
 
-        def counted(self, running):
+        def counted(self, *args):
             totals["hops"] += 1
-            return run_steps(self, running)
+            return run_steps(self, *args)
 
-        engine.TorchEngine._run_steps = counted
+        model_runner.ModelRunner.run_steps = counted
 
     keys = ("forward (with prompts)", "forward (decode only)", *nested, "sampling", "plan (blocks)",
             "step bookkeeping", "event loop + thread hops")

@@ -12,11 +12,9 @@ One scheduler task, owned by the engine, repeats a *step* under the engine's loc
 3. append tokens, finish requests on a stop token / ``max_tokens`` / the context limit, and
    hand results back. Requests join and leave between steps: continuous batching.
 
-Steps run in a worker thread so the event loop stays responsive, back to back until one
-needs the loop (a request ended, a caller waits for the lock): one thread hop per run of
-steps, not per step. Everything else (pause, abort, weight loads, new requests) takes the same
-lock, so it happens between two steps. An engine lives on the event loop of its first call
-(its scheduler task is created there).
+Steps run in a worker thread, back to back until one needs the event loop (`ModelRunner.run_steps`).
+Everything else (pause, abort, weight loads, new requests) takes the same lock, so it happens
+between two steps. An engine lives on the event loop of its first call (its scheduler task).
 
 Why not transformers' own continuous-batching manager: it has no pause that keeps requests
 with their KV cache, no in-place weight update between steps with per-token versions, and
@@ -108,8 +106,7 @@ class TorchEngine:
 
     @contextlib.asynccontextmanager
     async def _locked(self):
-        """The engine's lock (its condition), counted while awaited: the scheduler's worker thread
-        runs steps back to back only while nobody waits for it."""
+        """The engine's lock, counted while awaited: steps run back to back only while nobody waits."""
         cond = self._start()
         self._waiting += 1
         try:
@@ -219,8 +216,7 @@ class TorchEngine:
                 return seq.n_generated >= n_tokens
             return not any(s.rid == request_id for s in self._queued)
 
-        # Counted as waiting for the lock throughout: the worker then hands back after every step,
-        # so the caller sees each step's tokens and can act mid-generation.
+        # Counted as waiting throughout: the worker hands back after every step, to act mid-generation.
         self._waiting += 1
         try:
             async with cond:
@@ -375,45 +371,15 @@ class TorchEngine:
                 self._running[seq.rid] = seq
 
     async def _step(self) -> None:
-        """Run steps in the worker thread until one needs the event loop, then finish the requests
-        that ended."""
+        """Run steps in the worker thread until one needs the event loop; finish those that ended."""
         for seq in [s for s in self._running.values() if s.future.done()]:
             del self._running[seq.rid]
         if not self._running:
             return
-        for seq, reason in await asyncio.to_thread(self._run_steps, list(self._running.values())):
+        ended = await asyncio.to_thread(self._runner.run_steps, list(self._running.values()), self._version,
+                                        self.max_model_len, self._counters, lambda: self._waiting or self._closed)
+        for seq, reason in ended:
             self._finish(seq, reason)
-
-    def _run_steps(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
-        """Steps over ``running``, back to back in the worker thread, until a request ends (stop
-        token, ``max_tokens``, context limit) or its caller cancelled, a caller waits for the lock,
-        or the engine closes; returns the ended requests with their finish reasons.
-
-        One thread hop per run instead of per step: on a busy machine each wake of the worker
-        and then of the event loop can wait for a time slice. Nothing else touches the
-        requests, the runner or the counters meanwhile: every change to them takes the lock,
-        which the scheduler holds (``progress`` and ``stats`` only read)."""
-        runner, counters, version, max_len = self._runner, self._counters, self._version, self.max_model_len
-        ended: list[tuple[Sequence, str]] = []
-        while True:
-            if runner.sessions:
-                runner.sessions.expire()
-            plan = runner.plan(running, version)
-            tokens, logprobs = runner.forward(plan)
-            counters["steps"] += 1
-            counters["prefill_tokens"] += plan.prefill_tokens
-            counters["shared_prefill_tokens"] += plan.shared_tokens
-            counters["tokens_generated"] += len(plan.order)
-            for seq, tok, lp in zip(plan.order, tokens.tolist(), logprobs.tolist()):
-                seq.tokens.append(tok)
-                seq.logprobs.append(lp)
-                seq.versions.append(version)
-                if tok in seq.stop_ids:
-                    ended.append((seq, "stop"))
-                elif len(seq.logprobs) >= seq.request.max_tokens or len(seq.tokens) >= max_len:
-                    ended.append((seq, "length"))
-            if ended or self._waiting or self._closed or any(s.future.done() for s in running):
-                return ended
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._running.pop(seq.rid, None)

@@ -18,14 +18,15 @@ that one. A turn of a conversation (``session_id``) whose earlier turn's blocks 
 among the prompts; a finished turn hands its blocks to the session (`keep`).
 
 The forward is `asyncrl.rollouter.engines.builtin.decoder.LlamaDecoder` for Llama-layout models, else the
-model's own ``forward``. `plan` (bookkeeping) runs on the engine's event loop between steps;
-`forward` runs in a worker thread. Scheduling (who runs, pauses, finishing) is in
+model's own ``forward``. `run_steps` runs steps (`plan`: bookkeeping, `forward`) back to back in
+the engine's worker thread, while the engine's scheduler holds its lock. Scheduling (who runs, pauses, finishing) is in
 `asyncrl.rollouter.engines.builtin.engine`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -213,6 +214,39 @@ class ModelRunner:
         prefill_tokens = sum(len(p) for p in pending[len(decode):]) + fed
         return StepPlan(rows, pending, starts, len(decode), followers, [len(decode) + i for i in lead_of],
                         prefill_tokens=prefill_tokens, shared_tokens=taken + sum(s.cached for s in followers))
+
+    def run_steps(self, running: list[Sequence], version: int, max_len: int, counters: dict[str, int],
+                  hand_back: Callable[[], object]) -> list[tuple[Sequence, str]]:
+        """Steps over ``running``, back to back (in the engine's worker thread), until a request
+        ends (stop token, ``max_tokens``, ``max_len``) or its caller cancelled, or ``hand_back()``
+        (a caller waits for the engine's lock, or it closed); the ended requests with their finish
+        reasons. Each step appends a token, log-prob and version to every request and counts
+        into ``counters``.
+
+        One thread hop per run of steps instead of per step: on a busy machine each wake of the
+        worker and then of the event loop can wait for a time slice. Nothing else touches the
+        requests or the runner meanwhile: every change to them takes the engine's lock, which its
+        scheduler holds (``progress`` and ``stats`` only read)."""
+        ended: list[tuple[Sequence, str]] = []
+        while True:
+            if self.sessions:
+                self.sessions.expire()
+            plan = self.plan(running, version)
+            tokens, logprobs = self.forward(plan)
+            counters["steps"] += 1
+            counters["prefill_tokens"] += plan.prefill_tokens
+            counters["shared_prefill_tokens"] += plan.shared_tokens
+            counters["tokens_generated"] += len(plan.order)
+            for seq, tok, lp in zip(plan.order, tokens.tolist(), logprobs.tolist()):
+                seq.tokens.append(tok)
+                seq.logprobs.append(lp)
+                seq.versions.append(version)
+                if tok in seq.stop_ids:
+                    ended.append((seq, "stop"))
+                elif len(seq.logprobs) >= seq.request.max_tokens or len(seq.tokens) >= max_len:
+                    ended.append((seq, "length"))
+            if ended or hand_back() or any(s.future.done() for s in running):
+                return ended
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
