@@ -283,7 +283,7 @@ class TorchEngine:
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model in place, by HF name; only while paused."""
-        async with self._locked() as cond:
+        async with self._locked():
             if self._paused is None:
                 raise EngineError("load_weights needs a paused engine: call pause('keep') first")
             named = list(named_tensors)
@@ -317,7 +317,7 @@ class TorchEngine:
 
     async def finish_weight_update(self, version: int) -> None:
         """Make the loaded weights live as ``version``: later tokens carry it."""
-        async with self._locked() as cond:
+        async with self._locked():
             self._version = int(version)
             self._runner.weights_changed()
 
