@@ -27,8 +27,14 @@ process, which schedules, runs beside the worker, unpinned. Its start-up (15-30 
 timed apart and printed, not in its tok/s. The model has head size 32 (2 query heads of 32 over one key/value head at
 hidden 64), which vLLM's CPU attention takes; it used to be 4 heads of 16.
 
-The machine may be shared: the systems run ``--reps`` times in rotating order within
-one run, each warmed up first; the figures are medians over repetitions (all of them printed).
+The machine may be shared: the systems run ``--repeats`` times (default 5; ``--reps`` is an
+alias) in rotating order within one run, each warmed up first. Each repetition is printed as it
+ends, with its own engine-vs-manager ratio (the manager's seconds over the engine's, both from
+that repetition, so a load swing between repetitions moves both); the figures are medians over
+repetitions, and ``vs_hf_cb_median``/``_min``/``_max`` are the median and spread of the
+per-repetition ratios (``vs_hf_cb`` is the ratio of the two medians). ``vs_hf_cb_cpu_median`` is
+the same ratio in this process's CPU seconds, which other processes' load moves much less than
+wall time (it leaves out time spent waiting for a core, which the engine's thread hops pay).
 
 Response lengths (long tail): with median ``m`` (``--median``, default 12), 7 of 8 requests
 draw a length uniformly from [m/2, 3m/2], 1 of 8 uniformly from [4m, 16m], and one request is
@@ -57,7 +63,8 @@ engine counts them: both run the same requests at the same concurrency): ``kv_by
     python scripts/bench_engine.py               # human-readable
     python scripts/bench_engine.py --median 128  # longer responses (max 2048 tokens)
     python scripts/bench_engine.py --json        # last line: {"engine_tok_s", "static_tok_s", "speedup",
-                                                 #   "hf_cb_tok_s", "vs_hf_cb", "vllm_tok_s", "vs_vllm",
+                                                 #   "hf_cb_tok_s", "vs_hf_cb", "vs_hf_cb_median",
+                                                 #   "vs_hf_cb_min", "vs_hf_cb_max", "vllm_tok_s", "vs_vllm",
                                                  #   "short_vs_static", "kv_bytes_per_token", ...}
 """
 
@@ -77,7 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=16, help="engine max_running = baseline batch size")
     p.add_argument("--median", type=int, default=12, help="median response length")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--reps", type=int, default=3, help="repetitions of each system (rotating order)")
+    p.add_argument("--repeats", "--reps", dest="reps", type=int, default=5,
+                   help="repetitions of each system (rotating order); each is printed, the figures are medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM out even where it imports")
@@ -331,7 +339,10 @@ class HfContinuousRunner:
 
 
 async def measure(args, model_path, prompts, lengths):
-    """Run the systems ``args.reps`` times in rotating order; then the pause(keep) run."""
+    """Run the systems ``args.reps`` times in rotating order (each repetition printed to stderr);
+    then the pause(keep) run."""
+    import os
+
     systems = {
         "engine": EngineRunner(model_path, args.slots),
         "static": StaticRunner(model_path, args.slots),
@@ -341,15 +352,21 @@ async def measure(args, model_path, prompts, lengths):
         systems["vllm"] = VLLMRunner(model_path, args.slots, args.threads, prompts, lengths)
     names = list(systems)
     seconds = {n: [] for n in names}
+    cpu = {n: [] for n in names}  # this process's CPU seconds (vLLM's run in its own processes)
     outputs = {}
     try:
         for rep in range(args.reps):
             k = rep % len(names)
             for name in names[k:] + names[:k]:
+                c = time.process_time()
                 run = systems[name].run(prompts, lengths)
                 outs, s = (await run) if name in ("engine", "vllm") else run
+                cpu[name].append(time.process_time() - c)
                 seconds[name].append(s)
                 outputs.setdefault(name, outs)
+            print(f"  repetition {rep + 1}/{args.reps}: " + ", ".join(f"{n} {seconds[n][-1]:.3f} s" for n in names)
+                  + f"; vs_hf_cb {seconds['hf_cb'][-1] / seconds['engine'][-1]:.2f}x (CPU time "
+                  f"{cpu['hf_cb'][-1] / cpu['engine'][-1]:.2f}x), load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
         kept, _ = await systems["engine"].run(prompts, lengths, pause_keep=True)
         engine = systems["engine"].engine
         kv = engine.kv_memory()
@@ -369,6 +386,7 @@ async def measure(args, model_path, prompts, lengths):
         systems["hf_cb"].close()
         if "vllm" in systems:
             await systems["vllm"].engine.close()
+    stats["cpu"] = cpu
     return seconds, outputs, kept, memory, stats, systems["hf_cb"].settings
 
 
@@ -419,6 +437,8 @@ def main(argv=None) -> int:
 
     total = sum(lengths)
     med = {name: statistics.median(s) for name, s in seconds.items()}
+    # Per repetition: the manager's seconds over the engine's (same repetition, same load).
+    ratios = [h / e for h, e in zip(seconds["hf_cb"], seconds["engine"])]
     engine_out = outputs["engine"]
     assert [len(r) for r in engine_out] == lengths
 
@@ -432,6 +452,10 @@ def main(argv=None) -> int:
         "speedup": round(med["static"] / med["engine"], 2),
         "hf_cb_tok_s": round(total / med["hf_cb"], 1),
         "vs_hf_cb": round(med["hf_cb"] / med["engine"], 2),
+        **{f"vs_hf_cb_{k}": round(f(ratios), 2) for k, f in (("median", statistics.median), ("min", min), ("max", max))},
+        "vs_hf_cb_reps": [round(r, 2) for r in ratios],
+        # The same ratio in this process's CPU time: less moved by other load on a shared machine.
+        "vs_hf_cb_cpu_median": round(statistics.median(h / e for h, e in zip(stats["cpu"]["hf_cb"], stats["cpu"]["engine"])), 2),
         "reprefill_tokens_keep": stats["reprefill_tokens"],
         "tokens": total,
         "prompts": args.prompts,
@@ -494,7 +518,8 @@ def main(argv=None) -> int:
         f"  static-batch HF generate:       {med['static']:6.2f} s  {report['static_tok_s']:8.1f} tok/s  [{reps['static']}]\n"
         f"  HF continuous batching manager: {med['hf_cb']:6.2f} s  {report['hf_cb_tok_s']:8.1f} tok/s  [{reps['hf_cb']}]\n"
         f"{vllm_line}\n"
-        f"  speedup {report['speedup']}x, vs_hf_cb {report['vs_hf_cb']}x; greedy tokens equal: static "
+        f"  speedup {report['speedup']}x, vs_hf_cb {report['vs_hf_cb']}x (per repetition: median "
+        f"{report['vs_hf_cb_median']}x, min {report['vs_hf_cb_min']}x, max {report['vs_hf_cb_max']}x); greedy tokens equal: static "
         f"{report['tokens_equal_static']}, hf_cb {report['tokens_equal_hf_cb']}; pause(keep)+reload: "
         f"reprefill_tokens={report['reprefill_tokens_keep']}, tokens equal: {report['tokens_equal_after_keep']}\n"
         f"  KV at peak ({peak_tokens} tokens cached): engine {memory['engine_kv_peak_bytes'] / 2**20:.2f} MiB "

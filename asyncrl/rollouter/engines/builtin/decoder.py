@@ -11,6 +11,14 @@ the paged KV write and read, `scaled_dot_product_attention` with grouped heads, 
 projection, RMSNorm and the gated MLP; then the final norm and ``lm_head`` on each row's
 last real query only. It matches ``model(...)`` to float rounding (tested).
 
+Fewer, larger calls, since a decode step is per-op overhead on CPU: each layer's q/k/v
+projections are one matrix product (and gate/up another) over a fused weight whose slices
+ARE the model's parameters (their ``.data`` points into it, so in-place weight loads and
+``weight_views`` land in it); rotary embedding is applied to the queries and keys in one go;
+cos/sin come from a table of the model's own ``rotary_emb`` over positions ``0..n`` (one lookup
+a step instead of recomputing them; RoPE types whose values depend on the sequence length,
+``dynamic`` and ``longrope``, are computed per step); RMSNorm is the models' formula inline.
+
 `LlamaDecoder.supports` says which models it takes; every other model runs through its own
 ``forward`` with the cache as ``past_key_values`` (``TorchEngineConfig.decoder="hf"``
 forces that path for any model).
@@ -39,6 +47,26 @@ class LlamaDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim**-0.5
         self.qk_norm = hasattr(self.core.layers[0].self_attn, "q_norm")
+        self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+                    for layer in self.core.layers]
+        self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.core.layers]
+        rope_type = getattr(self.core.rotary_emb, "rope_type", "default")
+        self._rope_table = not any(kind in str(rope_type) for kind in ("dynamic", "longrope"))
+        self._cos = self._sin = None
+
+    def _rotary(self, h: torch.Tensor, positions: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[rows, 1, q, head_dim]`` at ``positions`` (all below ``need``): the model's
+        ``rotary_emb``, looked up in a table of it (grown by doubling) where its values do not
+        depend on the length."""
+        if not self._rope_table:
+            cos, sin = self.core.rotary_emb(h, positions)
+            return cos[:, None], sin[:, None]
+        if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != h.dtype:
+            n = max(256, 1 << (need - 1).bit_length())
+            every = torch.arange(n, device=h.device)[None]
+            cos, sin = self.core.rotary_emb(h, every)
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions][:, None], self._sin[positions][:, None]
 
     @staticmethod
     def supports(model) -> bool:
@@ -66,31 +94,59 @@ class LlamaDecoder:
         """Logits ``[rows, vocab]`` after each row's query ``last[r]``; ``ids``/``positions`` are
         ``[rows, q]``, ``mask`` ``[rows, 1, q, width]`` (True = attend)."""
         rows, q = ids.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.core.embed_tokens(ids)
-        cos, sin = self.core.rotary_emb(h, positions)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = self._rotary(h, positions, cache.get_seq_length())
         for i, layer in enumerate(self.core.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm(h)
-            qs = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(rows, q, self.heads, self.head_dim)
-            ks = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(rows, q, self.kv_heads, self.head_dim)
-            vs = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(rows, q, self.kv_heads, self.head_dim)
+            x = _rms_norm(layer.input_layernorm, h)
+            qkv = F.linear(x, *self.qkv[i]).view(rows, q, heads + 2 * kv_heads, dim)
             if self.qk_norm:
-                qs, ks = attn.q_norm(qs), attn.k_norm(ks)
-            qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
+                qk = torch.cat([attn.q_norm(qkv[:, :, :heads]), attn.k_norm(qkv[:, :, heads:heads + kv_heads])], 2)
+            else:
+                qk = qkv[:, :, : heads + kv_heads]
+            qk = qk.transpose(1, 2)
+            qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated together
+            qs, ks = qk[:, :heads], qk[:, heads:]
+            vs = qkv[:, :, heads + kv_heads :].transpose(1, 2)
             keys, values = cache.update(ks, vs, i)
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=self.heads != self.kv_heads)
-            out = out.transpose(1, 2).reshape(rows, q, self.heads * self.head_dim)
+                                                 enable_gqa=heads != kv_heads)
+            out = out.transpose(1, 2).reshape(rows, q, heads * dim)
             h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-            x = layer.post_attention_layernorm(h)
-            gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
             h = h + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         h = h[torch.arange(rows, device=h.device), last] if q > 1 else h[:, 0]
-        return self.model.lm_head(self.core.norm(h))
+        return self.model.lm_head(_rms_norm(self.core.norm, h))
+
+
+def _fuse(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears`` applied to the same input, stacked by output rows;
+    each linear's parameters become views of it, so writes into them (weight loads) update it."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if any(has_bias):  # a linear without one adds zeros
+        bias = torch.cat([lin.bias.detach() if b else weight.new_zeros(lin.weight.shape[0])
+                          for lin, b in zip(linears, has_bias)])
+    row = 0
+    for lin, b in zip(linears, has_bias):
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[row : row + n]
+        if b:
+            lin.bias.data = bias[row : row + n]
+        row += n
+    return weight, bias
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """The Llama/Qwen RMSNorm of ``norm`` (its weight and epsilon) on ``x``, same op order; the
+    float32 round trip only where ``x`` is not float32 already."""
+    if x.dtype != torch.float32:
+        return norm(x)
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,9 @@ One scheduler task, owned by the engine, repeats a *step* under the engine's loc
 3. append tokens, finish requests on a stop token / ``max_tokens`` / the context limit, and
    hand results back. Requests join and leave between steps: continuous batching.
 
-The forward runs in a worker thread so the event loop stays responsive; everything else
-(pause, abort, weight loads) takes the same lock, so it happens between two steps. An engine
-lives on the event loop of its first call (its scheduler task is created there).
+Steps run in a worker thread, back to back until one needs the event loop (`ModelRunner.run_steps`).
+Everything else (pause, abort, weight loads, new requests) takes the same lock, so it happens
+between two steps. An engine lives on the event loop of its first call (its scheduler task).
 
 Why not transformers' own continuous-batching manager: it has no pause that keeps requests
 with their KV cache, no in-place weight update between steps with per-token versions, and
@@ -92,6 +92,7 @@ class TorchEngine:
                               shared_prefill_tokens=0, steps=0)
         self._cond: asyncio.Condition | None = None
         self._task: asyncio.Task | None = None
+        self._waiting = 0  # callers waiting for the lock: the worker's run of steps ends for them
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -102,6 +103,20 @@ class TorchEngine:
             self._cond = asyncio.Condition()
             self._task = asyncio.get_running_loop().create_task(self._schedule(), name="torch-engine-scheduler")
         return self._cond
+
+    @contextlib.asynccontextmanager
+    async def _locked(self):
+        """The engine's lock, counted while awaited: steps run back to back only while nobody waits."""
+        cond = self._start()
+        self._waiting += 1
+        try:
+            await cond.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            yield cond
+        finally:
+            cond.release()
 
     async def close(self) -> None:
         """Stop the scheduler; requests still in flight end with `EngineClosedError`."""
@@ -130,14 +145,13 @@ class TorchEngine:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Generate one response; waits while the engine is paused with ``keep``."""
         self._check_open()
-        cond = self._start()
         prompt = request.prompt_ids.tolist()
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"request {request.request_id}: prompt of {len(prompt)} tokens does not fit "
                 f"max_model_len={self.max_model_len}"
             )
-        async with cond:
+        async with self._locked() as cond:
             self._check_open()
             if self._paused in ("abort", "wait"):
                 raise EnginePausedError(
@@ -161,14 +175,13 @@ class TorchEngine:
     async def end_session(self, session_id: str) -> None:
         """Free the KV blocks kept for ``session_id``'s next turn (a turn of it still running is kept
         when it ends, until the idle timeout ``session_idle_s``); an unknown id is ignored."""
-        async with self._start():
+        async with self._locked():
             self._runner.sessions.end(session_id)
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         """End the named requests now with their partial output; unknown ids are ignored."""
-        cond = self._start()
         wanted = set(request_ids)
-        async with cond:
+        async with self._locked() as cond:
             for seq in [s for s in self._queued if s.rid in wanted]:
                 self._queued.remove(seq)
                 _resolve(seq, seq.result("abort"))
@@ -203,15 +216,20 @@ class TorchEngine:
                 return seq.n_generated >= n_tokens
             return not any(s.rid == request_id for s in self._queued)
 
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(reached), timeout_s)
-            except TimeoutError:
-                raise EngineError(
-                    f"request {request_id} did not reach {n_tokens} tokens within timeout_s={timeout_s}"
-                ) from None
-            seq = self._running.get(request_id)
-            return 0 if seq is None else seq.n_generated
+        # Counted as waiting throughout: the worker hands back after every step, to act mid-generation.
+        self._waiting += 1
+        try:
+            async with cond:
+                try:
+                    await asyncio.wait_for(cond.wait_for(reached), timeout_s)
+                except TimeoutError:
+                    raise EngineError(
+                        f"request {request_id} did not reach {n_tokens} tokens within timeout_s={timeout_s}"
+                    ) from None
+                seq = self._running.get(request_id)
+                return 0 if seq is None else seq.n_generated
+        finally:
+            self._waiting -= 1
 
     # ---------------------------------------------------------------- pause / resume
 
@@ -220,8 +238,7 @@ class TorchEngine:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._check_open()
-        cond = self._start()
-        async with cond:  # taking the lock waits for the step in progress to end
+        async with self._locked() as cond:  # taking the lock waits for the step in progress to end
             self._paused = mode
             if mode == "abort":
                 while self._queued:
@@ -247,8 +264,7 @@ class TorchEngine:
     async def resume(self) -> None:
         """Frozen requests continue from the same token; queued ones are admitted."""
         self._check_open()
-        cond = self._start()
-        async with cond:
+        async with self._locked() as cond:
             self._paused = None
             cond.notify_all()
 
@@ -267,8 +283,7 @@ class TorchEngine:
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model in place, by HF name; only while paused."""
-        cond = self._start()
-        async with cond:
+        async with self._locked():
             if self._paused is None:
                 raise EngineError("load_weights needs a paused engine: call pause('keep') first")
             named = list(named_tensors)
@@ -302,8 +317,7 @@ class TorchEngine:
 
     async def finish_weight_update(self, version: int) -> None:
         """Make the loaded weights live as ``version``: later tokens carry it."""
-        cond = self._start()
-        async with cond:
+        async with self._locked():
             self._version = int(version)
             self._runner.weights_changed()
 
@@ -357,28 +371,15 @@ class TorchEngine:
                 self._running[seq.rid] = seq
 
     async def _step(self) -> None:
+        """Run steps in the worker thread until one needs the event loop; finish those that ended."""
         for seq in [s for s in self._running.values() if s.future.done()]:
             del self._running[seq.rid]
         if not self._running:
             return
-        if self._runner.sessions:
-            self._runner.sessions.expire()
-        plan = self._runner.plan(list(self._running.values()), self._version)
-        tokens, logprobs = await asyncio.to_thread(self._runner.forward, plan)
-        version = self._version
-        counters = self._counters
-        counters["steps"] += 1
-        counters["prefill_tokens"] += plan.prefill_tokens
-        counters["shared_prefill_tokens"] += plan.shared_tokens
-        counters["tokens_generated"] += len(plan.order)
-        for seq, tok, lp in zip(plan.order, tokens.tolist(), logprobs.tolist()):
-            seq.tokens.append(tok)
-            seq.logprobs.append(lp)
-            seq.versions.append(version)
-            if tok in seq.stop_ids:
-                self._finish(seq, "stop")
-            elif seq.n_generated >= seq.request.max_tokens or len(seq.tokens) >= self.max_model_len:
-                self._finish(seq, "length")
+        ended = await asyncio.to_thread(self._runner.run_steps, list(self._running.values()), self._version,
+                                        self.max_model_len, self._counters, lambda: self._waiting or self._closed)
+        for seq, reason in ended:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._running.pop(seq.rid, None)

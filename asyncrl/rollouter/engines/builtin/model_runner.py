@@ -18,14 +18,15 @@ that one. A turn of a conversation (``session_id``) whose earlier turn's blocks 
 among the prompts; a finished turn hands its blocks to the session (`keep`).
 
 The forward is `asyncrl.rollouter.engines.builtin.decoder.LlamaDecoder` for Llama-layout models, else the
-model's own ``forward``. `plan` (bookkeeping) runs on the engine's event loop between steps;
-`forward` runs in a worker thread. Scheduling (who runs, pauses, finishing) is in
+model's own ``forward``. `run_steps` runs steps (`plan`: bookkeeping, `forward`) back to back in
+the engine's worker thread, while the engine's scheduler holds its lock. Scheduling (who runs, pauses, finishing) is in
 `asyncrl.rollouter.engines.builtin.engine`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -214,6 +215,39 @@ class ModelRunner:
         return StepPlan(rows, pending, starts, len(decode), followers, [len(decode) + i for i in lead_of],
                         prefill_tokens=prefill_tokens, shared_tokens=taken + sum(s.cached for s in followers))
 
+    def run_steps(self, running: list[Sequence], version: int, max_len: int, counters: dict[str, int],
+                  hand_back: Callable[[], object]) -> list[tuple[Sequence, str]]:
+        """Steps over ``running``, back to back (in the engine's worker thread), until a request
+        ends (stop token, ``max_tokens``, ``max_len``) or its caller cancelled, or ``hand_back()``
+        (a caller waits for the engine's lock, or it closed); the ended requests with their finish
+        reasons. Each step appends a token, log-prob and version to every request and counts
+        into ``counters``.
+
+        One thread hop per run of steps instead of per step: on a busy machine each wake of the
+        worker and then of the event loop can wait for a time slice. Nothing else touches the
+        requests or the runner meanwhile: every change to them takes the engine's lock, which its
+        scheduler holds (``progress`` and ``stats`` only read)."""
+        ended: list[tuple[Sequence, str]] = []
+        while True:
+            if self.sessions:
+                self.sessions.expire()
+            plan = self.plan(running, version)
+            tokens, logprobs = self.forward(plan)
+            counters["steps"] += 1
+            counters["prefill_tokens"] += plan.prefill_tokens
+            counters["shared_prefill_tokens"] += plan.shared_tokens
+            counters["tokens_generated"] += len(plan.order)
+            for seq, tok, lp in zip(plan.order, tokens.tolist(), logprobs.tolist()):
+                seq.tokens.append(tok)
+                seq.logprobs.append(lp)
+                seq.versions.append(version)
+                if tok in seq.stop_ids:
+                    ended.append((seq, "stop"))
+                elif len(seq.logprobs) >= seq.request.max_tokens or len(seq.tokens) >= max_len:
+                    ended.append((seq, "length"))
+            if ended or hand_back() or any(s.future.done() for s in running):
+                return ended
+
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step's forward(s); sample one token per request of ``plan.order``."""
@@ -236,26 +270,33 @@ class ModelRunner:
                       starts: list[int]) -> torch.Tensor:
         """One forward over ``rows[lo:hi]``; the logits after each row's last real token."""
         device = self.device
-        starts = starts[lo:hi]
-        lens = [len(p) for p in pending[lo:hi]]
-        width_q = max(lens)
-        ids = torch.tensor([p + [0] * (width_q - len(p)) for p in pending[lo:hi]], dtype=torch.long, device=device)
+        starts = np.asarray(starts[lo:hi], dtype=np.int64)
+        lens = np.fromiter((len(p) for p in pending[lo:hi]), dtype=np.int64, count=hi - lo)
+        width_q = int(lens.max())
         self.cache.begin([s.blocks for s in rows[lo:hi]], starts, lens, width_q)
+        # Ids, columns and positions in numpy (a few small ops, each far cheaper than a torch op).
         # Row r's query i is at column start + i; padded queries write to scratch and their
         # outputs are dropped (each real query's mask stops at its own column).
-        cols = torch.tensor(starts, device=device)[:, None] + torch.arange(width_q, device=device)
-        width = max(s + n for s, n in zip(starts, lens))
-        last = torch.tensor(lens, device=device)[:, None] - 1
-        # Padded queries reuse their row's last real position (a learned position table stays in range).
-        positions = torch.minimum(cols, cols.gather(1, last)) if width_q > 1 else cols
-        mask = step_masks(self.model.config, cols, width)
+        if width_q == 1:  # decode: one token per row, at column `start`
+            ids = np.fromiter((p[0] for p in pending[lo:hi]), dtype=np.int64, count=hi - lo)[:, None]
+            cols = positions = starts[:, None]
+        else:
+            ids = np.zeros((hi - lo, width_q), dtype=np.int64)
+            for r, p in enumerate(pending[lo:hi]):
+                ids[r, : len(p)] = p
+            cols = starts[:, None] + np.arange(width_q)
+            # Padded queries reuse their row's last real position (a learned position table stays in range).
+            positions = np.minimum(cols, (starts + lens - 1)[:, None])
+        width = int((starts + lens).max())
+        mask = step_masks(self.model.config, cols, width, device)
+        ids, positions, last = (torch.from_numpy(a).to(device) for a in (ids, positions, lens - 1))
         if self.decoder is not None:
-            return self.decoder(ids, positions, mask, self.cache, last[:, 0])
+            return self.decoder(ids, positions, mask, self.cache, last)
         # Logits only from the shortest row's last token on (an int logits_to_keep means the same
         # in every transformers 5.x; a tensor of positions does not), then each row's own last one.
-        keep = width_q - min(lens) + 1
+        keep = width_q - int(lens.min()) + 1
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=keep)
         if keep == 1:
             return out.logits[:, -1]
-        return out.logits[torch.arange(hi - lo, device=device), last[:, 0] - (width_q - keep)]
+        return out.logits[torch.arange(hi - lo, device=device), last - (width_q - keep)]

@@ -57,7 +57,10 @@ def sample_tokens(
     """
     logits = logits.float()
     temps = [1.0 if p.greedy else p.temperature for p in params]
-    logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
+    if all(t == 1.0 for t in temps):  # x / 1.0 == x exactly: skip building and applying the divisor
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
     tokens = torch.argmax(logits, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
@@ -76,4 +79,4 @@ def sample_tokens(
         # A rounding edge could land on a token of zero probability: take the row's top token then.
         drawn = torch.where(probs.gather(1, drawn[:, None])[:, 0] > 0, drawn, probs.argmax(-1))
         tokens[torch.tensor(sampled, device=logits.device)] = drawn
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    return tokens, logp.gather(1, tokens[:, None]).view(-1)
