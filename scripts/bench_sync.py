@@ -105,6 +105,25 @@ def _raw_go(self, root: bool):
     return ok
 
 
+def overlap(phases: dict) -> dict:
+    """Per-bucket overlap of the last sync, from both sides' timelines (perf_counter is one
+    monotonic clock for every process on the machine)."""
+    send = phases["sender"].get("timeline", [])
+    packed = [b for b in send if b[0]]
+    out = {"buckets": len(send), "packed": len(packed),
+           "packed_while_prev_on_wire": sum(1 for b in packed if b[3]),
+           "posted_while_prev_on_wire": sum(1 for b in send[1:] if b[3])}
+    for j, r in enumerate(phases["receivers"]):
+        tl = r.get("timeline", [])
+        gap = sum(max(0.0, tl[i][0] - tl[i - 1][1]) for i in range(1, len(tl)))
+        loads = [i for i in range(len(tl)) if tl[i][3] - tl[i][2] > 1e-4]
+        overl = sum(1 for i in loads if i + 1 < len(tl) and tl[i + 1][0] <= tl[i][2])
+        out[f"engine{j}"] = {"no_receive_posted_ms": round(1e3 * gap, 1), "loads": len(loads),
+                             "loads_while_next_posted": overl,
+                             "load_ms": round(1e3 * sum(tl[i][3] - tl[i][2] for i in loads), 1)}
+    return out
+
+
 # -- the benchmark --------------------------------------------------------------------------
 
 
@@ -172,6 +191,7 @@ async def bench_size(size_mb: float, args, tmp: Path) -> dict:
             "vs_raw_median": med(ratios), "vs_raw_min": min(ratios), "vs_raw_max": max(ratios),
             "pause_resume_ms": 1000 * med(pause_resume),
             "peak_extra_mb_rank0": max(rss) / 1e6, "tracked_extra_mb_rank0": max(tracked) / 1e6,
+            "overlap": overlap(phases),
             "last_sync_phases_ms": {
                 "rank0_gather": 1e3 * phases["sender"]["gather_s"], "rank0_pack": 1e3 * phases["sender"]["pack_s"],
                 "rank0_wire_wait": 1e3 * phases["sender"]["wire_wait_s"],
@@ -209,6 +229,7 @@ def main(argv=None) -> int:
                 )
                 print("    last sync, ms:", {k: (round(v) if isinstance(v, float) else v)
                                              for k, v in row["last_sync_phases_ms"].items()}, flush=True)
+                print("    last sync, per bucket:", row["overlap"], flush=True)
     finally:
         ray.shutdown()
     if args.json:
