@@ -361,15 +361,17 @@ class BroadcastReceiver:
             posted = {k: time.perf_counter() for k in works}
             timeline = []
             for i, bucket in enumerate(layout.buckets):
+                ahead = i + depth - 1
+                if ahead > i and ahead < num_buckets:
+                    # Post the next receive before waiting for this one (its buffer held bucket
+                    # i - 1, loaded already): `depth` receives stay posted, so the wire never
+                    # idles while this thread wakes up from bucket i and while bucket i loads.
+                    works[ahead] = post(ahead)
+                    posted[ahead] = time.perf_counter()
                 t = time.perf_counter()
                 await self._wait(works.pop(i), f"receiving bucket {i} of {num_buckets}")
                 arrived = time.perf_counter()
                 wire += arrived - t
-                ahead = i + depth - 1
-                if ahead > i and ahead < num_buckets:
-                    # keep receives posted ahead while this bucket loads, so the wire never idles
-                    works[ahead] = post(ahead)
-                    posted[ahead] = time.perf_counter()
                 t = time.perf_counter()
                 named = self._named(bucket, direct[i] if i in direct else bufs[i % depth])
                 if i in direct:
