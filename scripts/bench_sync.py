@@ -17,6 +17,10 @@ the figures are medians over the repeats (with min and max of the ratio):
 ``peak_extra_mb_rank0`` is the peak RSS growth of the trainer process during a send
 (sampled every millisecond; the first sync allocates the two bucket buffers, which are
 then kept), next to the sender's own count of sync buffers + gathered tensors in flight.
+After each size it prints the last sync's phases (rank 0 gather / pack / wire wait, engines'
+wire wait / load) and, from the per-bucket timelines both sides keep, the overlap: how many
+packs ran while the previous bucket was still on the wire, how many engine loads ran while the
+next receive was posted, and how long each engine had no receive posted (its wire idle).
 Run: ``python scripts/bench_sync.py [--json] [--sizes-mb 50 500] [--bucket-mb 4] [--repeats 5]``.
 With ``--json`` the last line is the last size run (500 MB by default):
 ``{"sync_gb_s", "raw_gb_s", "vs_raw", "vs_raw_median", "vs_raw_min", "vs_raw_max",
