@@ -195,11 +195,12 @@ class BroadcastSender:
             try:
                 slot = i % NUM_BUFFERS
                 self._drain(inflight, slot, timing)
-                prev = inflight[(i - 1) % NUM_BUFFERS]
+                # no local name may hold a Work: it would keep a failed group's sockets open (_abandon)
+                on_wire = self._on_wire(inflight, (i - 1) % NUM_BUFFERS)
                 t = time.perf_counter()
                 payload, keep = self._payload(bucket, tensors, lambda: bufs.get(slot, bucket.nbytes), timing)
-                # per bucket: (packed, pack start, posted, previous bucket still on the wire when posted)
-                timeline.append((keep is None, t, time.perf_counter(), prev is not None and not prev[0].is_completed()))
+                # per bucket: (packed, pack start, posted, previous bucket still on the wire)
+                timeline.append((keep is None, t, time.perf_counter(), on_wire))
                 inflight[slot] = (group.broadcast(payload), keep, gathered if keep else 0)
                 peak = max(peak, bufs.nbytes + gathered + sum(x[2] for x in inflight if x))
             except Exception as exc:  # noqa: BLE001 - keep gathering, raise at the end
@@ -226,6 +227,10 @@ class BroadcastSender:
         self.stats["last_send_s"] = elapsed
         self.stats.update(timing, timeline=timeline)
         return {**self.stats, "version": version, "buckets": len(layout.buckets), "bytes": layout.total_bytes}
+
+    @staticmethod
+    def _on_wire(inflight: list, slot: int) -> bool:
+        return inflight[slot] is not None and not inflight[slot][0].is_completed()
 
     @staticmethod
     def _drain(inflight: list, slot: int, timing: dict) -> None:
