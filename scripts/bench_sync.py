@@ -3,7 +3,9 @@
 Setup, per model size: 1 trainer rank (`TrainerWorker`, the model sharded with FSDP2 on a
 1-rank gloo world, so every bucket goes through ``full_tensor()``), 2 engine processes
 (`EngineActor` + `TorchEngine`, a Qwen2 config widened to about 50 MB and 500 MB of fp32
-parameters), one `WeightSyncCoordinator`. Every figure is the median of ``--reps`` runs:
+parameters), one `WeightSyncCoordinator`. ``--repeats`` times (default 5), a raw broadcast then
+a sync, interleaved, so both see the same machine; each repeat's ratio is raw_s / sync_s and
+the figures are medians over the repeats (with min and max of the ratio):
 
 - ``sync``: `WeightSyncCoordinator.sync()` end to end (pause keep, broadcast, load, resume);
 - ``broadcast``: its transfer step alone (trainer gather + pack + broadcast, engines receive
@@ -15,10 +17,17 @@ parameters), one `WeightSyncCoordinator`. Every figure is the median of ``--reps
 ``peak_extra_mb_rank0`` is the peak RSS growth of the trainer process during a send
 (sampled every millisecond; the first sync allocates the two bucket buffers, which are
 then kept), next to the sender's own count of sync buffers + gathered tensors in flight.
-Run: ``python scripts/bench_sync.py [--json] [--sizes-mb 50 500] [--bucket-mb 4] [--reps 3]``.
-With ``--json`` the last line is the 500 MB case (the largest size run):
-``{"sync_gb_s", "raw_gb_s", "vs_raw", "pause_resume_ms", "peak_extra_mb_rank0"}``,
-``vs_raw`` = sync_gb_s / raw_gb_s (full sync, pause and resume included).
+After each size it prints the last sync's phases (rank 0 gather / pack / wire wait, engines'
+wire wait / load) and, from the per-bucket timelines both sides keep, the overlap: how many
+packs ran while the previous bucket was still on the wire, how many engine loads ran while the
+next receive was posted, and how long each engine had no receive posted (its wire idle).
+Run: ``python scripts/bench_sync.py [--json] [--sizes-mb 50 500] [--bucket-mb 4] [--repeats 5]``.
+With ``--json`` the last line is the last size run (500 MB by default):
+``{"sync_gb_s", "raw_gb_s", "vs_raw", "vs_raw_median", "vs_raw_min", "vs_raw_max",
+"pause_resume_ms", "peak_extra_mb_rank0", "tracked_extra_mb_rank0", "loadavg"}``; ``vs_raw`` =
+median raw_s / median sync_s, ``vs_raw_median/min/max`` over the per-repeat raw_s / sync_s
+(full sync, pause and resume included); ``loadavg`` is ``os.getloadavg()`` at the end (the
+machine is shared: read the figures beside it).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -37,7 +47,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[50.0, 500.0], help="model sizes (fp32 MB)")
     p.add_argument("--bucket-mb", type=float, default=None, help="WeightSyncConfig.bucket_mb (default: its default)")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median reported)")
+    p.add_argument("--repeats", "--reps", dest="repeats", type=int, default=5,
+                   help="interleaved raw/sync repetitions per size (medians and spread reported)")
     p.add_argument("--json", action="store_true", help="print the JSON summary of the largest size last")
     return p.parse_args(argv)
 
@@ -78,6 +89,12 @@ def _stop_rss_sampler(self):
     return {"rss_extra": self._rss_peak - self._rss_base, "tracked": self._sender.stats["peak_extra_bytes"]}
 
 
+def _asyncrl_file(self):
+    import asyncrl
+
+    return asyncrl.__file__
+
+
 def _raw_prep(self, nbytes: int, root: bool):
     import torch
 
@@ -90,6 +107,25 @@ def _raw_go(self, root: bool):
     ok = bool(self._raw[-1] == 1)
     del self._raw
     return ok
+
+
+def overlap(phases: dict) -> dict:
+    """Per-bucket overlap of the last sync, from both sides' timelines (perf_counter is one
+    monotonic clock for every process on the machine)."""
+    send = phases["sender"].get("timeline", [])
+    packed = [b for b in send if b[0]]
+    out = {"buckets": len(send), "packed": len(packed),
+           "packed_while_prev_on_wire": sum(1 for b in packed if b[3]),
+           "posted_while_prev_on_wire": sum(1 for b in send[1:] if b[3])}
+    for j, r in enumerate(phases["receivers"]):
+        tl = r.get("timeline", [])
+        gap = sum(max(0.0, tl[i][0] - tl[i - 1][1]) for i in range(1, len(tl)))
+        loads = [i for i in range(len(tl)) if tl[i][3] - tl[i][2] > 1e-4]
+        overl = sum(1 for i in loads if i + 1 < len(tl) and tl[i + 1][0] <= tl[i][2])
+        out[f"engine{j}"] = {"no_receive_posted_ms": round(1e3 * gap, 1), "loads": len(loads),
+                             "loads_while_next_posted": overl,
+                             "load_ms": round(1e3 * sum(tl[i][3] - tl[i][2] for i in loads), 1)}
+    return out
 
 
 # -- the benchmark --------------------------------------------------------------------------
@@ -111,6 +147,9 @@ async def bench_size(size_mb: float, args, tmp: Path) -> dict:
     engines = [cls.remote(kind="torch", model_path=str(path), eos_token_ids=(), num_threads=1) for _ in range(2)]
     try:
         await asyncio.gather(*[h.ready.remote() for h in engines])
+        where = await asyncio.gather(*[a.__ray_call__.remote(_asyncrl_file) for a in [trainer.workers[0], *engines]])
+        print(f"    asyncrl imported from {sorted(set(where))} (trainer rank 0, engines); load {os.getloadavg()}",
+              flush=True)
         cfg = WeightSyncConfig() if args.bucket_mb is None else WeightSyncConfig(bucket_mb=args.bucket_mb)
         coord = WeightSyncCoordinator(trainer.workers, engines, cfg)
         rank0 = trainer.workers[0]
@@ -122,7 +161,7 @@ async def bench_size(size_mb: float, args, tmp: Path) -> dict:
         nbytes = (await rank0.__ray_call__.remote(lambda self: self._sender.layout().total_bytes))
         raw, sync, transfer, pause_resume = [], [], [], []
         rss, tracked = [first["rss_extra"]], [first["tracked"]]
-        for _ in range(args.reps):
+        for rep in range(args.repeats):
             await asyncio.gather(rank0.__ray_call__.remote(_raw_prep, nbytes, True),
                                  *[h.__ray_call__.remote(_raw_prep, nbytes, False) for h in engines])
             t0 = time.perf_counter()
@@ -139,18 +178,24 @@ async def bench_size(size_mb: float, args, tmp: Path) -> dict:
             pause_resume.append(coord.last.pause_s + coord.last.resume_s)
             rss.append(mem["rss_extra"])
             tracked.append(mem["tracked"])
+            print(f"    repeat {rep + 1}/{args.repeats}: raw {raw[-1] * 1e3:.0f} ms, sync {sync[-1] * 1e3:.0f} ms "
+                  f"(transfer {transfer[-1] * 1e3:.0f}, pause+resume {pause_resume[-1] * 1e3:.1f}), "
+                  f"ratio {raw[-1] / sync[-1]:.3f}, load {os.getloadavg()[0]:.2f}", flush=True)
         phases = {"sender": await rank0.__ray_call__.remote(lambda self: dict(self._sender.stats)),
                   "receivers": [await h.__ray_call__.remote(lambda self: dict(self._receiver.stats)) for h in engines]}
         gb = nbytes / 1e9
         med = statistics.median
+        ratios = [r / s for r, s in zip(raw, sync)]
         return {
             "size_mb": round(nbytes / 1e6, 1),
             "bucket_mb": cfg.bucket_mb,
             "raw_s": med(raw), "sync_s": med(sync), "broadcast_s": med(transfer),
             "raw_gb_s": gb / med(raw), "sync_gb_s": gb / med(sync), "broadcast_gb_s": gb / med(transfer),
             "vs_raw": med(raw) / med(sync), "broadcast_vs_raw": med(raw) / med(transfer),
+            "vs_raw_median": med(ratios), "vs_raw_min": min(ratios), "vs_raw_max": max(ratios),
             "pause_resume_ms": 1000 * med(pause_resume),
             "peak_extra_mb_rank0": max(rss) / 1e6, "tracked_extra_mb_rank0": max(tracked) / 1e6,
+            "overlap": overlap(phases),
             "last_sync_phases_ms": {
                 "rank0_gather": 1e3 * phases["sender"]["gather_s"], "rank0_pack": 1e3 * phases["sender"]["pack_s"],
                 "rank0_wire_wait": 1e3 * phases["sender"]["wire_wait_s"],
@@ -166,8 +211,6 @@ async def bench_size(size_mb: float, args, tmp: Path) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import os
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import ray
 
@@ -190,12 +233,15 @@ def main(argv=None) -> int:
                 )
                 print("    last sync, ms:", {k: (round(v) if isinstance(v, float) else v)
                                              for k, v in row["last_sync_phases_ms"].items()}, flush=True)
+                print("    last sync, per bucket:", row["overlap"], flush=True)
     finally:
         ray.shutdown()
     if args.json:
         last = rows[-1]
-        print(json.dumps({k: round(last[k], 3) for k in
-                          ("sync_gb_s", "raw_gb_s", "vs_raw", "pause_resume_ms", "peak_extra_mb_rank0")}))
+        keys = ("sync_gb_s", "raw_gb_s", "vs_raw", "vs_raw_median", "vs_raw_min", "vs_raw_max", "pause_resume_ms",
+                "peak_extra_mb_rank0", "tracked_extra_mb_rank0")
+        print(json.dumps({**{k: round(last[k], 3) for k in keys}, "repeats": args.repeats,
+                          "loadavg": [round(x, 2) for x in os.getloadavg()]}))
     return 0
 
 

@@ -183,6 +183,7 @@ class BroadcastSender:
         inflight: list[tuple | None] = [None] * NUM_BUFFERS  # per slot: (work, tensors kept alive, their bytes)
         peak = 0
         timing = {"gather_s": 0.0, "pack_s": 0.0, "wire_wait_s": 0.0}
+        timeline: list[tuple] = []
         for i, bucket in enumerate(layout.buckets):
             t = time.perf_counter()
             tensors = [full_tensor(params[s.name]) for s in bucket.slots]
@@ -194,7 +195,12 @@ class BroadcastSender:
             try:
                 slot = i % NUM_BUFFERS
                 self._drain(inflight, slot, timing)
+                # no local name may hold a Work: it would keep a failed group's sockets open (_abandon)
+                on_wire = self._on_wire(inflight, (i - 1) % NUM_BUFFERS)
+                t = time.perf_counter()
                 payload, keep = self._payload(bucket, tensors, lambda: bufs.get(slot, bucket.nbytes), timing)
+                # per bucket: (packed, pack start, posted, previous bucket still on the wire)
+                timeline.append((keep is None, t, time.perf_counter(), on_wire))
                 inflight[slot] = (group.broadcast(payload), keep, gathered if keep else 0)
                 peak = max(peak, bufs.nbytes + gathered + sum(x[2] for x in inflight if x))
             except Exception as exc:  # noqa: BLE001 - keep gathering, raise at the end
@@ -219,8 +225,12 @@ class BroadcastSender:
         self.stats["bytes_sent"] += layout.total_bytes if self.rank == 0 else 0
         self.stats["peak_extra_bytes"] = max(self.stats["peak_extra_bytes"], peak)
         self.stats["last_send_s"] = elapsed
-        self.stats.update(timing)
+        self.stats.update(timing, timeline=timeline)
         return {**self.stats, "version": version, "buckets": len(layout.buckets), "bytes": layout.total_bytes}
+
+    @staticmethod
+    def _on_wire(inflight: list, slot: int) -> bool:
+        return inflight[slot] is not None and not inflight[slot][0].is_completed()
 
     @staticmethod
     def _drain(inflight: list, slot: int, timing: dict) -> None:
@@ -353,14 +363,20 @@ class BroadcastReceiver:
                 works[k] = post(k)
             self.incomplete = True
             wire = load = 0.0
+            posted = {k: time.perf_counter() for k in works}
+            timeline = []
             for i, bucket in enumerate(layout.buckets):
-                t = time.perf_counter()
-                await self._wait(works.pop(i), f"receiving bucket {i} of {num_buckets}")
-                wire += time.perf_counter() - t
                 ahead = i + depth - 1
                 if ahead > i and ahead < num_buckets:
-                    # keep receives posted ahead while this bucket loads, so the wire never idles
+                    # Post the next receive before waiting for this one (its buffer held bucket
+                    # i - 1, loaded already): `depth` receives stay posted, so the wire never
+                    # idles while this thread wakes up from bucket i and while bucket i loads.
                     works[ahead] = post(ahead)
+                    posted[ahead] = time.perf_counter()
+                t = time.perf_counter()
+                await self._wait(works.pop(i), f"receiving bucket {i} of {num_buckets}")
+                arrived = time.perf_counter()
+                wire += arrived - t
                 t = time.perf_counter()
                 named = self._named(bucket, direct[i] if i in direct else bufs[i % depth])
                 if i in direct:
@@ -370,12 +386,14 @@ class BroadcastReceiver:
                 if named:
                     await self.engine.load_weights(named)
                 load += time.perf_counter() - t
+                # per bucket: (posted, arrived, load start, load end)
+                timeline.append((posted.pop(i), arrived, t, time.perf_counter()))
         finally:
             # pending Works keep the backend group (and its sockets) alive past close()
             works.clear()
             self._views = {}
         await self.engine.finish_weight_update(version)
-        self.stats.update(wire_wait_s=wire, load_s=load, direct_buckets=len(direct),
+        self.stats.update(wire_wait_s=wire, load_s=load, timeline=timeline, direct_buckets=len(direct),
                           direct_bytes=sum(layout.buckets[k].nbytes for k in direct))
         self.incomplete = False
         return {"version": version, "buckets": num_buckets, "bytes": layout.total_bytes, "meta": bool(meta_nbytes)}
