@@ -66,7 +66,9 @@ class LlamaDecoder:
             every = torch.arange(n, device=h.device)[None]
             cos, sin = self.core.rotary_emb(h, every)
             self._cos, self._sin = cos[0], sin[0]
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+        at, shape = positions.reshape(-1), (*positions.shape, 1, -1)  # index_select: cheaper than [positions]
+        return (self._cos.index_select(0, at).view(shape).transpose(1, 2),
+                self._sin.index_select(0, at).view(shape).transpose(1, 2))
 
     @staticmethod
     def supports(model) -> bool:
