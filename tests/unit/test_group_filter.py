@@ -166,7 +166,9 @@ async def test_nothing_passing_the_filter_stops_the_run_with_an_error_naming_it(
             await asyncio.wait_for(r.run(), 60)  # forever, but for the filter
     finally:
         await engine.close()
-    assert r.filter.dropped == 3 and not r._groups  # the run's other groups were cancelled
+    # The run's other groups were cancelled; one that finished in the same turn of the loop as the
+    # third drop may have been judged before the error reached run() (seen: 4 of 4 in flight judged).
+    assert 3 <= r.filter.dropped <= 3 + cfg.max_concurrent - 1 and not r._groups
     from asyncrl.faults import programming_error
 
     assert programming_error(GroupFilterStalled("x")) == "GroupFilterStalled"  # the launcher does not restart on it
