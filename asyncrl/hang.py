@@ -75,11 +75,13 @@ class Watchdog:
         self.since = time.monotonic()
 
     def seen(self, step: int, now: float | None = None) -> None:
-        """The Trainer is at ``step``; a new one restarts the clock."""
+        """The Trainer is at ``step``; a new one restarts the clock. Steps faster than the poll
+        arrive several at once: each of them counts, with an equal share of the time."""
         now = time.monotonic() if now is None else now
         if step != self.step:
             if self.step is not None:
-                self.durations.append(now - self.since)
+                advanced = max(1, step - self.step)
+                self.durations.extend([(now - self.since) / advanced] * advanced)
             self.step, self.since = step, now
 
     @property

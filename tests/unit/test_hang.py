@@ -37,6 +37,12 @@ def test_the_deadline_is_the_startup_one_then_a_multiple_of_the_steady_median_ab
         fast.seen(step, step * 0.1)
     assert fast.deadline_s == 5.0  # the floor
     assert Watchdog(7.0, 10.0, 5.0, 100.0).deadline_s == 7.0  # watchdog_s given
+    # Steps faster than the poll arrive two or three at once: each counts, so the warm-up is over
+    # after as many steps as when each was seen (the launcher's poll is 0.5 s; a step can take 0.1 s).
+    polled = Watchdog(None, factor=10.0, floor_s=5.0, startup_s=100.0)
+    for step, now in ((0, 0.0), (3, 0.5), (5, 1.0), (6, 1.5)):
+        polled.seen(step, now)
+    assert polled.durations == [0.5 / 3] * 3 + [0.25, 0.25, 0.5] and polled.deadline_s == 5.0
 
 
 def test_the_waiting_call_is_the_innermost_frame_of_the_thread_in_asyncrl_code():
