@@ -65,7 +65,7 @@ class RolloutReporter:
         self.engines, self.n = engines, n
         self._last_tokens: int | None = None
         self._last_t = time.monotonic()
-        self._last_idle: float | None = None
+        self._last_idle = 0.0  # the Rollouter's idle clock starts with it, about when this reporter does
         self._last_counters: dict = {}
 
     async def poll(self, rollouter: Any, producer: Any) -> dict[str, float]:
@@ -85,7 +85,7 @@ class RolloutReporter:
         self._last_tokens, self._last_t = tokens, now
         if rollouter is not None:
             rs = rollouter.stats_now()
-            if self._last_idle is not None and now > last_t:  # the Rollouter's own clock of calls in flight
+            if now > last_t:  # the Rollouter's own clock of calls in flight (from the first poll on)
                 out["fully_async/rollouter/idle_ratio"] = min(1.0, max(0.0, rs["idle_s"] - self._last_idle) / (now - last_t))
             self._last_idle = rs["idle_s"]
             out["engine/requests_spread"] = rs["requests_spread"]

@@ -343,7 +343,8 @@ async def test_rollouter_poll_reads_engines_rollouter_and_a_real_producer():
     assert first["fully_async/count/total_generated_samples"] == 24 and first["rollouter/in_flight"] == 2
     assert first["stream/unacked"] == 0 and first["stream/credit"] == 0  # no consumer: no credit
     assert "throughput/generated_tokens_per_s" not in first and second["throughput/generated_tokens_per_s"] > 0
-    assert "fully_async/rollouter/idle_ratio" not in first and 0 < second["fully_async/rollouter/idle_ratio"] <= 1
+    # From the first poll on (a short run may end before a second): idle since the reporter began.
+    assert 0 < first["fully_async/rollouter/idle_ratio"] <= 1 and 0 < second["fully_async/rollouter/idle_ratio"] <= 1
     assert second["engine/requests_spread"] == 0.25 and second["rollouter/filtered_groups"] == 4
     assert (second["engine/session_hits"], second["engine/session_tokens_reused"]) == (6, 60)  # summed over engines
     assert second["engine/prefill_tokens_per_group"] == second["engine/prompt_tokens_per_group"] == 6
