@@ -127,11 +127,12 @@ def short_workload(groups, n, seed):
 class EngineRunner:
     """The built-in engine, kept across repetitions (its KV pool stays allocated, like the manager's)."""
 
-    def __init__(self, model_path, slots, seeded=False):
+    def __init__(self, model_path, slots, seeded=False, **engine_kwargs):
         from asyncrl.rollouter.engines.builtin.engine import TorchEngine
         from asyncrl.types import SamplingParams
 
-        self.engine = TorchEngine(model_path, max_running=slots, eos_token_ids=())
+        # engine_kwargs: e.g. device and dtype (`bench_gpu.py`)
+        self.engine = TorchEngine(model_path, max_running=slots, eos_token_ids=(), **engine_kwargs)
         self.greedy = SamplingParams(greedy=True)
         # seeded: request i samples at temperature 1 with seed i (as an RL run's requests do).
         self.sampling = (lambda i: SamplingParams(temperature=1.0, seed=i)) if seeded else (lambda i: self.greedy)
@@ -150,21 +151,24 @@ class EngineRunner:
             for i, (p, n) in enumerate(zip(prompts, lengths))
         ]
         before = engine.stats()
+        self.reload_s = None
         start = time.perf_counter()
         tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
         if pause_keep:
             await asyncio.sleep(0)
             longest = max(range(len(reqs)), key=lambda i: lengths[i])
             await engine.wait_for_tokens(reqs[longest].request_id, lengths[longest] // 2, timeout_s=600)
+            t = time.perf_counter()
             await engine.pause("keep")
             await engine.load_weights([(n, p.detach().clone()) for n, p in engine.model.named_parameters()])
             await engine.finish_weight_update(engine.version + 1)
             await engine.resume()
+            self.reload_s = time.perf_counter() - t
         results = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
         after = engine.stats()
-        self.steps = after["steps"] - before["steps"]
-        self.prefill_tokens = after["prefill_tokens"] - before["prefill_tokens"]
+        self.delta = {k: after[k] - before[k] for k in ("steps", "prefill_tokens", "reprefill_tokens")}
+        self.steps, self.prefill_tokens = self.delta["steps"], self.delta["prefill_tokens"]
         return [r.response_ids for r in results], seconds
 
 

@@ -55,7 +55,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine's workload and static runner
-from bench_engine import StaticRunner  # noqa: E402
+from bench_engine import EngineRunner, StaticRunner  # noqa: E402
 
 #: Qwen2.5-0.5B's shape (random weights).
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -120,43 +120,18 @@ def build_model(args, tmp: str, positions: int) -> Path:
 # ------------------------------------------------------------------------------ generation
 
 
-class Engine:
-    """The built-in engine on ``device`` in ``dtype``, kept across runs."""
+class Engine(EngineRunner):
+    """`bench_engine.EngineRunner` on ``device`` in ``dtype``, kept across runs; its warm-up is the
+    bench's own (whole batch, short). ``run`` also returns the step counters' change and the
+    seconds of a pause(keep) + reload."""
 
     def __init__(self, model_path, slots, device, dtype):
-        from asyncrl.rollouter.engines.builtin.engine import TorchEngine
-        from asyncrl.types import SamplingParams
-
-        self.engine = TorchEngine(model_path, max_running=slots, eos_token_ids=(), device=device, dtype=dtype)
-        self.greedy = SamplingParams(greedy=True)
-        self.runs = 0
+        super().__init__(model_path, slots, device=device, dtype=dtype)
+        self.runs = 1  # EngineRunner warms up on its first run only
 
     async def run(self, prompts, lengths, pause_keep=False):
-        from asyncrl.types import GenerateRequest
-
-        engine = self.engine
-        self.runs += 1
-        reqs = [GenerateRequest(f"{self.runs}-r{i}", p, max_tokens=n, sampling=self.greedy)
-                for i, (p, n) in enumerate(zip(prompts, lengths))]
-        before = engine.stats()
-        reload_s = None
-        start = time.perf_counter()
-        tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
-        if pause_keep:
-            await asyncio.sleep(0)
-            longest = max(range(len(reqs)), key=lambda i: lengths[i])
-            await engine.wait_for_tokens(reqs[longest].request_id, lengths[longest] // 2, timeout_s=600)
-            t = time.perf_counter()
-            await engine.pause("keep")
-            await engine.load_weights([(n, p.detach().clone()) for n, p in engine.model.named_parameters()])
-            await engine.finish_weight_update(engine.version + 1)
-            await engine.resume()
-            reload_s = time.perf_counter() - t
-        results = await asyncio.gather(*tasks)
-        seconds = time.perf_counter() - start
-        after = engine.stats()
-        delta = {k: after[k] - before[k] for k in ("steps", "prefill_tokens", "reprefill_tokens")}
-        return [r.response_ids for r in results], seconds, delta, reload_s
+        ids, seconds = await super().run(prompts, lengths, pause_keep=pause_keep)
+        return ids, seconds, self.delta, self.reload_s
 
 
 class Static(StaticRunner):
