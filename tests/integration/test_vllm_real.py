@@ -459,6 +459,45 @@ def _recompute_per_version(model, weights: dict, t) -> np.ndarray:
 
 
 @on_module_loop
+async def test_the_skip_manager_dumps_and_replays_whole_conversations_on_vllm(served, tmp_path):
+    """Conversations generated on vLLM are dumped whole (turns, masks, versions, log-probs) and a
+    second run under the same shape replays them without one request to the engine."""
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.agents import build_agent
+    from asyncrl.rollouter.config import AgentConfig
+    from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+    from asyncrl.skip import SkipConfig, SkipManager, SkipRoleConfig, is_replayed
+
+    prompts = [Prompt(text=f"s{i}", prompt_ids=np.asarray([1, 5 + i, 7, 9], dtype=np.int64)) for i in range(2)]
+
+    async def once():
+        SkipManager.init(SkipConfig(experiment="agent-vllm", async_rollout=SkipRoleConfig(
+            enable=True, dump_dir=str(tmp_path), steps=[0, 1])), shape={"model": "served", "agent": "ThreeFixedTurns"})
+        agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:ThreeFixedTurns"), None)
+        r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100, seed=1), [served.actor], MemorySink(),
+                      prompts, lambda p, ids: 0.0, agent=agent)
+        before = served.engine.stats()["requests"]
+        try:
+            await asyncio.wait_for(r.run(num_groups=2), 120)
+        finally:
+            agent.close()
+        return sorted(r.producer.groups, key=lambda g: g.sample_id), served.engine.stats()["requests"] - before
+
+    try:
+        first, requests = await once()
+        again, replayed_requests = await once()
+    finally:
+        SkipManager.init(SkipConfig())
+    assert requests == 2 * 2 * 3 and replayed_requests == 0 and all(map(is_replayed, again))
+    assert not any(map(is_replayed, first)) and [g.sample_id for g in again] == [g.sample_id for g in first]
+    for g, h in zip(first, again):
+        for t, u in zip(g.trajectories, h.trajectories):
+            assert u.turns == t.turns == 3 and np.array_equal(u.loss_mask, t.loss_mask)
+            assert np.array_equal(u.response_ids, t.response_ids) and np.array_equal(u.versions, t.versions)
+            np.testing.assert_array_equal(u.logprobs, t.logprobs)
+
+
+@on_module_loop
 async def test_a_weight_sync_during_a_tool_call_gives_the_next_turn_the_new_version_on_vllm(served):
     """A sync lands while a conversation waits in a "tool call" between turns 1 and 2: turn 1 carries
     the old version, turns 2 and 3 the new one, and every model token's behaviour log-prob equals the
