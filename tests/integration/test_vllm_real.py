@@ -498,6 +498,43 @@ async def test_the_skip_manager_dumps_and_replays_whole_conversations_on_vllm(se
 
 
 @on_module_loop
+async def test_a_conversation_in_flight_at_a_checkpoint_is_generated_again_from_its_start_on_vllm(served):
+    """A checkpoint taken while a conversation waits in a tool call lists it in flight; the resumed
+    Rollouter generates it again from its first turn (3 requests, not 2) and it completes."""
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.agents import build_agent
+    from asyncrl.rollouter.config import AgentConfig
+    from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
+    from asyncrl.types import CommittedSet
+    from tests.unit import agent_envs
+
+    prompts = [Prompt(text="c0", prompt_ids=np.asarray([1, 6, 8, 10], dtype=np.int64))]
+    gated = build_agent(AgentConfig(loop="tests.unit.agent_envs:GatedThreeTurns"), None)
+    plain = build_agent(AgentConfig(loop="tests.unit.agent_envs:ThreeFixedTurns"), None)
+    agent_envs.GatedThreeTurns.called, agent_envs.GatedThreeTurns.go = asyncio.Event(), asyncio.Event()
+    cfg = RolloutConfig(n=1, max_tokens=8, groups_per_sync=100, seed=5)
+    try:
+        first = Rollouter(cfg, [served.actor], MemorySink(), prompts, lambda p, ids: 0.0, agent=gated)
+        task = asyncio.create_task(first.run(num_groups=1))
+        await asyncio.wait_for(agent_envs.GatedThreeTurns.called.wait(), 60)  # in a tool call, after turn 0
+        saved = first.snapshot()  # the checkpoint
+        await first.stop()
+        await asyncio.wait_for(task, 30)
+        assert saved["in_flight"] == ["sample_0_0"] and saved["partials"] == {} and first.producer.groups == []
+        before = served.engine.stats()["requests"]
+        state = RolloutState.resume(saved, CommittedSet(), 0, rows=1)
+        again = Rollouter(cfg, [served.actor], MemorySink(), prompts, lambda p, ids: 0.0, state=state, agent=plain)
+        await asyncio.wait_for(again.run(num_groups=1), 120)
+    finally:
+        agent_envs.GatedThreeTurns.go.set()
+        gated.close()
+        plain.close()
+    (g,) = again.producer.groups
+    assert g.sample_id == "sample_0_0" and g.complete and g.trajectories[0].turns == 3
+    assert served.engine.stats()["requests"] - before == 3  # from its start: all three turns again
+
+
+@on_module_loop
 async def test_a_weight_sync_during_a_tool_call_gives_the_next_turn_the_new_version_on_vllm(served):
     """A sync lands while a conversation waits in a "tool call" between turns 1 and 2: turn 1 carries
     the old version, turns 2 and 3 the new one, and every model token's behaviour log-prob equals the
