@@ -97,12 +97,10 @@ class RolloutReporter:
                 "rollouter/filtered_groups": rs["filter_dropped"],
                 "rollouter/version": rollouter.version,
             })
-            if "agent_turns" in rs:  # an EnvLoop's totals
-                out.update({"agent/turns": rs["agent_turns"], "agent/tool_calls": rs["agent_tool_calls"],
-                            "agent/tool_errors": rs["agent_tool_errors"], "agent/env_step_s": rs["agent_env_step_s"],
-                            "agent/episodes": rs["agent_episodes"]})
-                if rs["agent_turns"]:
-                    out["agent/tool_calls_per_turn"] = rs["agent_tool_calls"] / rs["agent_turns"]
+            # An EnvLoop's totals (its `counts`, as ``agent_{name}`` in the Rollouter's stats).
+            out.update({f"agent/{k.removeprefix('agent_')}": v for k, v in rs.items() if k.startswith("agent_")})
+            if rs.get("agent_turns"):
+                out["agent/tool_calls_per_turn"] = rs["agent_tool_calls"] / rs["agent_turns"]
         if producer is not None:
             out["stream/credit"] = producer.credit
             out["stream/unacked"] = len(producer.unacked)  # a property of StreamProducer

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +41,7 @@ from asyncrl.calls import call
 from asyncrl.rollouter.config import AgentConfig
 from asyncrl.rollouter.partial import PartialResponse
 from asyncrl.rollouter.pool import GroupCalls
+from asyncrl.rollouter.rewards import score
 from asyncrl.rollouter.resumable import generate_resumable
 from asyncrl.turns import to_trajectory
 from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
@@ -220,8 +220,7 @@ async def validate_agent_response(agent: Agent, engine: Any, request_id: str, pr
         reward = ep.reward
         if reward is None:
             ids = last_turn(np.asarray(ep.response_ids), np.asarray(ep.loss_mask))
-            reward = await reward_fn(prompt, ids) if inspect.iscoroutinefunction(reward_fn) else \
-                await asyncio.to_thread(reward_fn, prompt, ids)  # a plain reward runs off the event loop
+            reward = await score(reward_fn, prompt, ids)
         scored.append((float(reward), len(ep.response_ids), int(ep.turns)))
     return scored
 

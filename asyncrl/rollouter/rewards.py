@@ -51,3 +51,12 @@ class Rewards:
         else:
             value = await pending
         return float(await value if inspect.isawaitable(value) else value)
+
+
+async def score(reward_fn: Callable[[Any, np.ndarray], float | Awaitable[float]], prompt: Any,
+                response_ids: np.ndarray) -> float:
+    """One reward, awaited now (validation): a coroutine function awaited, a plain one on a thread
+    so it never blocks the event loop."""
+    if inspect.iscoroutinefunction(reward_fn):
+        return await reward_fn(prompt, response_ids)
+    return await asyncio.to_thread(reward_fn, prompt, response_ids)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialRolloutConfig
 from asyncrl.calls import call
+from asyncrl.rollouter.rewards import score
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState, settle_gc
 from asyncrl.types import GenerateRequest, SamplingParams
 from asyncrl.skip import SkipConfig, SkipManager, model_fingerprint, prompts_fingerprint, rollout_shape
@@ -248,10 +248,7 @@ class RolloutWorker:
                                       max_tokens=self.cfg.max_tokens, sampling=SamplingParams(greedy=True))
             async with slots:
                 result = await asyncio.wait_for(call(engine, "generate", request), self.cfg.request_timeout_s)
-            if inspect.iscoroutinefunction(self.reward_fn):
-                reward = await self.reward_fn(prompt, result.response_ids)
-            else:  # a plain reward runs off the event loop, as in training
-                reward = await asyncio.to_thread(self.reward_fn, prompt, result.response_ids)
+            reward = await score(self.reward_fn, prompt, result.response_ids)
             return [(reward, len(result.response_ids), 1)]
 
         scored = [s for per_prompt in await asyncio.gather(*(one(i, p) for i, p in enumerate(self.val_prompts)))

@@ -58,7 +58,7 @@ class RankGroup:
         """
         import ray
 
-        port = 0 if across_nodes else free_port()
+        port = 0 if across_nodes or cfg.world_size == 1 else free_port()  # one rank needs no rendezvous
         box = ray.remote(PortBox).options(num_cpus=0).remote() if across_nodes else None
         default = {"num_cpus": cfg.cpus_per_rank, "num_gpus": cfg.gpus_per_rank}
         options = list(actor_options) if actor_options is not None else [default] * cfg.world_size
@@ -86,7 +86,7 @@ class RankGroup:
         """One rank in this process; ``cfg.world_size`` must be 1."""
         if cfg.world_size != 1:
             raise ValueError(f"start_local runs one rank; world_size must be 1, got {cfg.world_size}")
-        return cls([TrainerWorker(cfg.worker, rank=0, world_size=1, master_port=free_port(),
+        return cls([TrainerWorker(cfg.worker, rank=0, world_size=1, master_port=0,  # one rank: no rendezvous
                                   init_timeout_s=cfg.rank_start_timeout_s)], remote=False)
 
     async def call(self, method: str, per_rank: Sequence[tuple] | None = None, *, timeout: float,

@@ -350,10 +350,10 @@ def _partial_metrics(groups: list[Group]) -> dict[str, float]:
 
 def _agent_metrics(groups: list[Group]) -> dict[str, float]:
     """Turns of the step's conversations (agent loops; nothing for single-turn responses)."""
-    turns = [t.turns for g in groups for t in g.trajectories]
-    if not turns or all(t == 1 for t in turns) and not any(t.loss_mask is not None for g in groups
-                                                            for t in g.trajectories):
+    trajectories = [t for g in groups for t in g.trajectories]
+    if not any(t.turns != 1 or t.loss_mask is not None for t in trajectories):
         return {}
+    turns = [t.turns for t in trajectories]
     return {"agent/turns_mean": sum(turns) / len(turns), "agent/turns_max": float(max(turns))}
 
 
