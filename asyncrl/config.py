@@ -69,7 +69,11 @@ class DataConfig:
     """Prompts and how responses are scored (verl's dataset layout, see `asyncrl.data`)."""
 
     train: str | None = None
-    """JSONL or parquet file of prompts; None: the built-in arithmetic task."""
+    """JSONL or parquet file of prompts; None: the built-in task ``task``."""
+    task: Literal["arithmetic", "calculator"] = "arithmetic"
+    """The built-in task when ``train`` is None: ``arithmetic`` (addition, one short answer) or
+    ``calculator`` (two-digit multiplication with a calculator tool, an agent loop:
+    `asyncrl.tasks.calculator`), each with its own warm-started default model."""
     val: str | None = None
     """Validation file (same layout), scored greedily every ``val_every`` steps under ``val/``."""
     val_every: int = 10
@@ -309,6 +313,15 @@ class RunConfig:
     # What the parts need, built from the sections.
 
     @property
+    def model_path(self) -> str:
+        """``model.path``, else the shipped warm-started model of the built-in task (``data.task``)."""
+        if self.model.path is not None:
+            return self.model.path
+        from asyncrl.models import default_model_path
+
+        return str(default_model_path(self.data.task))
+
+    @property
     def gpu(self) -> bool:
         return self.placement.rollouter_gpus > 0
 
@@ -439,6 +452,23 @@ seed clears the demo's gate (+0.2 sampled reward, first 20% of steps -> last 20%
 Why these values, with the runs behind them: docs/demo.md."""
 BUILTIN_TASK_DEFAULTS = {"rollout.max_tokens": 6}
 """Defaults when no dataset is given: the built-in task's answers are a few tokens."""
+CALCULATOR_TASK_DEFAULTS = {
+    "rollout.agent.env": "asyncrl.tasks.calculator:CalculatorEnv",
+    "rollout.agent.max_turns": 3,
+    "rollout.agent.max_tokens_per_turn": 64,
+    "rollout.agent.max_context_tokens": 256,
+    "rollout.agent.kwargs": {"latency_median_s": 0.0, "latency_p99_s": None, "seed": "${seed}"},
+    "rollout.agent.tool_concurrency": 1024,
+}
+"""Defaults of ``data.task=calculator`` (``--task calculator``): its env, the conversation's limits
+(question, tool call, result, answer: ~150 tokens), the tool's latency (none; set
+``rollout.agent.kwargs.latency_median_s`` / ``latency_p99_s`` for a long tail; the tool awaits its
+latency, so calls need not queue: ``tool_concurrency`` 1024)."""
+CALCULATOR_DEMO_DEFAULTS = {"trainer.optim.lr": 5e-5, "steps": 60}
+"""``data.task=calculator`` with its shipped model: 60 steps take it from calling the tool on a
+third of its answers to nearly all; at the addition demo's 1e-3 the tool calls' JSON fell apart
+within 3 steps (reward 0, every turn at its budget), 3e-4 and 1e-4 learned but mostly within the
+first 12 steps (docs/agent.md)."""
 REAL_DEFAULTS = {"rollout.max_tokens": 512}
 
 # Launcher flags kept as short aliases of dotted keys (the launcher's --help lists them).
@@ -467,6 +497,7 @@ ALIASES: dict[str, str] = {
     "mode": "mode",
     "partial_rollout": "partial_rollout.enable",
     "long_tail": "data.long_tail",
+    "task": "data.task",
 }
 _FLAG_OF = {key: "--" + alias.replace("_", "-") for alias, key in ALIASES.items()}
 
@@ -495,7 +526,12 @@ def load_config(yaml_files: list[str] = (), overrides: list[str] = ()) -> tuple[
         presets = dict(RUN_DEFAULTS)
         if OmegaConf.select(user, "model.path") is None:
             presets.update(DEMO_DEFAULTS)
-        presets.update(BUILTIN_TASK_DEFAULTS if OmegaConf.select(user, "data.train") is None else REAL_DEFAULTS)
+        builtin = OmegaConf.select(user, "data.train") is None
+        presets.update(BUILTIN_TASK_DEFAULTS if builtin else REAL_DEFAULTS)
+        if builtin and OmegaConf.select(user, "data.task") == "calculator":
+            presets.update(CALCULATOR_TASK_DEFAULTS)
+            if OmegaConf.select(user, "model.path") is None:
+                presets.update(CALCULATOR_DEMO_DEFAULTS)
         if OmegaConf.select(user, "mode") == "sync":
             presets.update(SYNC_MODE_DEFAULTS)
             if OmegaConf.select(user, "partial_rollout.enable"):
@@ -665,6 +701,11 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
                    trigger_parameter_sync_step=t.trigger_parameter_sync_step)
     except ValueError as e:
         raise ConfigError(f"{named('mode')}: {e}") from None
+    if cfg.data.task != "arithmetic" and cfg.data.train is not None:
+        raise ConfigError(f"{named('data.task')}={cfg.data.task} is a built-in task; it does not apply with "
+                          f"{named('data.train')}={cfg.data.train} (remove one)")
+    if cfg.data.task == "calculator" and cfg.data.long_tail > 1:
+        raise ConfigError(f"{named('data.long_tail')} is a workload of the addition task, not of {named('data.task')}=calculator")
     if cfg.data.long_tail > 1 and cfg.data.train is not None:
         raise ConfigError(f"{named('data.long_tail')}={cfg.data.long_tail} is a workload of the built-in task; "
                           f"remove it or {named('data.train')}")

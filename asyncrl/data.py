@@ -32,6 +32,8 @@ import numpy as np
 
 BUILTIN_REWARD = "asyncrl.tasks.arithmetic:reward"
 """The built-in task's reward, used when no dataset is given."""
+BUILTIN_REWARDS = {"arithmetic": BUILTIN_REWARD, "calculator": "asyncrl.tasks.calculator:reward"}
+"""Each built-in task's reward (``data.task``)."""
 
 
 class DataError(ValueError):

@@ -45,8 +45,10 @@ _FLAGS = {
         ("address", str, "Ray address to join (default: RAY_ADDRESS, else a local Ray)"),
     ],
     "model and data": [
-        ("model", str, "local HF model directory (default: the tiny warm-started model)"),
+        ("model", str, "local HF model directory (default: the built-in task's tiny warm-started model)"),
         ("dataset", str, "JSONL/parquet in verl's layout (default: the built-in task)"),
+        ("task", str, "built-in task without --dataset: arithmetic (addition, the default) or calculator "
+                      "(multiplication with a calculator tool: a multi-turn agent loop)"),
         ("val_dataset", str, "validation JSONL/parquet, scored every data.val_every steps"),
         ("reward", str, "module:function, verl's compute_score(data_source, solution_str, ground_truth, "
                         "extra_info) or (prompt, response); required with --dataset"),
@@ -237,7 +239,7 @@ def preflight(cfg) -> None:
         from asyncrl.rollouter.agents import check_agent
 
         try:
-            check_agent(cfg.rollout.agent, cfg.model.path or str(_default_model()))
+            check_agent(cfg.rollout.agent, cfg.model_path)
         except AgentSpecError as e:
             raise ConfigError(str(e)) from None
     chat = {name: rows for name, rows in sets.items() if any(not isinstance(r.prompt, str) for r in rows)}
@@ -251,12 +253,6 @@ def preflight(cfg) -> None:
         tokenizer = load_tokenizer(cfg.model.path)
         for name, rows in chat.items():
             data.check_renderable(tokenizer, rows, getattr(cfg.data, name))
-
-
-def _default_model():
-    from asyncrl.models import default_model_path
-
-    return default_model_path()
 
 
 def dry_run(plan) -> str:

@@ -244,7 +244,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     from asyncrl.trainer.ranks import RankGroup
     from asyncrl.trainer.trainer import Trainer
 
-    model_path = cfg.model.path or _default_model()
+    model_path = cfg.model_path
     print(f"asyncrl: run dir {run_dir}; model {model_path}; {cfg.engine_replicas} engine replica(s), "
           f"{cfg.trainer_world_size} trainer rank(s)", flush=True)
     print(plan.describe(), flush=True)
@@ -299,7 +299,7 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
             threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
             procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
         data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
-                        long_tail=cfg.data.long_tail)
+                        long_tail=cfg.data.long_tail, task=cfg.data.task)
         procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
             cfg.rollout, procs.engines, stream, model_path, data, resume,
             metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
@@ -400,12 +400,6 @@ async def _ready(refs: list, timeout_s: float, what: str) -> list:
         return await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
     except TimeoutError:
         raise TimeoutError(f"{what} not ready within placement.ready_timeout_s={timeout_s}") from None
-
-
-def _default_model() -> str:
-    from asyncrl.models import default_model_path
-
-    return str(default_model_path())
 
 
 def _special_token_ids(model_path: str) -> tuple[int, int | None]:

@@ -59,6 +59,8 @@ def _bound_text(m: dict) -> str:
 def step_line(m: dict, steps: int) -> str:
     val = f"  val/reward {m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
     turns = f"  turns {m['agent/turns_mean']:.1f}" if "agent/turns_mean" in m else ""
+    if "agent/tool_calls_per_turn" in m:
+        turns += f"  tools/turn {m['agent/tool_calls_per_turn']:.2f}"
     bound = _bound_text(m)
     return (f"step {m['step']:3d}/{steps}  version {m['version']:3d}  reward {m['reward_mean']:.3f}  "
             f"loss {m['loss']:+.4f}  staleness {m['staleness_mean']:.2f}  len {m['response_length_mean']:.1f}  "
@@ -110,7 +112,19 @@ def rollouter_step_metrics(last: dict, now: dict) -> dict[str, float]:
         "rollouter/timed_out": float(d["timed_out"]),
         "engine/requests_spread": float(now.get("requests_spread", 0.0)),
         **prefill_metrics(last.get("engine_counters", {}), now.get("engine_counters", {})),
+        **_agent_step_metrics(last, now),
     }
+
+
+def _agent_step_metrics(last: dict, now: dict) -> dict[str, float]:
+    """An env loop's tool use during the step (turns the envs answered in it; nothing without one)."""
+    turns = now.get("agent_turns", 0) - last.get("agent_turns", 0)
+    if turns <= 0:
+        return {}
+    calls = now["agent_tool_calls"] - last.get("agent_tool_calls", 0)
+    return {"agent/tool_calls_per_turn": calls / turns,
+            "agent/tool_errors_per_call": (now["agent_tool_errors"] - last.get("agent_tool_errors", 0)) / max(calls, 1),
+            "agent/env_step_s_per_turn": (now["agent_env_step_s"] - last.get("agent_env_step_s", 0.0)) / turns}
 
 
 async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,

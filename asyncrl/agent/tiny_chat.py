@@ -39,9 +39,17 @@ CHATML_TOOLS_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# The same ChatML turns with the tools named in one short system line (no JSON schemas): a
+# character-level tiny model's prompts stay a few dozen tokens (`asyncrl.models.calculator`).
+CHATML_TOOL_NAMES_TEMPLATE = CHATML_TOOLS_TEMPLATE.replace(
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}",
+    "{{- 'tools:' }}{%- for tool in tools %}{{- ' ' + tool.function.name }}{%- endfor %}{{- '<|im_end|>\\n' }}")
 
-def build_chat_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` with `CHATML_TOOLS_TEMPLATE` as its chat template."""
+
+def build_chat_tokenizer(template: str = CHATML_TOOLS_TEMPLATE):
+    """A character-level ``PreTrainedTokenizerFast`` with ``template`` (`CHATML_TOOLS_TEMPLATE`) as its chat template."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,7 +61,7 @@ def build_chat_tokenizer():
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=PAD)
-    tok.chat_template = CHATML_TOOLS_TEMPLATE
+    tok.chat_template = template
     return tok
 
 

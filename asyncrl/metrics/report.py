@@ -99,8 +99,6 @@ class RolloutReporter:
             })
             # An EnvLoop's totals (its `counts`, as ``agent_{name}`` in the Rollouter's stats).
             out.update({f"agent/{k.removeprefix('agent_')}": v for k, v in rs.items() if k.startswith("agent_")})
-            if rs.get("agent_turns"):
-                out["agent/tool_calls_per_turn"] = rs["agent_tool_calls"] / rs["agent_turns"]
         if producer is not None:
             out["stream/credit"] = producer.credit
             out["stream/unacked"] = len(producer.unacked)  # a property of StreamProducer

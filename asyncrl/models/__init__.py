@@ -16,8 +16,15 @@ from typing import Any
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "tiny_arith"
 
 
-def default_model_path() -> Path:
-    """The shipped warm-started tiny model's directory (nothing is trained or downloaded)."""
+def default_model_path(task: str = "arithmetic") -> Path:
+    """The shipped warm-started tiny model's directory of a built-in task (nothing is trained or
+    downloaded): the addition demo's, or the calculator task's (`asyncrl.models.calculator`)."""
+    if task == "calculator":
+        from asyncrl.models.calculator import calculator_model_path
+
+        return calculator_model_path()
+    if task != "arithmetic":
+        raise ValueError(f"no built-in task {task!r} (arithmetic, calculator)")
     missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json", "warm_start.json")
                if not (DEFAULT_MODEL_DIR / f).is_file()]
     if missing:

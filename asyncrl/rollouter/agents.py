@@ -84,14 +84,15 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
                                load_env_class)
 
     if cfg.loop is not None:
-        return Agent(load_agent_loop_class(cfg.loop)(), f"rollout.agent.loop={cfg.loop}", cfg.sessions)
+        return Agent(load_agent_loop_class(cfg.loop)(**cfg.kwargs), f"rollout.agent.loop={cfg.loop}", cfg.sessions)
     if cfg.env is None:
         return None
     env_class = load_env_class(cfg.env)
     runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=cfg.tool_timeout_s, max_concurrent=cfg.tool_concurrency))
+    kwargs = dict(cfg.kwargs)
 
     def make_env():
-        env = env_class()
+        env = env_class(**kwargs)
         if isinstance(env, ToolEnv):
             env.share_runner(runner)  # one bound and one thread pool for every episode of the process
         return env
@@ -268,7 +269,7 @@ def last_turn(response_ids: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
 
 def check_agent(cfg: AgentConfig, model_path: str) -> None:
     """The launcher's preflight, before Ray starts: the path imports and is an `Env` (``reset``,
-    ``step``) or an `AgentLoop` (``run``); the class builds with no arguments (a `ToolEnv`'s tools
+    ``step``) or an `AgentLoop` (``run``); the class builds with ``rollout.agent.kwargs`` (a `ToolEnv`'s tools
     with type hints and descriptions); a `ToolEnv` gets a tokenizer whose chat template shows
     tools. Raises `AgentSpecError`, one line each."""
     from asyncrl.agent import AgentSpecError, ToolEnv, check_tool_template, load_agent_loop_class, load_env_class
@@ -281,10 +282,12 @@ def check_agent(cfg: AgentConfig, model_path: str) -> None:
         from asyncrl.models import load_tokenizer
 
         check_tool_template(load_tokenizer(model_path), field=f"{field}={path} with model {model_path}")
+    args = ", ".join(f"{k}={v!r}" for k, v in cfg.kwargs.items())
     try:
-        built = cls()
+        built = cls(**cfg.kwargs)
     except Exception as e:  # noqa: BLE001 - the user's constructor; reported in one line
-        raise AgentSpecError(f"{field}={path!r}: {cls.__name__}() fails ({type(e).__name__}: {e}); the Rollouter "
-                             "builds it with no arguments") from None
+        given = f"with rollout.agent.kwargs ({args})" if args else "with no arguments (rollout.agent.kwargs is empty)"
+        raise AgentSpecError(f"{field}={path!r}: {cls.__name__}({args}) fails ({type(e).__name__}: {e}); the "
+                             f"Rollouter builds it {given}") from None
     if hasattr(built, "close"):
         asyncio.run(built.close())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -13,10 +14,10 @@ class AgentConfig:
     Neither ``env`` nor ``loop`` set (the default): plain single-turn generation."""
 
     env: str | None = None
-    """``module:Class`` of an `asyncrl.agent.Env` (built with no arguments, one per episode);
+    """``module:Class`` of an `asyncrl.agent.Env` (built with ``kwargs``, one per episode);
     asyncrl's `EnvLoop` drives it with the model's chat template."""
     loop: str | None = None
-    """``module:Class`` of an `asyncrl.agent.AgentLoop` (built with no arguments, once per process):
+    """``module:Class`` of an `asyncrl.agent.AgentLoop` (built with ``kwargs``, once per process):
     full control over each episode. Set ``env`` or ``loop``, not both."""
     max_turns: int = 8
     """Most model turns per episode (``env``); an env not done by then ends with ``max_turns``."""
@@ -28,6 +29,9 @@ class AgentConfig:
     """Deadline of one tool call of a `ToolEnv`; past it the call's observation is an error."""
     tool_concurrency: int = 8
     """Most tool calls running at once in the Rollouter process (the sync tools' thread pool)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments ``env`` or ``loop`` is built with (e.g. a tool's settings; ``--task
+    calculator`` sets the calculator's latency here)."""
     sessions: int = 1
     """Trajectories every run of the loop returns (a multi-output `AgentLoop`): a group holds
     ``n * sessions``; a run that returns another count fails its group (`SessionCountError`)."""

@@ -43,6 +43,8 @@ class DataSpec:
     """Seed of the built-in task's prompts."""
     long_tail: int = 1
     """Built-in task: per-prompt response budgets up to this many times the median (1: off)."""
+    task: str = "arithmetic"
+    """The built-in task when there is no training file (``data.task``)."""
 
 
 def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Prompt]:
@@ -51,6 +53,11 @@ def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Pro
     from asyncrl import data
 
     path = path or spec.train
+    if path is None and spec.task == "calculator":
+        from asyncrl.tasks import calculator
+
+        rows = calculator.generate_dataset(BUILTIN_TASK_ROWS, seed=spec.seed)
+        return builtin_task_prompts(tokenizer, rows)
     if path is None:
         from asyncrl.tasks import arithmetic
 
@@ -67,7 +74,7 @@ def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Pro
 
 
 def builtin_task_prompts(tokenizer, rows: list[dict]) -> list[Prompt]:
-    """Rows of the built-in task (`asyncrl.tasks.arithmetic.generate_dataset`) as `Prompt`s, each
+    """Rows of a built-in task (``generate_dataset`` of `asyncrl.tasks.arithmetic` or `.calculator`) as `Prompt`s, each
     with its reward meta and, on the long-tail variant, its own response budget."""
     from asyncrl.tasks import arithmetic
 
@@ -84,7 +91,7 @@ def make_reward_fn(tokenizer, spec: DataSpec):
     gives a coroutine function, awaited on the loop (it should not block)."""
     from asyncrl import data
 
-    reward = data.load_reward(spec.reward or data.BUILTIN_REWARD)
+    reward = data.load_reward(spec.reward or data.BUILTIN_REWARDS[spec.task])
     if reward.is_async:
         async def reward_fn(prompt: Prompt, response_ids: np.ndarray) -> float:
             return await reward(prompt.text, prompt.meta, data.decode_response(tokenizer, response_ids))
@@ -123,7 +130,7 @@ class RolloutWorker:
         SkipManager.init(skip, shape=rollout_shape(
             cfg, model=model_fingerprint(model_path),
             data=prompts_fingerprint((p.prompt_ids for p in self.prompts),
-                                     data_spec.train or f"builtin:arithmetic:seed={data_spec.seed}"),
+                                     data_spec.train or f"builtin:{data_spec.task}:seed={data_spec.seed}"),
             reward=data_spec.reward or "builtin",
             **({"agent": cfg.agent.env or cfg.agent.loop} if cfg.agent.enabled else {})))
         if resume is None:

@@ -121,7 +121,15 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
     assert stats["agent_tool_calls"] == sum(t.turns - 1 for t in trajectories) and stats["agent_tool_errors"] == 0
     assert stats["agent_env_step_s"] > 0
     values = await RolloutReporter([], n=3).poll(r, None)
-    assert values["agent/tool_calls_per_turn"] == stats["agent_tool_calls"] / stats["agent_turns"]
+    assert values["agent/tool_calls"] == stats["agent_tool_calls"] and values["agent/turns"] == stats["agent_turns"]
+    # A step's share: the tool calls per turn the envs answered between two readings.
+    from asyncrl.progress import rollouter_step_metrics
+
+    step = rollouter_step_metrics({**stats, "agent_turns": 1, "agent_tool_calls": 0, "agent_env_step_s": 0.0},
+                                  {**stats, "waiting_partials": 0, "gate_blocked_s": 0, "credit_blocked_s": 0,
+                                   "idle_s": 0, "truncated": 0, "resumed": 0, "timed_out": 0})
+    assert step["agent/tool_calls_per_turn"] == stats["agent_tool_calls"] / (stats["agent_turns"] - 1)
+    assert step["agent/tool_errors_per_call"] == 0 and step["agent/env_step_s_per_turn"] > 0
     # Turns after the first prefill only their new tokens: the engine kept the session's KV (all but
     # the last sampled token of the turn before, which was never fed), on unchanged weights.
     for t in trajectories:

@@ -28,8 +28,8 @@ const PANELS = [
   {id: "replicas", title: "Per-replica load (running requests)", kind: "pattern",
    pattern: /^engine\/(\d+)\/running$/, also: ["engine/queued", "engine/kv_tokens"]},
   {id: "loss", title: "Loss and grad norm", kind: "lines", series: ["train/loss", "train/grad_norm"]},
-  {id: "agent", title: "Agent loops: turns per conversation, tool calls per turn, tool errors", kind: "lines",
-   series: ["agent/turns_mean", "agent/tool_calls_per_turn", "agent/tool_errors"]},
+  {id: "agent", title: "Agent loops: turns per conversation, tool calls per turn, tool errors, Env.step s per turn",
+   kind: "lines", series: ["agent/turns_mean", "agent/tool_calls_per_turn", "agent/tool_errors", "agent/env_step_s_per_turn"]},
 ];
 
 const store = {series: new Map(), received: 0, lastStep: -1};

@@ -119,6 +119,12 @@ class VLLMEngineConfig:
             args["max_model_len"] = self.max_model_len
         if self.max_num_seqs is not None:
             args["max_num_seqs"] = self.max_num_seqs
+        if cpu:
+            # A prompt split over two steps discards the first step's sampled token and rewinds a
+            # seeded request's generator (``gen.set_offset``), which CPU generators do not have: the
+            # worker raises "CPU Generator does not use offset" and the engine dies (vLLM 0.32 CPU,
+            # seen once a step's prompts passed 2048 tokens). Whole prompts only.
+            args["enable_chunked_prefill"] = False
         return {**args, **self.engine_kwargs}
 
 
