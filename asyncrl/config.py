@@ -228,7 +228,7 @@ class PlacementConfig:
 # placement, the checkpoint directory and samples.jsonl from run_dir) plus WorkerConfig's computing knobs, so the
 # optimizer is ``trainer.optim`` as verl users type it. Fields, types and defaults are the
 # owners' own: a knob added to TrainerConfig or WorkerConfig appears here by itself.
-_FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_dir", "samples_path",
+_FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_dir", "samples_path", "transcripts_path",
                           "model_path", "pad_token_id", "stop_token_id", "seed"}
 _SECTION_DEFAULTS = {"micro_batch_size": 16, "groups_per_batch": 8}
 
@@ -345,7 +345,8 @@ class RunConfig:
         return self.trainer.groups_per_batch * self.trainer.require_batches
 
     def trainer_config(self, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None,
-                       samples_path: str | None = None, eos_token_id: int | None = None) -> TrainerConfig:
+                       samples_path: str | None = None, eos_token_id: int | None = None,
+                       transcripts_path: str | None = None) -> TrainerConfig:
         t = self.trainer
         # The engines run past EOS on a long-tail workload (`engine_kwargs`); what follows it is not trained.
         stop = eos_token_id if self.data.long_tail > 1 else None
@@ -355,7 +356,8 @@ class RunConfig:
                 if f.name not in _FROM_PLACEMENT_OR_RUN}
         return TrainerConfig(worker=worker, world_size=self.trainer_world_size,
                              gpus_per_rank=1.0 if self.placement.trainer_gpus else 0.0,
-                             checkpoint_dir=checkpoint_dir, samples_path=samples_path, **loop)
+                             checkpoint_dir=checkpoint_dir, samples_path=samples_path,
+                             transcripts_path=transcripts_path, **loop)
 
     @property
     def workers_per_engine(self) -> int:

@@ -269,7 +269,8 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         net = addresses(cfg, plan)
         pad_id, eos_id = _special_token_ids(model_path)
         tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=pad_id, eos_token_id=eos_id,
-                                  checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"))
+                                  checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"),
+                                  transcripts_path=str(run_dir / "transcripts.jsonl") if cfg.rollout.agent.enabled else None)
         procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks],
                                           across_nodes=net.ranks_across_nodes)
         await _ready(engines_ready, plan.ready_timeout_s, "engine replicas")

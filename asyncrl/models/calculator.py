@@ -55,8 +55,10 @@ class CalculatorWarmStartConfig:
     """Conversations per step."""
     lr: float = 3e-3
     """AdamW learning rate (constant)."""
-    tool_rate: float = 0.3
-    """Fraction of supervised conversations that call the calculator (the rest answer directly)."""
+    tool_rate: float = 0.45
+    """Fraction of the mixture's conversations that call the calculator (the rest answer directly).
+    Sampled at T=1 the model then calls it on ~1/3 of its answers (0.3 gave 0.16 and a sampled
+    reward of 0.15; 0.45 gives 0.34 and 0.32)."""
     copy_batch: int = 64
     """More tool-calling conversations per step, with their first token out of the loss: they
     teach the call's format and copying the result without moving how often the tool is called."""

@@ -54,6 +54,28 @@ def dropped(group: Group, step: int, reason: str) -> SampleRecord:
             **_per_trajectory(group)}
 
 
+def append_transcripts(path: str | os.PathLike, groups: Iterable[Group], step: int) -> int:
+    """Append the first trajectory of each group (an agent run's conversation) to
+    ``transcripts.jsonl``: ``{"sample_id", "index", "step", "reward", "turns",
+    "finish_reason", "prompt_ids", "response_ids", "loss_mask"}`` (``asyncrl.transcripts`` shows
+    them). Written when the step trains, not when it is durable: a step trained again after a
+    crash appears again. Returns the lines written."""
+    lines = []
+    for g in groups:
+        t = min(g.trajectories, key=lambda t: t.index, default=None)
+        if t is None:
+            continue
+        mask = t.loss_mask.tolist() if t.loss_mask is not None else [1] * len(t.response_ids)
+        lines.append(json.dumps({"sample_id": g.sample_id, "index": t.index, "step": step, "reward": t.reward,
+                                 "turns": t.turns, "finish_reason": t.finish_reason,
+                                 "prompt_ids": t.prompt_ids.tolist(), "response_ids": t.response_ids.tolist(),
+                                 "loss_mask": mask}) + "\n")
+    if lines:
+        with open(path, "a") as f:
+            f.write("".join(lines))
+    return len(lines)
+
+
 class SampleLog:
     """Appends records to one ``samples.jsonl`` and repairs it at resume."""
 

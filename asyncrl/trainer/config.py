@@ -146,6 +146,11 @@ class TrainerConfig:
     samples_path: str | None = None
     """Where the audit trail goes (``<run_dir>/samples.jsonl``: one line per trained or dropped
     group, written once its step is durable); None writes none."""
+    transcripts_path: str | None = None
+    """Where an agent run's conversations go (``<run_dir>/transcripts.jsonl``: the first
+    trajectory of every trained group, token ids and loss mask, at its step; read them with
+    ``python -m asyncrl.transcripts RUN_DIR``); None: nothing is written (the launcher sets it for
+    agent runs only)."""
     rank_start_timeout_s: float = 300.0
     """Deadline for every rank to load the model and join the process group."""
     step_timeout_s: float = 1800.0

@@ -263,6 +263,8 @@ class Trainer:
         self.committed.update(ids)
         self._unacked.extend(ids)
         self._records.extend(audit.trained(groups, self.step))
+        if cfg.transcripts_path is not None:
+            audit.append_transcripts(cfg.transcripts_path, groups, self.step)
         t_trained = time.perf_counter()
         if self.syncer is not None and self.step % cfg.trigger_parameter_sync_step == 0:
             self.sync_due = True  # until it finishes: a checkpoint after a failed sync says so

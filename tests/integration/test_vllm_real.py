@@ -200,6 +200,20 @@ async def test_sampled_and_greedy_logprobs_equal_the_trainers_recompute(served):
 
 
 @on_module_loop
+async def test_seeded_requests_past_one_steps_token_budget_are_served_whole(served):
+    """Seeded prompts of more tokens together than one step takes (2048): vLLM's CPU build died
+    rewinding a seeded generator after a prompt split over two steps ("CPU Generator does not use
+    offset"); with whole prompts only (`VLLMEngineConfig.engine_args`) every one is served."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 50, size=120).tolist() for _ in range(24)]  # 2,880 prompt tokens
+    reqs = [_req(f"long{i}", p, 4, seed=100 + i) for i, p in enumerate(prompts)]
+    results = await asyncio.gather(*(served.actor.generate(r) for r in reqs))
+    assert all(res.finish_reason == "length" and len(res.response_ids) == 4 for res in results)
+    for p, res in list(zip(prompts, results))[:3]:
+        np.testing.assert_allclose(res.logprobs, _recompute(served.trainer, p, res.response_ids), atol=1e-4)
+
+
+@on_module_loop
 async def test_keep_through_an_update_continues_with_the_new_weights(served):
     actor, engine, v0 = served.actor, served.engine, served.engine.version
     tasks = [served.start(_req(f"k{i}", PROMPT, 150, seed=10 + i)) for i in range(4)]

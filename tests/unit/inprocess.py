@@ -47,10 +47,11 @@ class NotifyingSyncer:
         return version
 
 
-async def train_steps(tcfg, rcfg, engine, prompts, reward, steps: int, *, serving=None, step_timeout_s: float = 120):
+async def train_steps(tcfg, rcfg, engine, prompts, reward, steps: int, *, serving=None, step_timeout_s: float = 120,
+                      agent=None):
     """``steps`` train steps of a Trainer (one local rank) fed by a Rollouter over ``engine``
-    (``serving``: what the Rollouter calls instead, e.g. a wrapper of it); the engine and the rank
-    are closed after. Returns (the steps' results, the Rollouter, the Trainer, the stream)."""
+    (``serving``: what the Rollouter calls instead, e.g. a wrapper of it; ``agent``: the Rollouter's
+    agent loop, `build_agent`); the engine and the rank are closed after. Returns (the steps' results, the Rollouter, the Trainer, the stream)."""
     from asyncrl.rollouter.rollouter import Rollouter
     from asyncrl.sync.inprocess import InProcessSyncer
     from asyncrl.trainer.ranks import RankGroup
@@ -58,7 +59,7 @@ async def train_steps(tcfg, rcfg, engine, prompts, reward, steps: int, *, servin
 
     stream = QueueStream()
     ranks = RankGroup.start_local(tcfg)
-    rollouter = Rollouter(rcfg, [serving or engine], stream, prompts, reward)
+    rollouter = Rollouter(rcfg, [serving or engine], stream, prompts, reward, agent=agent)
     trainer = Trainer(tcfg, ranks, stream, NotifyingSyncer(InProcessSyncer(ranks, [engine]), rollouter),
                       on_dropped=rollouter.on_dropped)
     feed = asyncio.create_task(rollouter.run())
