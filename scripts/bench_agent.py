@@ -12,7 +12,9 @@ the modes of one (seed, repeat) run back to back in alternating order, each rati
 the per-pair ratios with min and max. JSON last line: ``sync_s``, ``sync_partial_s``, ``async_s``,
 ``speedup_async`` (sync / async, target >= 2.0), ``speedup_sync_partial`` (target >= 1.25),
 ``reward_{mode}`` and ``reward_gap_{mode}`` (|mode - sync| end reward, target <= 0.05),
-``tool_calls_per_s`` (async), ``turns_mean`` per mode, ``load_1m``.
+``tool_calls_per_s`` (async), ``turn_prefill_tokens_per_turn`` and ``turn_prompt_tokens_per_turn``
+(async: prompt tokens a turn's request computed, against those it carried; equal means the
+conversation so far was prefilled again), ``turns_mean`` per mode, ``load_1m``.
 
     python scripts/bench_agent.py --json                  # seeds 0 1 2, 30 steps, one repeat
     python scripts/bench_agent.py --seeds 0 --steps 12    # a quick look
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     bench_e2e.RATIOS = TARGETS
     turns: dict[str, list[float]] = {m: [] for m in args.modes}
     tool_rate: list[float] = []
+    prefill: dict[str, list[float]] = {"prefill": [], "prompt": []}
     run_mode = bench_e2e.run_mode
 
     def run_and_count(a, mode, seed, run_dir):
@@ -79,6 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
             if mode == "async":
                 calls = sum((x["agent/turns_mean"] - 1) * x["groups"] * a.n for x in rows)
                 tool_rate.append(calls / r["time_s"])
+                # Each turn is one engine call: the engine's per-call means are per turn here.
+                for key in ("prefill", "prompt"):
+                    got = [x[f"engine/{key}_tokens_per_group"] for x in rows if f"engine/{key}_tokens_per_group" in x]
+                    if got:
+                        prefill[key].append(statistics.mean(got))
         return r
 
     bench_e2e.run_mode = run_and_count
@@ -92,6 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
             out[f"turns_mean_{m}"] = statistics.mean(turns[m])
     if tool_rate:
         out["tool_calls_per_s"] = statistics.median(tool_rate)
+    if prefill["prefill"]:
+        out["turn_prefill_tokens_per_turn"] = statistics.median(prefill["prefill"])
+        out["turn_prompt_tokens_per_turn"] = statistics.median(prefill["prompt"])
     verdicts = [f"{name} {out[name]:.2f}x (target >= {target}: {'met' if out[name] >= target else 'missed'})"
                 for name, (_, _, target) in TARGETS.items() if name in out]
     verdicts += [f"reward gap {m} {out[f'reward_gap_{m}']:.3f} (target <= {REWARD_GAP}: "

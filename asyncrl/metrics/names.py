@@ -105,7 +105,10 @@ NAMES: dict[str, tuple[str, str]] = {
     "train/reward_mean": (T, "mean reward of the step's responses"),
     "agent/turns_mean": (T, "model turns per conversation in the step (agent loops only)"),
     "agent/turns_max": (T, "most model turns of one conversation in the step (agent loops only)"),
-    "agent/tool_calls_per_turn": (T, "tool calls per model turn an env answered during the step (Rollouter)"),
+    "agent/step_turns": (T, "model turns an env answered during the step (Rollouter)"),
+    "agent/step_tool_calls": (T, "tool calls the envs made during the step (Rollouter)"),
+    "agent/tool_calls_per_turn": (T, "agent/step_tool_calls / agent/step_turns (noisy step to step: a step's window may hold "
+                                     "mostly first turns or mostly last ones; over several steps, divide the sums)"),
     "agent/tool_errors_per_call": (T, "share of the step's tool calls that ended in an error observation (Rollouter)"),
     "agent/env_step_s_per_turn": (T, "seconds in Env.step (tool calls included) per turn answered during the step"),
     "train/loss": (T, "policy loss"),

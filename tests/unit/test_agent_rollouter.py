@@ -129,6 +129,7 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
                                   {**stats, "waiting_partials": 0, "gate_blocked_s": 0, "credit_blocked_s": 0,
                                    "idle_s": 0, "truncated": 0, "resumed": 0, "timed_out": 0})
     assert step["agent/tool_calls_per_turn"] == stats["agent_tool_calls"] / (stats["agent_turns"] - 1)
+    assert step["agent/step_turns"] == stats["agent_turns"] - 1 and step["agent/step_tool_calls"] == stats["agent_tool_calls"]
     assert step["agent/tool_errors_per_call"] == 0 and step["agent/env_step_s_per_turn"] > 0
     # Turns after the first prefill only their new tokens: the engine kept the session's KV (all but
     # the last sampled token of the turn before, which was never fed), on unchanged weights.
