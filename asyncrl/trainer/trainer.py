@@ -306,12 +306,14 @@ class Trainer:
             raise RuntimeError(f"no checkpoint: {self.broken}")
         root = self.cfg.checkpoint_dir
         staged = checkpoint.staging_path(root, self.step)
+        # The Rollouter's snapshot first: taken after the ranks' save, it missed more of the truncated
+        # responses that the sync had just released, resumed and finished meanwhile (nothing is
+        # lost either way: a response not in it is generated again after a resume).
+        rollouter_state = await maybe_await(self.rollouter_state()) if self.rollouter_state else {}
         await self.ranks.call("save_checkpoint", timeout=self.cfg.step_timeout_s, path=str(staged))
         state = checkpoint.TrainerState(
             step=self.step, version=self.version, committed=self.committed.to_json(), dropped=self.dropped,
-            records=list(self._records),
-            rollouter_state=await maybe_await(self.rollouter_state()) if self.rollouter_state else {},
-            sync_due=self.sync_due,
+            records=list(self._records), rollouter_state=rollouter_state, sync_due=self.sync_due,
         )
         checkpoint.publish(root, staged, state)
         self._durable = self.committed.copy()

@@ -108,13 +108,17 @@ def test_sync_partial_rollout_from_the_launcher_ends_each_step_at_its_groups_and
     assert all(r.get("dropped_incomplete", 0) == 0 for r in rows)
 
     # The final checkpoint keeps the partial buffer (the last round's long tail, truncated when
-    # step 6 had its groups); a resume continues those responses from their parts.
+    # step 6 had its groups); a resume continues those responses from their parts. The sync after
+    # step 6 releases them before the checkpoint, so on a loaded machine every one may have been
+    # resumed and finished before its snapshot (seen once, in a full-suite run at load 18): then their
+    # groups are generated again whole, and only the exactly-once checks below apply.
     ckpt = run_dir / "checkpoints"
     feed = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "trainer_state.json").read_text())["rollouter_state"]
     saved = sum(len(responses) for responses in feed["partials"].values())
-    assert saved > 0, feed
+    assert saved > 0 or feed["in_flight"], feed
     out = run_launch("--resume", run_dir, "--steps", "8", timeout=360)
-    assert f"{saved} truncated responses go on from their saved parts" in out, out[-3000:]
+    if saved:
+        assert f"{saved} truncated responses go on from their saved parts" in out, out[-3000:]
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     ids = [r["sample_id"] for r in records if r["status"] == "trained"]
     assert len(ids) == 32 == len(set(ids))
