@@ -1,4 +1,6 @@
-"""Built-in verifiable tasks: the addition task (`asyncrl.tasks.arithmetic`)."""
+"""Built-in verifiable tasks: the addition task (`asyncrl.tasks.arithmetic`, exported here) and the
+calculator tool-use task (`asyncrl.tasks.calculator`, ``--task calculator``: import it by name;
+it needs `asyncrl.agent`)."""
 
 from asyncrl.tasks.arithmetic import (
     ArithmeticTaskConfig,
