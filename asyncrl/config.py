@@ -706,8 +706,6 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
     if cfg.data.task != "arithmetic" and cfg.data.train is not None:
         raise ConfigError(f"{named('data.task')}={cfg.data.task} is a built-in task; it does not apply with "
                           f"{named('data.train')}={cfg.data.train} (remove one)")
-    if cfg.data.task == "calculator" and cfg.data.long_tail > 1:
-        raise ConfigError(f"{named('data.long_tail')} is a workload of the addition task, not of {named('data.task')}=calculator")
     if cfg.data.long_tail > 1 and cfg.data.train is not None:
         raise ConfigError(f"{named('data.long_tail')}={cfg.data.long_tail} is a workload of the built-in task; "
                           f"remove it or {named('data.train')}")

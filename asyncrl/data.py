@@ -30,10 +30,8 @@ from typing import Any
 
 import numpy as np
 
-BUILTIN_REWARD = "asyncrl.tasks.arithmetic:reward"
-"""The built-in task's reward, used when no dataset is given."""
-BUILTIN_REWARDS = {"arithmetic": BUILTIN_REWARD, "calculator": "asyncrl.tasks.calculator:reward"}
-"""Each built-in task's reward (``data.task``)."""
+BUILTIN_REWARDS = {"arithmetic": "asyncrl.tasks.arithmetic:reward", "calculator": "asyncrl.tasks.calculator:reward"}
+"""Each built-in task's reward (``data.task``), used when no dataset is given."""
 
 
 class DataError(ValueError):

@@ -20,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from asyncrl.models.calculator import CALCULATOR_MODEL_DIR, DEMO_SAMPLED_BAND, CalculatorWarmStartConfig, warm_start
+from asyncrl.models import CALCULATOR_MODEL_DIR
+from asyncrl.models.calculator import DEMO_SAMPLED_BAND, CalculatorWarmStartConfig, warm_start
 
 SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "chat_template.jinja", "warm_start.json")

@@ -14,25 +14,27 @@ from typing import Any
 
 #: The shipped warm-started model: a local Hugging Face model directory (package data).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "tiny_arith"
+#: The calculator task's shipped model (`asyncrl.models.calculator`).
+CALCULATOR_MODEL_DIR = Path(__file__).resolve().parent / "tiny_calc"
+_SHIPPED = {"arithmetic": (DEFAULT_MODEL_DIR, "scripts/make_default_model.py"),
+            "calculator": (CALCULATOR_MODEL_DIR, "scripts/make_calculator_model.py")}
+"""Each built-in task's model directory and the script that rebuilds it."""
 
 
 def default_model_path(task: str = "arithmetic") -> Path:
     """The shipped warm-started tiny model's directory of a built-in task (nothing is trained or
     downloaded): the addition demo's, or the calculator task's (`asyncrl.models.calculator`)."""
-    if task == "calculator":
-        from asyncrl.models.calculator import calculator_model_path
-
-        return calculator_model_path()
-    if task != "arithmetic":
-        raise ValueError(f"no built-in task {task!r} (arithmetic, calculator)")
+    if task not in _SHIPPED:
+        raise ValueError(f"no built-in task {task!r} ({', '.join(_SHIPPED)})")
+    path, script = _SHIPPED[task]
     missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json", "warm_start.json")
-               if not (DEFAULT_MODEL_DIR / f).is_file()]
+               if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(
-            f"the default model in {DEFAULT_MODEL_DIR} lacks {', '.join(missing)}: the package was installed "
-            "without its data; reinstall it, or rebuild the model with `python scripts/make_default_model.py`"
+            f"the {task} task's model in {path} lacks {', '.join(missing)}: the package was installed "
+            f"without its data; reinstall it, or rebuild the model with `python {script}`"
         )
-    return DEFAULT_MODEL_DIR
+    return path
 
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -60,4 +62,4 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-__all__ = ["DEFAULT_MODEL_DIR", "default_model_path", "load_tokenizer"]
+__all__ = ["CALCULATOR_MODEL_DIR", "DEFAULT_MODEL_DIR", "default_model_path", "load_tokenizer"]

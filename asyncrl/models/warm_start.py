@@ -103,15 +103,7 @@ def warm_start(path: str | os.PathLike, *, config: WarmStartConfig, task: Arithm
     rng = np.random.default_rng(config.seed)
     started = time.monotonic()
     for _ in range(config.steps):
-        ids, target_mask = _sft_batch(tok, task, config, rng)
-        logp = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
-        token_logp = logp.gather(2, ids[:, 1:, None])[..., 0]
-        mask = target_mask[:, 1:]
-        # Loss on the answer and its EOS only: the prompt is given, not learned.
-        loss = -(token_logp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        sft_step(model, opt, *_sft_batch(tok, task, config, rng), pad_id=tok.pad_token_id)
     model.eval()
     model.save_pretrained(path)
     rows = eval_rows(config, task)
@@ -145,9 +137,22 @@ def file_sha256(path: str | os.PathLike) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _sft_batch(tok, task: ArithmeticTaskConfig, config: WarmStartConfig, rng: np.random.Generator):
+def sft_step(model, opt, seqs: list[list[int]], masks: list[list[float]], *, pad_id: int) -> None:
+    """One optimizer step on ``seqs`` (right-padded with ``pad_id``): the mean negative log-likelihood
+    of the tokens whose ``masks`` entry is 1 (the answer, or a model turn: the prompt is given, not learned)."""
     import torch
 
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([m + [0.0] * (width - len(m)) for m in masks])[:, 1:]
+    token_logp = torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
+    loss = -(token_logp * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def _sft_batch(tok, task: ArithmeticTaskConfig, config: WarmStartConfig, rng: np.random.Generator):
     seqs, masks = [], []
     for _ in range(config.batch_size):
         prompt, answer = make_problem(rng, task)
@@ -157,10 +162,7 @@ def _sft_batch(tok, task: ArithmeticTaskConfig, config: WarmStartConfig, rng: np
         a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + a)
         masks.append([0.0] * len(p) + [1.0] * len(a))
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
-    mask = torch.tensor([m + [0.0] * (width - len(m)) for m in masks])
-    return ids, mask
+    return seqs, masks
 
 
 def evaluate_reward(model, tok, rows: list[dict], task: ArithmeticTaskConfig, temperature: float | None, seed=0):

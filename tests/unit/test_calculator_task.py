@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.models import default_model_path, load_tokenizer
+from asyncrl.models import CALCULATOR_MODEL_DIR, default_model_path, load_tokenizer
 from asyncrl.models.calculator import (
-    CALCULATOR_MODEL_DIR,
     DEMO_SAMPLED_BAND,
     MAX_CONTEXT_TOKENS,
     conversation,
