@@ -521,6 +521,7 @@ async def test_a_conversation_in_flight_at_a_checkpoint_is_generated_again_from_
     from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
     from asyncrl.types import CommittedSet
     from tests.unit import agent_envs
+    from tests.unit.inprocess import snapshot_in_tool_call
 
     prompts = [Prompt(text="c0", prompt_ids=np.asarray([1, 6, 8, 10], dtype=np.int64))]
     gated = build_agent(AgentConfig(loop="tests.unit.agent_envs:GatedThreeTurns"), None)
@@ -528,13 +529,7 @@ async def test_a_conversation_in_flight_at_a_checkpoint_is_generated_again_from_
     agent_envs.GatedThreeTurns.called, agent_envs.GatedThreeTurns.go = asyncio.Event(), asyncio.Event()
     cfg = RolloutConfig(n=1, max_tokens=8, groups_per_sync=100, seed=5)
     try:
-        first = Rollouter(cfg, [served.actor], MemorySink(), prompts, lambda p, ids: 0.0, agent=gated)
-        task = asyncio.create_task(first.run(num_groups=1))
-        await asyncio.wait_for(agent_envs.GatedThreeTurns.called.wait(), 60)  # in a tool call, after turn 0
-        saved = first.snapshot()  # the checkpoint
-        await first.stop()
-        await asyncio.wait_for(task, 30)
-        assert saved["in_flight"] == ["sample_0_0"] and saved["partials"] == {} and first.producer.groups == []
+        saved = await snapshot_in_tool_call(cfg, served.actor, prompts, gated, agent_envs.GatedThreeTurns.called)
         before = served.engine.stats()["requests"]
         state = RolloutState.resume(saved, CommittedSet(), 0, rows=1)
         again = Rollouter(cfg, [served.actor], MemorySink(), prompts, lambda p, ids: 0.0, state=state, agent=plain)

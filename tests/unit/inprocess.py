@@ -71,3 +71,20 @@ async def train_steps(tcfg, rcfg, engine, prompts, reward, steps: int, *, servin
         await engine.close()
         ranks.close()
     return results, rollouter, trainer, stream
+
+
+async def snapshot_in_tool_call(cfg, engine, prompts, agent, called: asyncio.Event) -> dict:
+    """Run one group on ``engine`` until ``called`` is set (its env waits in a tool call after turn
+    0), take the snapshot a checkpoint takes and stop the Rollouter. The snapshot lists the
+    conversation in flight with no saved parts, and nothing was sent; returns it."""
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.rollouter import Rollouter
+
+    first = Rollouter(cfg, [engine], MemorySink(), prompts, lambda p, ids: 0.0, agent=agent)
+    task = asyncio.create_task(first.run(num_groups=1))
+    await asyncio.wait_for(called.wait(), 60)
+    saved = first.snapshot()  # the checkpoint
+    await first.stop()
+    await asyncio.wait_for(task, 30)
+    assert saved["in_flight"] == ["sample_0_0"] and saved["partials"] == {} and first.producer.groups == []
+    return saved

@@ -307,19 +307,14 @@ async def test_an_engine_error_in_a_turn_fails_the_group_as_the_engines_not_the_
 async def test_a_conversation_in_flight_at_a_checkpoint_is_generated_again_from_its_start(model_path, tok):
     from asyncrl.rollouter.rollouter import RolloutState
     from asyncrl.types import CommittedSet
+    from tests.unit.inprocess import snapshot_in_tool_call
 
     engine = SpyEngine(kind="torch", model_path=str(model_path))
     gated, plain = env_agent(tok, "GatedLookupEnv"), env_agent(tok, "LookupEnv")
     agent_envs.GatedLookupEnv.called, agent_envs.GatedLookupEnv.go = asyncio.Event(), asyncio.Event()
     cfg = RolloutConfig(n=1, max_tokens=8, groups_per_sync=100, seed=5)
     try:
-        first = Rollouter(cfg, [engine], MemorySink(), prompts(tok, QUESTION), lambda p, ids: 0.0, agent=gated)
-        task = asyncio.create_task(first.run(num_groups=1))
-        await asyncio.wait_for(agent_envs.GatedLookupEnv.called.wait(), 60)  # in a tool call, after turn 0
-        saved = first.snapshot()  # the checkpoint
-        await first.stop()
-        await asyncio.wait_for(task, 30)
-        assert saved["in_flight"] == ["sample_0_0"] and saved["partials"] == {} and first.producer.groups == []
+        saved = await snapshot_in_tool_call(cfg, engine, prompts(tok, QUESTION), gated, agent_envs.GatedLookupEnv.called)
         before = list(engine.requests)
         state = RolloutState.resume(saved, CommittedSet(), 0, rows=1)
         again = Rollouter(cfg, [engine], MemorySink(), prompts(tok, QUESTION), lambda p, ids: 0.0, state=state,
