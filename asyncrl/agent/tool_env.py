@@ -71,7 +71,8 @@ class ToolRunner:
                 loop = asyncio.get_running_loop()
                 work = loop.run_in_executor(self._pool, functools.partial(t.fn, *bound.args, **bound.kwargs))
             try:
-                value = await asyncio.wait_for(work, timeout)
+                async with asyncio.timeout(timeout):  # in this task (wait_for would start one per call)
+                    value = await work
             except TimeoutError:
                 raise ToolCallError(f"tool {t.name!r} timed out after {timeout:g} s (tool_timeout_s)") from None
             except Exception as e:  # noqa: BLE001 - the tool's failure is the model's observation

@@ -74,6 +74,14 @@ class EngineActor:
                              batch_s: float | None = 0.0) -> AsyncIterator[list[tuple[int, GenerateResult | Exception]]]:
         """Several requests at once; yields ``[(i, result or the exception it raised), ...]`` as they
         end, those that end within ``batch_s`` of a batch's first together (None: all in one batch)."""
+        if len(requests) == 1:  # (an agent turn, a resumed response): no task, no wait
+            try:
+                outcome = await self._generate(requests[0], truncatable)
+            except Exception as exc:  # noqa: BLE001 - handed back as the request's outcome, as below
+                outcome = exc
+            self._count(requests, [outcome])
+            yield [(0, outcome)]
+            return
         tasks = {asyncio.ensure_future(self._generate(r, truncatable)): i for i, r in enumerate(requests)}
         pending, outcomes = set(tasks), []
         try:

@@ -132,24 +132,23 @@ class EnginePool:
                     if keys[j] in left:
                         done(keys[j], outcome)
 
-        task = asyncio.ensure_future(consume())
+        deadline = _Deadline(self, asyncio.current_task())
         try:
-            start = self.active_time()
-            while not task.done():
-                remaining = self.timeout_s - (self.active_time() - start)
-                if remaining <= 0:
-                    running = [k for k in keys if k in left]
-                    error = TimeoutError(f"no result within request_timeout_s={self.timeout_s} (time paused for "
-                                         f"weight syncs not counted); aborted on engine replica {e} with the rest "
-                                         "of its call")
-                    for k in running:  # failed first: what the abort hands back is not delivered
-                        done(k, error)
-                    await self._time_out(e, [requests[k].request_id for k in running])
-                    return
-                await asyncio.wait({task}, timeout=remaining)  # re-armed while a pause stops the clock
-            task.result()
+            await consume()
+            if deadline.expired:  # its cancel came too late to stop the call: not a timeout
+                deadline.task.uncancel()
+        except asyncio.CancelledError:
+            if not deadline.expired or deadline.task.uncancel() > 0:  # a cancel from outside, not the deadline
+                raise
+            running = [k for k in keys if k in left]
+            error = TimeoutError(f"no result within request_timeout_s={self.timeout_s} (time paused for "
+                                 f"weight syncs not counted); aborted on engine replica {e} with the rest "
+                                 "of its call")
+            for k in running:  # failed first: what the abort hands back is not delivered
+                done(k, error)
+            await self._time_out(e, [requests[k].request_id for k in running])
         finally:
-            task.cancel()
+            deadline.cancel()
             self._exit(e, [requests[k].request_id for k in left], call_ended=True)
 
     async def _time_out(self, e: int, running: list[str]) -> None:
@@ -226,6 +225,32 @@ class EnginePool:
         self.load[e] -= len(ids)
         for rid in ids:
             self._in_flight.pop(rid, None)
+
+
+class _Deadline:
+    """A call's deadline: past ``pool.timeout_s`` of the pool's active time it cancels ``task``
+    (``expired`` tells that cancel from others); re-armed while a weight-sync pause stops that
+    clock. A timer handle, not a task or a wait per call; `cancel` leaves no reference cycle."""
+
+    __slots__ = ("pool", "task", "start", "expired", "_handle")
+
+    def __init__(self, pool: EnginePool, task: asyncio.Task):
+        self.pool, self.task, self.expired = pool, task, False
+        self.start = pool.active_time()
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(pool.timeout_s, self._check)
+
+    def _check(self) -> None:
+        remaining = self.pool.timeout_s - (self.pool.active_time() - self.start)
+        if remaining > 0:
+            self._handle = asyncio.get_running_loop().call_later(remaining, self._check)
+        else:
+            self.expired = True
+            self.task.cancel()
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 async def _at_once(engine: Any, requests: list[GenerateRequest], truncatable: bool) -> AsyncIterator[list]:
