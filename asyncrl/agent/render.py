@@ -17,7 +17,8 @@ Rendering runs on the Rollouter's event loop once per turn, so its costs are kep
 template where that is exact: the markers around a one-message observation are rendered once
 per message shape (role, tool name) and the text put between them (only for templates shown, at start, to insert a text
 verbatim); an opening rendered for one prompt is kept for the next sample of its group; text is
-encoded by the fast tokenizer's backend (checked at start to give the tokenizer's own ids).
+encoded by the fast tokenizer's backend (checked at start to give the tokenizer's own ids), the
+text between its added tokens once per distinct piece where that is exact (`SegmentEncoder`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections import OrderedDict
 from typing import Any
 
 from asyncrl.agent.base import Message
+from asyncrl.agent.segments import SegmentEncoder
 
 _SENTINEL = "\u2063asyncrl-turn\u2063"  # invisible separators: text no template rewrites
 _SLOT = "\u2063asyncrl-text\u2063"
@@ -88,7 +90,10 @@ class ChatRenderer:
             return backend.encode(text, add_special_tokens=False).ids
 
         probe = self._head + "\n" + _PROBE + " 12 + 30 = 42"
-        return fast if fast(probe) == slow(probe) else slow
+        if fast(probe) != slow(probe):
+            return slow
+        pieces = SegmentEncoder(backend) if hasattr(backend, "get_added_tokens_decoder") else None
+        return pieces if pieces is not None and pieces.exact and pieces(probe) == fast(probe) else fast
 
     @staticmethod
     def _base() -> list[Message]:
