@@ -613,9 +613,11 @@ def agent_main(args: argparse.Namespace) -> dict:
     """``--agent``: many conversations at once (`bench_scale_agent`)."""
     print(f"bench_scale --agent: {args.agent_conversations} conversations at once, {args.agent_turns} turns each, "
           f"n={args.agent_n}, {args.agent_replicas} simulated replicas in process ({args.max_running} slots x "
-          f"{args.tokens_per_s:g} tokens/s), tool latency median {args.tool_median_s:g} s p99 {args.tool_p99_s:g} s; "
+          f"{args.tokens_per_s:g} tokens/s), tool latency median {args.tool_median_s:g} s p99 {args.tool_p99_s:g} s, event "
+          f"loop {bench_scale_agent.event_loop(args.event_loop)}; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-    result = asyncio.run(bench_scale_agent.agent_run(args))
+    loop_name = bench_scale_agent.event_loop(args.event_loop)
+    result = {**bench_scale_agent.run_on(loop_name, bench_scale_agent.agent_run(args)), "event_loop": loop_name}
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
     print(bench_scale_agent.report(result), flush=True)
     if args.json:

@@ -44,7 +44,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--agent: many conversations at once")
     g.add_argument("--agent", action="store_true", help="run the agent-loop scale bench instead of the replica sizes")
     g.add_argument("--agent-conversations", type=int, default=1000, help="conversations in flight at once")
-    g.add_argument("--agent-rounds", type=float, default=2.0, help="conversations admitted in all, in units of the above")
+    g.add_argument("--agent-rounds", type=float, default=4.0, help="conversations admitted in all, in units of the above")
     g.add_argument("--agent-n", type=int, default=1,
                    help="conversations per prompt (1: each its own group, so every one in flight is live; with more, "
                         "a group holds its slot until its slowest conversation ends)")
@@ -52,8 +52,33 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--agent-replicas", type=int, default=32, help="simulated replicas (in this process)")
     g.add_argument("--tool-median-s", type=float, default=0.2, help="tool latency: the log-normal's median")
     g.add_argument("--tool-p99-s", type=float, default=2.0, help="tool latency: the log-normal's p99")
+    g.add_argument("--event-loop", choices=("ray", "uvloop", "asyncio"), default="ray",
+                   help="the Rollouter's event loop: 'ray' the one a Ray actor gets (uvloop where it is installed, "
+                        "unless RAY_USE_UVLOOP=0), or the one named")
     g.add_argument("--prefill-tokens-per-s", type=float, default=320000.0,
                    help="a simulated replica's prefill speed for one request (0: prefill takes no time)")
+
+
+def event_loop(choice: str) -> str:
+    """The event loop ``--event-loop`` names: ``"uvloop"`` or ``"asyncio"``. In a run the Rollouter
+    is a Ray actor, and Ray's workers run asyncio on uvloop when it is installed (asyncrl depends
+    on it) unless ``RAY_USE_UVLOOP`` is false, so ``"ray"`` measures the loop the Rollouter has."""
+    if choice != "ray":
+        return choice
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "asyncio" if os.environ.get("RAY_USE_UVLOOP", "1").lower() in ("0", "false", "no") else "uvloop"
+
+
+def run_on(loop_name: str, coro):
+    """``asyncio.run(coro)`` on the named event loop."""
+    if loop_name == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
 
 
 class ToolLatency:
@@ -139,6 +164,8 @@ class GcPauses:
         self.pauses: list[float] = []
         self.oldest: list[float] = []
         """Those of full collections (generation 2)."""
+        self.garbage = 0
+        """Objects the collector freed: garbage in reference cycles, which refcounting leaves to it."""
         self._t0 = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -146,6 +173,7 @@ class GcPauses:
             self._t0 = time.perf_counter()
         else:
             self.pauses.append(time.perf_counter() - self._t0)
+            self.garbage += info["collected"]
             if info["generation"] == 2:
                 self.oldest.append(self.pauses[-1])
 
@@ -236,6 +264,7 @@ async def agent_run(args: argparse.Namespace) -> dict:
             except TimeoutError:
                 break
         await run  # returns once every admitted group ended
+        gc.collect()  # what the run left in reference cycles (counted in gc_garbage)
         wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
         stats = [await e.stats() for e in engines]
     finally:
@@ -262,7 +291,7 @@ async def agent_run(args: argparse.Namespace) -> dict:
         "prefill_tokens_per_turn": sum(s["prefill_tokens"] for s in stats) / max(turn_requests, 1),
         "session_tokens_reused_per_turn": sum(s["session_tokens_reused"] for s in stats) / max(turn_requests, 1),
         "gc_pauses": len(gc_pauses.pauses), "gc_pause_max_ms": 1e3 * max(gc_pauses.pauses, default=0.0),
-        "gc_pause_total_ms": 1e3 * sum(gc_pauses.pauses), "gc_full": len(gc_pauses.oldest),
+        "gc_pause_total_ms": 1e3 * sum(gc_pauses.pauses), "gc_garbage": gc_pauses.garbage, "gc_full": len(gc_pauses.oldest),
         "gc_full_max_ms": 1e3 * max(gc_pauses.oldest, default=0.0), "cpu_util": cpu / wall, "wall_s": wall, "replicas": args.agent_replicas, "load_avg_1m": os.getloadavg()[0],
     }
 
