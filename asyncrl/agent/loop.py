@@ -58,7 +58,6 @@ class _Episode:
     """The growing trajectory of one `EnvLoop.run`."""
 
     prompt_ids: list[int]
-    ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -67,19 +66,24 @@ class _Episode:
     tool_errors: int = 0
     reward: float | None = None
     final_text: str = ""
+    context: np.ndarray = field(init=False)
+    """The prompt and everything after it, as the next turn's request sends it."""
+
+    def __post_init__(self) -> None:
+        self.context = np.asarray(self.prompt_ids, np.int64)
 
     def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.ids)
+        return len(self.context)
 
     def add_turn(self, turn: Turn) -> None:
-        self.ids += turn.token_ids.tolist()
+        self.context = np.concatenate((self.context, np.asarray(turn.token_ids, np.int64)))
         self.mask += [1] * len(turn.token_ids)
         self.logprobs += turn.logprobs.tolist()
         self.versions += turn.versions.tolist()
         self.turns += 1
 
     def add_observation(self, ids: list[int]) -> None:
-        self.ids += ids
+        self.context = np.concatenate((self.context, np.asarray(ids, np.int64)))
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [OBSERVATION_VERSION] * len(ids)
@@ -92,7 +96,7 @@ class _Episode:
 
     def finish(self, reason: str) -> AgentTrajectory:
         return AgentTrajectory(
-            prompt_ids=np.asarray(self.prompt_ids, np.int64), response_ids=np.asarray(self.ids, np.int64),
+            prompt_ids=self.context[:len(self.prompt_ids)], response_ids=self.context[len(self.prompt_ids):],
             loss_mask=np.asarray(self.mask, np.uint8), logprobs=np.asarray(self.logprobs, np.float32),
             versions=np.asarray(self.versions, np.int64), finish_reason=reason, reward=self.reward,
             turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors, final_text=self.final_text)
@@ -134,7 +138,7 @@ class EnvLoop(AgentLoop):
             if room < 1:
                 return ep.finish("context")
             budget = min(cfg.max_tokens_per_turn, room)
-            turn = await llm.generate(np.asarray(ep.prompt_ids + ep.ids, np.int64), max_tokens=budget,
+            turn = await llm.generate(ep.context, max_tokens=budget,
                                       stop=self.renderer.stop_ids)
             ep.add_turn(turn)
             if turn.finish_reason != "stop":

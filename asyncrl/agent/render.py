@@ -65,6 +65,7 @@ class ChatRenderer:
         self._closing = head[cut + len(_SENTINEL):]
         """What closes an assistant turn after its text (ChatML: ``<|im_end|>\\n``)."""
         self.encode = self._pick_encoder()
+        self._decode = self._pick_decoder()
         closing_ids = self.encode(self._closing)
         self.stop_ids: tuple[int, ...] = tuple(closing_ids[:1])
         """The end-of-turn token the model writes (first token of the closing)."""
@@ -94,6 +95,21 @@ class ChatRenderer:
             return slow
         pieces = SegmentEncoder(backend) if hasattr(backend, "get_added_tokens_decoder") else None
         return pieces if pieces is not None and pieces.exact and pieces(probe) == fast(probe) else fast
+
+    def _pick_decoder(self):
+        """``ids -> text`` as ``tokenizer.decode(ids)``: the fast tokenizer's backend directly where it
+        gives the same text on the template's own ids, else the tokenizer."""
+        backend = getattr(self.tokenizer, "_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) else None
+        if backend is None or not hasattr(backend, "decode"):
+            return self.tokenizer.decode
+        probe = self.encode(self._head + "\n" + _PROBE + " 12 + 30 = 42")
+        try:
+            same = backend.decode(probe, skip_special_tokens=False) == self.tokenizer.decode(probe)
+        except Exception:  # noqa: BLE001 - a backend that decodes otherwise: the tokenizer's own decode
+            same = False
+        if not same:
+            return self.tokenizer.decode
+        return lambda ids: backend.decode(ids, skip_special_tokens=False)
 
     @staticmethod
     def _base() -> list[Message]:
@@ -163,7 +179,7 @@ class ChatRenderer:
         """The model turn's text, its end-of-turn marker stripped."""
         if turn_ids and turn_ids[-1] in self._stop_text:
             turn_ids = turn_ids[:-1]
-        return self.tokenizer.decode(turn_ids)
+        return self._decode(turn_ids)
 
 
 class PlainRenderer:
