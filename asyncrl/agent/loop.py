@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,40 +53,39 @@ class EnvLoopConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass
 class _Episode:
-    """The growing trajectory of one `EnvLoop.run`."""
+    """The growing trajectory of one `EnvLoop.run`. Its tokens and per-token fields are kept as
+    arrays (a list of Python ints per token is a container the garbage collector walks, for
+    each of a thousand live conversations, in every young collection)."""
 
-    prompt_ids: list[int]
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    reward: float | None = None
-    final_text: str = ""
-    context: np.ndarray = field(init=False)
-    """The prompt and everything after it, as the next turn's request sends it."""
-
-    def __post_init__(self) -> None:
-        self.context = np.asarray(self.prompt_ids, np.int64)
+    def __init__(self, prompt_ids: Any):
+        self.context = np.asarray(prompt_ids, np.int64)
+        """The prompt and everything after it, as the next turn's request sends it."""
+        self.n_prompt = len(self.context)
+        self._mask: list[np.ndarray] = []
+        self._logprobs: list[np.ndarray] = []
+        self._versions: list[np.ndarray] = []
+        self.turns = self.tool_calls = self.tool_errors = 0
+        self.reward: float | None = None
+        self.final_text = ""
 
     def __len__(self) -> int:
         return len(self.context)
 
     def add_turn(self, turn: Turn) -> None:
+        n = len(turn.token_ids)
         self.context = np.concatenate((self.context, np.asarray(turn.token_ids, np.int64)))
-        self.mask += [1] * len(turn.token_ids)
-        self.logprobs += turn.logprobs.tolist()
-        self.versions += turn.versions.tolist()
+        self._mask.append(np.ones(n, np.uint8))
+        self._logprobs.append(np.asarray(turn.logprobs, np.float32))
+        self._versions.append(np.asarray(turn.versions, np.int64))
         self.turns += 1
 
     def add_observation(self, ids: list[int]) -> None:
+        n = len(ids)
         self.context = np.concatenate((self.context, np.asarray(ids, np.int64)))
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [OBSERVATION_VERSION] * len(ids)
+        self._mask.append(np.zeros(n, np.uint8))
+        self._logprobs.append(np.zeros(n, np.float32))
+        self._versions.append(np.full(n, OBSERVATION_VERSION, np.int64))
 
     def record(self, step: Step) -> None:
         self.tool_calls += step.tool_calls
@@ -95,10 +94,13 @@ class _Episode:
             self.reward = float(step.reward)
 
     def finish(self, reason: str) -> AgentTrajectory:
+        def joined(parts: list[np.ndarray], dtype) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
         return AgentTrajectory(
-            prompt_ids=self.context[:len(self.prompt_ids)], response_ids=self.context[len(self.prompt_ids):],
-            loss_mask=np.asarray(self.mask, np.uint8), logprobs=np.asarray(self.logprobs, np.float32),
-            versions=np.asarray(self.versions, np.int64), finish_reason=reason, reward=self.reward,
+            prompt_ids=self.context[:self.n_prompt], response_ids=self.context[self.n_prompt:],
+            loss_mask=joined(self._mask, np.uint8), logprobs=joined(self._logprobs, np.float32),
+            versions=joined(self._versions, np.int64), finish_reason=reason, reward=self.reward,
             turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors, final_text=self.final_text)
 
 
@@ -126,7 +128,7 @@ class EnvLoop(AgentLoop):
         env = self.make_env()
         try:
             opening = await env.reset(prompt)
-            ep = _Episode(prompt_ids=self.renderer.prompt_ids(opening, getattr(env, "tools", ())))
+            ep = _Episode(self.renderer.prompt_ids(opening, getattr(env, "tools", ())))
             return await self._converse(env, ep, llm)
         finally:
             await env.close()
@@ -182,6 +184,6 @@ class SingleTurnLoop(AgentLoop):
             raise ValueError(f"SingleTurnLoop: the prompt needs 1-d, non-empty prompt_ids, got shape {ids.shape}")
         budget = getattr(prompt, "max_tokens", None) or self.max_tokens
         turn = await llm.generate(ids, max_tokens=budget, stop=self.stop)
-        ep = _Episode(prompt_ids=ids.tolist())
+        ep = _Episode(ids)
         ep.add_turn(turn)
         return ep.finish(turn.finish_reason)
