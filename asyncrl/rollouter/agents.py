@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from asyncrl.agent.base import Turn
 from asyncrl.calls import call
 from asyncrl.rollouter.config import AgentConfig
 from asyncrl.rollouter.partial import PartialResponse
@@ -47,7 +48,7 @@ from asyncrl.turns import to_trajectory
 from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
 
 if TYPE_CHECKING:
-    from asyncrl.agent import AgentLoop, Turn
+    from asyncrl.agent import AgentLoop
     from asyncrl.rollouter.feed import Prompt
     from asyncrl.rollouter.rollouter import Rollouter
 
@@ -133,8 +134,6 @@ class RolloutLLM:
         return self.session_id
 
     async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
-        from asyncrl.agent import Turn
-
         cfg, turn = self.r.cfg, self.turns
         self.turns += 1
         prompt_ids = np.asarray(token_ids, dtype=np.int64)
@@ -170,7 +169,8 @@ async def end_sessions(engine: Any, session_ids: list[str]) -> None:
     """``end_session`` on ``engine`` for each id; an engine that is gone took its KV with it."""
     for session_id in session_ids:
         try:
-            await asyncio.wait_for(call(engine, "end_session", session_id), 10.0)
+            async with asyncio.timeout(10.0):  # (in this task: wait_for would start one per session)
+                await call(engine, "end_session", session_id)
         except Exception as exc:  # noqa: BLE001 - the engine may be gone; its KV went with it
             log.debug("end_session(%s) failed: %r", session_id, exc)
 
@@ -194,8 +194,6 @@ class ValidationLLM:
         return self.session_id
 
     async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
-        from asyncrl.agent import Turn
-
         request = GenerateRequest(request_id=f"{self.base}/t{self.turns}", prompt_ids=np.asarray(token_ids, np.int64),
                                   max_tokens=max_tokens, session_id=self.session_id,
                                   sampling=SamplingParams(greedy=True, stop_token_ids=tuple(stop)))
