@@ -52,6 +52,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--agent-replicas", type=int, default=32, help="simulated replicas (in this process)")
     g.add_argument("--tool-median-s", type=float, default=0.2, help="tool latency: the log-normal's median")
     g.add_argument("--tool-p99-s", type=float, default=2.0, help="tool latency: the log-normal's p99")
+    g.add_argument("--agent-repeats", type=int, default=3,
+                   help="runs, one after another; the JSON carries each run's figures and their median (the machine "
+                        "swings more from run to run than one run can tell)")
     g.add_argument("--event-loop", choices=("ray", "uvloop", "asyncio"), default="ray",
                    help="the Rollouter's event loop: 'ray' the one a Ray actor gets (uvloop where it is installed, "
                         "unless RAY_USE_UVLOOP=0), or the one named")
@@ -294,6 +297,30 @@ async def agent_run(args: argparse.Namespace) -> dict:
         "gc_pause_total_ms": 1e3 * sum(gc_pauses.pauses), "gc_garbage": gc_pauses.garbage, "gc_full": len(gc_pauses.oldest),
         "gc_full_max_ms": 1e3 * max(gc_pauses.oldest, default=0.0), "cpu_util": cpu / wall, "wall_s": wall, "replicas": args.agent_replicas, "load_avg_1m": os.getloadavg()[0],
     }
+
+
+SUMMED = ("lost", "duplicated", "bad_turns", "failed", "gc_garbage")
+"""Counts over every run; the other figures are the runs' medians (see `combine`)."""
+PER_RUN = ("loop_lag_p50_ms", "loop_lag_p99_ms", "turn_req_s", "cpu_ms_per_turn", "gc_pause_max_ms", "load_avg_1m")
+
+
+def combine(results: list[dict]) -> dict:
+    """One JSON for several runs: each figure the median of the runs (counts of what went wrong
+    summed over them), ``runs`` the main figures of each, and the worst run's lag and rate."""
+    out = {}
+    for key, value in results[0].items():
+        values = [r[key] for r in results]
+        if key in SUMMED:
+            out[key] = sum(values)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(np.median(values)) if len(values) > 1 else value
+        else:
+            out[key] = value
+    out["repeats"] = len(results)
+    out["loop_lag_p99_ms_max"] = max(r["loop_lag_p99_ms"] for r in results)
+    out["turn_req_s_min"] = min(r["turn_req_s"] for r in results)
+    out["runs"] = [{k: r[k] for k in PER_RUN} for r in results]
+    return out
 
 
 def report(result: dict) -> str:

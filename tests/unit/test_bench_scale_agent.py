@@ -18,7 +18,7 @@ KEYS = {"agent_conversations", "loop_lag_p99_ms", "turn_req_s", "lost", "duplica
 
 @pytest.mark.timeout(120)
 def test_fifty_conversations_end_in_one_group_each_with_every_turn(capsys):
-    result = bench_scale.main(["--agent", "--json", "--agent-conversations", "48", "--agent-rounds", "2",
+    result = bench_scale.main(["--agent", "--json", "--agent-repeats", "2", "--agent-conversations", "48", "--agent-rounds", "2",
                                "--agent-replicas", "4", "--tool-median-s", "0.005", "--tool-p99-s", "0.02"])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
@@ -33,6 +33,11 @@ def test_fifty_conversations_end_in_one_group_each_with_every_turn(capsys):
     assert result["session_tokens_reused_per_turn"] > result["prefill_tokens_per_turn"] > 0
     # a conversation's turns leave nothing in reference cycles: the collector's pauses stay small at 1,000
     assert result["gc_garbage"] == 0 and result["event_loop"] in ("uvloop", "asyncio")
+    # two runs: each one's figures, their medians, the worst lag and the slowest rate
+    assert result["repeats"] == 2 and len(result["runs"]) == 2
+    assert result["loop_lag_p99_ms_max"] == max(r["loop_lag_p99_ms"] for r in result["runs"])
+    assert result["turn_req_s_min"] == min(r["turn_req_s"] for r in result["runs"]) <= result["turn_req_s"]
+    assert out.count("run 1/2:") == out.count("run 2/2:") == 1 and "median of 2 runs" in out
 
 
 def test_delivery_counts_lost_duplicated_and_short_conversations():
