@@ -100,9 +100,9 @@ class ChatRenderer:
         """``ids -> text`` as ``tokenizer.decode(ids)``: the fast tokenizer's backend directly where it
         gives the same text on the template's own ids, else the tokenizer."""
         backend = getattr(self.tokenizer, "_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) else None
-        if backend is None or not hasattr(backend, "decode"):
-            return self.tokenizer.decode
-        probe = self.encode(self._head + "\n" + _PROBE + " 12 + 30 = 42")
+        if backend is None or not hasattr(backend, "decode") or getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return self.tokenizer.decode  # (that clean-up rewrites " ." and " 's" after the backend)
+        probe = self.encode(self._head + "\n" + _PROBE + " 12 + 30 = 42 . , ! ? n't 'm 's 've 're ' x")
         try:
             same = backend.decode(probe, skip_special_tokens=False) == self.tokenizer.decode(probe)
         except Exception:  # noqa: BLE001 - a backend that decodes otherwise: the tokenizer's own decode

@@ -72,3 +72,19 @@ def test_checks_stop_after_the_first_texts():
     for _ in range(CHECKED + 10):
         enc("<|im_start|>user\nsame<|im_end|>")
     assert wholes.count("<|im_start|>user\nsame<|im_end|>") == CHECKED
+
+
+def test_the_renderer_decodes_a_turn_as_the_tokenizer_does():
+    from asyncrl.agent.render import ChatRenderer
+
+    tok = build_chat_tokenizer()
+    r = ChatRenderer(tok)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    rng = random.Random(2)
+    for text in _texts(300, seed=3):
+        ids = tok.encode(text, add_special_tokens=False)
+        ids = ids + [im_end] if rng.random() < 0.5 else ids
+        assert r.turn_text(ids) == tok.decode(ids[:-1] if ids and ids[-1] == im_end else ids)
+    cleaning = build_chat_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True  # a clean-up after the backend: the tokenizer's own decode
+    assert ChatRenderer(cleaning)._decode == cleaning.decode
