@@ -94,8 +94,10 @@ class AggregatorActor:
     async def _each(self, method: str, version: int, *args: Any) -> list:
         """``method(version, *args)`` on every replica; a dead or stuck replica is logged (its
         answer None), not waited for."""
-        calls = [asyncio.wait_for(call(e, method, version, *args), self.signal_timeout_s) for e in self.engines]
-        outs = await asyncio.gather(*calls, return_exceptions=True)
+        async def one(e: Any) -> Any:  # the call made only once its task runs: none left unawaited by a cancel
+            return await asyncio.wait_for(call(e, method, version, *args), self.signal_timeout_s)
+
+        outs = await asyncio.gather(*(one(e) for e in self.engines), return_exceptions=True)
         for i, out in enumerate(outs):
             if isinstance(out, BaseException):
                 log.warning("aggregator: replica %d did not take %s of round %d: %r", i, method, version, out)
