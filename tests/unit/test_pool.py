@@ -159,3 +159,28 @@ async def test_a_replica_started_again_is_sent_groups_again_and_the_in_flight_co
     finally:
         for a in (live, dying, fresh):
             await a.close()
+
+
+async def test_a_call_cancelled_from_outside_is_not_a_timeout():
+    """The deadline is a timer on the calling task: an outside cancel goes through as a cancel (no
+    abort, nothing counted timed out, the replica's load back to zero), and the pool serves the
+    next call."""
+    actor = SpyActor(max_running=8, tokens_per_s=4000.0, seed=0)
+    pool = EnginePool([actor], timeout_s=30.0)
+    try:
+        await actor.pause("keep")  # the request waits on the engine until cancelled
+        calls = GroupCalls(pool)
+        task = asyncio.create_task(calls.generate(_request("g/0"), False))
+        while pool.load[0] == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await calls.close()
+        assert pool.timed_out == 0 and actor.aborts == [] and pool.load == [0]
+        await actor.resume()
+        result, replica = await asyncio.wait_for(GroupCalls(pool).generate(_request("g/1"), False), 30)
+        assert replica == 0 and len(result.response_ids) > 0 and pool.load == [0] and pool.timed_out == 0
+    finally:
+        await actor.resume()
+        await actor.close()
