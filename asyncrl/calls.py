@@ -8,6 +8,7 @@ attribute has ``.remote``, else ``obj.method(...)``, awaited when it returns an 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +26,14 @@ async def call(target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     remote = getattr(fn, "remote", None)
     out = remote(*args, **kwargs) if remote is not None else fn(*args, **kwargs)
     return await out if inspect.isawaitable(out) else out
+
+
+async def call_within(target: Any, method: str, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
+    """`call` under a deadline: `TimeoutError` past ``timeout_s``. The call is made, and timed,
+    in the awaiting task (no task of its own per call), and only once that task runs: a
+    coroutine of this gathered and cancelled before it started leaves no call unawaited."""
+    async with asyncio.timeout(timeout_s):
+        return await call(target, method, *args, **kwargs)
 
 
 async def stream(target: Any, method: str, *args: Any) -> AsyncIterator[Any]:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.agent.base import Turn
-from asyncrl.calls import call
+from asyncrl.calls import call_within
 from asyncrl.rollouter.config import AgentConfig
 from asyncrl.rollouter.partial import PartialResponse
 from asyncrl.rollouter.pool import GroupCalls
@@ -169,8 +169,7 @@ async def end_sessions(engine: Any, session_ids: list[str]) -> None:
     """``end_session`` on ``engine`` for each id; an engine that is gone took its KV with it."""
     for session_id in session_ids:
         try:
-            async with asyncio.timeout(10.0):  # (in this task: wait_for would start one per session)
-                await call(engine, "end_session", session_id)
+            await call_within(engine, "end_session", 10.0, session_id)
         except Exception as exc:  # noqa: BLE001 - the engine may be gone; its KV went with it
             log.debug("end_session(%s) failed: %r", session_id, exc)
 
@@ -198,7 +197,7 @@ class ValidationLLM:
                                   max_tokens=max_tokens, session_id=self.session_id,
                                   sampling=SamplingParams(greedy=True, stop_token_ids=tuple(stop)))
         self.turns += 1
-        result = await asyncio.wait_for(call(self.engine, "generate", request), self.timeout_s)
+        result = await call_within(self.engine, "generate", self.timeout_s, request)
         return Turn(result.response_ids, result.logprobs, result.versions, result.finish_reason)
 
 

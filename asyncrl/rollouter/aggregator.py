@@ -27,7 +27,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asyncrl.calls import call
+from asyncrl.calls import call_within
 
 log = logging.getLogger("asyncrl.rollouter.aggregator")
 
@@ -94,10 +94,8 @@ class AggregatorActor:
     async def _each(self, method: str, version: int, *args: Any) -> list:
         """``method(version, *args)`` on every replica; a dead or stuck replica is logged (its
         answer None), not waited for."""
-        async def one(e: Any) -> Any:  # the call made only once its task runs: none left unawaited by a cancel
-            return await asyncio.wait_for(call(e, method, version, *args), self.signal_timeout_s)
-
-        outs = await asyncio.gather(*(one(e) for e in self.engines), return_exceptions=True)
+        outs = await asyncio.gather(*(call_within(e, method, self.signal_timeout_s, version, *args) for e in self.engines),
+                                    return_exceptions=True)
         for i, out in enumerate(outs):
             if isinstance(out, BaseException):
                 log.warning("aggregator: replica %d did not take %s of round %d: %r", i, method, version, out)

@@ -154,7 +154,7 @@ class EnginePool:
     async def _time_out(self, e: int, running: list[str]) -> None:
         self.timed_out += len(running)
         try:
-            await asyncio.wait_for(calls.call(self.engines[e], "abort", running), 30.0)
+            await calls.call_within(self.engines[e], "abort", 30.0, running)
         except Exception:  # noqa: BLE001 - the engine may be gone; the timeout is the error that matters
             pass
 

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialRolloutConfig
-from asyncrl.calls import call
+from asyncrl.calls import call_within
 from asyncrl.rollouter.rewards import score
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState, settle_gc
 from asyncrl.types import GenerateRequest, SamplingParams
@@ -226,7 +226,7 @@ class RolloutWorker:
         from asyncrl.metrics.report import engine_counters
 
         out = self.rollouter.stats_now()
-        stats = await asyncio.gather(*(asyncio.wait_for(call(e, "stats"), 5.0) for e in self.engines),
+        stats = await asyncio.gather(*(call_within(e, "stats", 5.0) for e in self.engines),
                                      return_exceptions=True)
         out["engine_counters"] = engine_counters([s for s in stats if isinstance(s, dict)])
         return out
@@ -254,7 +254,7 @@ class RolloutWorker:
             request = GenerateRequest(request_id=f"val_{step}_{i}", prompt_ids=prompt.prompt_ids,
                                       max_tokens=self.cfg.max_tokens, sampling=SamplingParams(greedy=True))
             async with slots:
-                result = await asyncio.wait_for(call(engine, "generate", request), self.cfg.request_timeout_s)
+                result = await call_within(engine, "generate", self.cfg.request_timeout_s, request)
             reward = await score(self.reward_fn, prompt, result.response_ids)
             return [(reward, len(result.response_ids), 1)]
 
