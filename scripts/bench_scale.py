@@ -611,12 +611,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 def agent_main(args: argparse.Namespace) -> dict:
     """``--agent``: many conversations at once (`bench_scale_agent`)."""
+    loop_name = bench_scale_agent.event_loop(args.event_loop)
     print(f"bench_scale --agent: {args.agent_conversations} conversations at once, {args.agent_turns} turns each, "
           f"n={args.agent_n}, {args.agent_replicas} simulated replicas in process ({args.max_running} slots x "
           f"{args.tokens_per_s:g} tokens/s), tool latency median {args.tool_median_s:g} s p99 {args.tool_p99_s:g} s, event "
-          f"loop {bench_scale_agent.event_loop(args.event_loop)}; "
+          f"loop {loop_name}; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-    loop_name = bench_scale_agent.event_loop(args.event_loop)
     runs = []
     for i in range(args.agent_repeats):
         run = {**bench_scale_agent.run_on(loop_name, bench_scale_agent.agent_run(args)), "event_loop": loop_name}
@@ -624,12 +624,12 @@ def agent_main(args: argparse.Namespace) -> dict:
         print(f"run {i + 1}/{args.agent_repeats}: {bench_scale_agent.report(runs[-1])}", flush=True)
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in bench_scale_agent.combine(runs).items()}
     if len(runs) > 1:
-        r = result
-        print(f"median of {len(runs)} runs: loop lag p99 {r['loop_lag_p99_ms']:.1f} ms (worst run "
-              f"{r['loop_lag_p99_ms_max']:.1f}; target <= {bench_scale_agent.TARGET_LOOP_LAG_P99_MS:g}), "
-              f"{r['turn_req_s']:.0f} turn requests/s (slowest run {r['turn_req_s_min']:.0f}; target >= "
-              f"{bench_scale_agent.TARGET_TURN_REQ_S:g}), {r['cpu_ms_per_turn']:.2f} ms CPU per turn; lost "
-              f"{r['lost']} duplicated {r['duplicated']} over every run; load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"median of {len(runs)} runs: loop lag p99 {result['loop_lag_p99_ms']:.1f} ms (worst run "
+              f"{result['loop_lag_p99_ms_max']:.1f}; target <= {bench_scale_agent.TARGET_LOOP_LAG_P99_MS:g}), "
+              f"{result['turn_req_s']:.0f} turn requests/s (slowest run {result['turn_req_s_min']:.0f}; target >= "
+              f"{bench_scale_agent.TARGET_TURN_REQ_S:g}), {result['cpu_ms_per_turn']:.2f} ms CPU per turn; lost "
+              f"{result['lost']} duplicated {result['duplicated']} over every run; load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
     if args.json:
         print(json.dumps(result))
     return result
