@@ -611,6 +611,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def agent_main(args: argparse.Namespace) -> dict:
     """``--agent``: many conversations at once (`bench_scale_agent`)."""
+    if args.agent_repeats < 1:
+        raise SystemExit(f"--agent-repeats must be >= 1, got {args.agent_repeats}")
     loop_name = bench_scale_agent.event_loop(args.event_loop)
     print(f"bench_scale --agent: {args.agent_conversations} conversations at once, {args.agent_turns} turns each, "
           f"n={args.agent_n}, {args.agent_replicas} simulated replicas in process ({args.max_running} slots x "
