@@ -354,10 +354,10 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
         await asyncio.sleep(args.warmup_s)
         measuring = True
         t0, c0, n0, s0 = time.perf_counter(), time.process_time(), counted.groups, len(syncs)
-        calls0 = rollouter.pool.calls
+        calls0, admitted0 = rollouter.pool.calls, rollouter.admitted
         await asyncio.sleep(args.seconds)
         t1, c1, n1 = time.perf_counter(), time.process_time(), counted.groups
-        calls = rollouter.pool.calls - calls0
+        calls, admitted = rollouter.pool.calls - calls0, rollouter.admitted - admitted0
         measuring = False
         gate = [admissions[k - 1] - t for t, k in syncs[s0:] if k <= len(admissions)]
         rss = proc.memory_info().rss
@@ -378,7 +378,7 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
                 await e.close()
         await producer.close()
     requests = (n1 - n0) * args.n
-    return {"ray_hop": ray_hop, "engine_calls_per_group": calls / max(n1 - n0, 1),
+    return {"ray_hop": ray_hop, "engine_calls_per_group": calls / max(admitted, 1),
             "req_s": requests / (t1 - t0), "cpu_ms_per_req": 1e3 * (c1 - c0) / max(requests, 1),
             "cpu_util": (c1 - c0) / (t1 - t0), "syncs": len(fanout),
             "sync_fanout_p50_ms": 1e3 * _pct(fanout, 50), "sync_fanout_p99_ms": 1e3 * _pct(fanout, 99),

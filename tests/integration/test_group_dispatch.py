@@ -79,14 +79,15 @@ async def _tokens_of_one_group(actors, cfg: RolloutConfig, until=None) -> tuple[
 
 async def test_a_dead_replicas_group_goes_whole_to_another_with_the_same_seeds(ray_cluster, until):
     cls = remote_engine_actor(num_cpus=0)
-    # 8 s a response: the window in which the test sees the group running and kills its replica must
-    # outlast a Ray round trip on a loaded machine (at 2 s a response the group could end unseen)
-    sim = dict(kind="sim", max_running=4, tokens_per_s=2.0, median_tokens=4, long_tail=1, seed=0)
+    # 16 s a response where the replica is killed: the window in which the test sees the group running
+    # and kills its replica must outlast Ray round trips on a loaded machine (CI once saw an 8 s window
+    # pass unseen). The speed changes no token: the reference runs fast.
+    sim = dict(kind="sim", max_running=4, median_tokens=4, long_tail=1, seed=0)
     cfg = RolloutConfig(n=4, max_tokens=8, groups_per_sync=4)
-    reference = cls.remote(**sim)
+    reference = cls.remote(**sim, tokens_per_s=2000.0)
     _, expected = await _tokens_of_one_group([reference], cfg)
     ray.kill(reference)
-    actors = [cls.remote(**sim) for _ in range(2)]
+    actors = [cls.remote(**sim, tokens_per_s=1.0) for _ in range(2)]
     r, got = await _tokens_of_one_group(actors, cfg, until)
     assert r.producer.groups[0].complete and r.stats_now()["dead_engines"] == 1
     assert [ids.tolist() for ids in got] == [ids.tolist() for ids in expected]  # same seeds, same tokens
