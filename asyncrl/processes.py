@@ -309,8 +309,8 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
         await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
 
         coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
-                                            version=trainer.version,
-                                            clear_cache=partial.at_sync)
+                                            version=trainer.version, clear_cache=partial.at_sync,
+                                            rpc=cfg.rollout.engine_calls == "zmq")
         # The engines serve the restored weights before they generate: the sync the restored run
         # stopped in (its version counts), else the restored version again.
         if resume is not None and not await trainer.catch_up_sync(coordinator):

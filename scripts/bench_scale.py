@@ -53,6 +53,7 @@ import time
 import numpy as np
 
 import bench_scale_agent
+from asyncrl.rpc import Serving
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="RolloutConfig.result_batch_s: a group call's results streamed in batches this far apart "
                         "('none': one plain call per group, answered at its end)")
     p.add_argument("--hosts", type=int, default=4, help="Ray actor processes the replicas are spread over")
+    p.add_argument("--engine-calls", choices=("zmq", "ray"), default="zmq",
+                   help="rollout.engine_calls: the Rollouter's and the coordinator's calls to the replicas' "
+                        "actors over ZeroMQ (asyncrl.rpc; the default) or as Ray actor calls")
     p.add_argument("--modes", nargs="+", choices=("ray", "in-process"), default=["ray", "in-process"],
                    help="where the replicas live: Ray actors (the headline figures) and/or the Rollouter's process")
     p.add_argument("--seed", type=int, default=0)
@@ -165,14 +169,18 @@ class _EmptyTrainer:
         return None
 
 
-class SimHost:
+class SimHost(Serving):
     """Several simulated replicas in one Ray actor process, each an `EngineActor(kind="sim")` with
-    an empty weight update; `_Hosted` calls one of them as if it were an actor of its own."""
+    an empty weight update; `_Hosted` calls one of them through Ray as if it were an actor of its
+    own, and `asyncrl.rpc.RpcActor(host, endpoint, key=i)` over ZeroMQ (``serve_rpc``)."""
 
     def __init__(self, count: int, first_seed: int, **sim) -> None:
         from asyncrl.rollouter.actor import EngineActor
 
         self.replicas = [_EmptyUpdate(EngineActor(kind="sim", seed=first_seed + i, **sim)) for i in range(count)]
+
+    def _rpc_resolve(self, i: int):
+        return self.replicas[i]
 
     def ready(self) -> int:
         return len(self.replicas)
@@ -230,6 +238,11 @@ def _ray_replicas(args: argparse.Namespace, replicas: int) -> tuple[list, list]:
         hosts.append(host)
         handles += [_Hosted(host, i) for i in range(count)]
     ray.get([host.ready.remote() for host in hosts], timeout=120)
+    if args.engine_calls == "zmq":  # as `asyncrl.rpc.link` makes them for an EngineActor of this node
+        from asyncrl.rpc import RpcActor
+
+        served = ray.get([host.serve_rpc.remote() for host in hosts], timeout=120)
+        handles = [RpcActor(hosts[h], served[h][0], key=i) for h, count in enumerate(counts) for i in range(count)]
     return handles, hosts
 
 
@@ -285,7 +298,7 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
                                seed=args.seed * 1000 + r) for r in range(replicas)]
         handles = [_Remote(_EmptyUpdate(e)) for e in engines]  # as the coordinator reaches Ray actors
     cfg = RolloutConfig(n=args.n, max_tokens=96, groups_per_sync=g, staleness_threshold=1.0, seed=args.seed,
-                        result_batch_s=args.result_batch_s,
+                        result_batch_s=args.result_batch_s, engine_calls=args.engine_calls,
                         max_concurrent=max(g, replicas * args.max_running // args.n), request_timeout_s=600.0)
     admissions: list[float] = []
     syncs: list[tuple[float, int]] = []  # (time the sync opened the gate, admissions it allows)
@@ -310,7 +323,7 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
     rollouter = Timed(cfg, engines, counted, _prompts(), _reward)
     coordinator = WeightSyncCoordinator([_Remote(_EmptyTrainer())],
                                         {f"engine[{i}]": h for i, h in enumerate(handles)},
-                                        WeightSyncConfig(retries=0))
+                                        WeightSyncConfig(retries=0), rpc=args.engine_calls == "zmq")
     fanout: list[float] = []
     phases: list[tuple[float, float, float]] = []  # (pause, update, resume) of each sync
     measuring = False
@@ -378,7 +391,8 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
                 await e.close()
         await producer.close()
     requests = (n1 - n0) * args.n
-    return {"ray_hop": ray_hop, "engine_calls_per_group": calls / max(admitted, 1),
+    return {"ray_hop": ray_hop, "engine_calls": args.engine_calls if ray_hop else "in-process",
+            "engine_calls_per_group": calls / max(admitted, 1),
             "req_s": requests / (t1 - t0), "cpu_ms_per_req": 1e3 * (c1 - c0) / max(requests, 1),
             "cpu_util": (c1 - c0) / (t1 - t0), "syncs": len(fanout),
             "sync_fanout_p50_ms": 1e3 * _pct(fanout, 50), "sync_fanout_p99_ms": 1e3 * _pct(fanout, 99),

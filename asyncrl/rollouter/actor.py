@@ -42,11 +42,13 @@ import numpy as np
 
 from asyncrl.calls import maybe_await
 from asyncrl.rollouter.engines.backends import make_engine
+from asyncrl.rpc import Serving
 from asyncrl.rollouter.engines.base import PauseMode
 from asyncrl.types import GenerateRequest, GenerateResult
 
-class EngineActor:
-    """One engine replica; the same methods as `asyncrl.rollouter.engines.base.RolloutEngine`."""
+class EngineActor(Serving):
+    """One engine replica; the same methods as `asyncrl.rollouter.engines.base.RolloutEngine`.
+    As a Ray actor it also serves its calls over ZeroMQ to processes of its node (`asyncrl.rpc`)."""
 
     def __init__(self, kind: str = "torch", num_threads: int | None = None, **engine_kwargs):
         from asyncrl.hang import enable_stack_dumps
@@ -223,6 +225,7 @@ class EngineActor:
         return await self._receiver.receive(**kwargs)
 
     async def close(self) -> None:
+        self.close_rpc()
         if self._receiver is not None:
             await maybe_await(self._receiver.close())
         await self.engine.close()

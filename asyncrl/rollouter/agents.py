@@ -162,7 +162,7 @@ class RolloutLLM:
     async def end_sessions(self) -> None:
         """Let the engine drop what it keeps for this response's conversations (a no-op where it keeps nothing)."""
         if self.calls.replica is not None:
-            await end_sessions(self.r.pool.engines[self.calls.replica], self.sessions)
+            await end_sessions(self.r.pool.handle(self.calls.replica), self.sessions)
 
 
 async def end_sessions(engine: Any, session_ids: list[str]) -> None:

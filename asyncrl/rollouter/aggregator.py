@@ -27,6 +27,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from asyncrl import rpc
 from asyncrl.calls import call_within
 
 log = logging.getLogger("asyncrl.rollouter.aggregator")
@@ -39,12 +40,17 @@ class AggregatorActor:
     None: no round ends until `start_round` gives it a ``need``.
     """
 
-    def __init__(self, engines: Sequence[Any], threshold: int | None, *, signal_timeout_s: float = 60.0):
+    def __init__(self, engines: Sequence[Any], threshold: int | None, *, signal_timeout_s: float = 60.0,
+                 rpc: bool = True):
         if threshold is not None and threshold < 1:
             raise ValueError(f"AggregatorActor threshold must be >= 1 (or None), got {threshold}")
         if not engines:
             raise ValueError("AggregatorActor needs the engine replicas it signals")
         self.engines = list(engines)
+        self._rpc = rpc
+        self._linked: set[int] = set()
+        """Replicas signalled over ZeroMQ (`asyncrl.rpc.link`, made from their first signal on)."""
+        self._linking: asyncio.Future | None = None
         self.threshold = threshold
         self.signal_timeout_s = signal_timeout_s
         self.round = 0
@@ -94,6 +100,8 @@ class AggregatorActor:
     async def _each(self, method: str, version: int, *args: Any) -> list:
         """``method(version, *args)`` on every replica; a dead or stuck replica is logged (its
         answer None), not waited for."""
+        if self._rpc and len(self._linked) < len(self.engines) and (self._linking is None or self._linking.done()):
+            self._linking = asyncio.ensure_future(self._link())  # for later signals; this one goes as it can now
         outs = await asyncio.gather(*(call_within(e, method, self.signal_timeout_s, version, *args) for e in self.engines),
                                     return_exceptions=True)
         for i, out in enumerate(outs):
@@ -101,9 +109,21 @@ class AggregatorActor:
                 log.warning("aggregator: replica %d did not take %s of round %d: %r", i, method, version, out)
         return [None if isinstance(out, BaseException) else out for out in outs]
 
+    async def _link(self) -> None:
+        todo = [i for i in range(len(self.engines)) if i not in self._linked]
+        handles = [self.engines[i] for i in todo]
+        links = await asyncio.gather(*(asyncio.wait_for(rpc.link(h), self.signal_timeout_s) for h in handles),
+                                     return_exceptions=True)
+        for i, handle, linked in zip(todo, handles, links):
+            # (one that did not answer is tried again at a later signal; one replaced meanwhile is left as it is)
+            if not isinstance(linked, BaseException) and self.engines[i] is handle:
+                self.engines[i] = linked
+                self._linked.add(i)
+
     async def replace_engine(self, index: int, engine: Any) -> None:
         """Replica ``index`` was started again: signal the new one."""
         self.engines[index] = engine
+        self._linked.discard(index)
 
     async def stats(self) -> dict:
         return {"round": self.round, "count": self.count, "threshold": self.round_threshold,

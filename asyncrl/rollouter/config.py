@@ -86,6 +86,11 @@ class RolloutConfig:
     each other in one message (0: a message per response), so each response's reward starts at most
     this late. None: one plain call answered when the group's last response ends (rewards start
     then; the cheapest for the Rollouter: a streaming call costs it ~3x a plain one, docs/scale.md)."""
+    engine_calls: str = "zmq"
+    """How the Rollouter calls engine replicas that are Ray actors of its node: ``zmq`` (over a
+    ZeroMQ socket pair on loopback, Ray placing and watching the actor: `asyncrl.rpc`; a fraction
+    of a Ray call's CPU) or ``ray`` (Ray actor calls). Replicas on other nodes are called through
+    Ray either way."""
     seed: int = 0
     """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
@@ -112,5 +117,7 @@ class RolloutConfig:
         if self.group_filter not in ("none", "zero_std") and not (sep and module and name):
             raise ValueError(f"RolloutConfig.group_filter must be none, zero_std or module:function, "
                              f"got {self.group_filter!r}")
+        if self.engine_calls not in ("zmq", "ray"):
+            raise ValueError(f"RolloutConfig.engine_calls must be zmq or ray, got {self.engine_calls!r}")
         if self.result_batch_s is not None and self.result_batch_s < 0:
             raise ValueError(f"RolloutConfig.result_batch_s must be >= 0, got {self.result_batch_s}")

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from asyncrl import calls
+from asyncrl import calls, rpc
 from asyncrl.types import GenerateRequest, GenerateResult
 
 log = logging.getLogger("asyncrl.rollouter")
@@ -63,10 +63,13 @@ class EnginePool:
     None: the whole call's results in one plain call, `EngineActor.generate_all`).
     """
 
-    def __init__(self, engines: Sequence[Any], timeout_s: float, batch_s: float | None = 0.0):
+    def __init__(self, engines: Sequence[Any], timeout_s: float, batch_s: float | None = 0.0, rpc: bool = True):
         if not engines:
             raise ValueError("Rollouter needs at least one engine")
         self.engines = list(engines)
+        self._rpc = rpc
+        self._linked: dict[int, Any] = {}
+        """Replica -> its calls over ZeroMQ (`asyncrl.rpc.link`), made at its first call."""
         self.timeout_s, self.batch_s = timeout_s, batch_s
         self.load = [0] * len(self.engines)
         """Requests in flight per replica."""
@@ -103,6 +106,7 @@ class EnginePool:
     async def replace_engine(self, index: int, engine: Any) -> None:
         """Replica ``index`` was started again (it holds the current weights): requests go to it again."""
         self.engines[index] = engine  # (its load counts requests in flight: those to the dead one end on their own)
+        self._linked.pop(index, None)
         if index not in self._live:
             self._live = sorted([*self._live, index])
 
@@ -125,7 +129,8 @@ class EnginePool:
             deliver(k, outcome, e)
 
         async def consume() -> None:
-            async for batch in self._stream(self.engines[e], [requests[k] for k in keys], truncatable):
+            engine = self._linked.get(e) or await self.engine(e)
+            async for batch in self._stream(engine, [requests[k] for k in keys], truncatable):
                 for j, outcome in batch:
                     if isinstance(outcome, BaseException) and actor_died(outcome):
                         raise outcome  # the replica is gone: what is left goes elsewhere
@@ -151,10 +156,24 @@ class EnginePool:
             deadline.cancel()
             self._exit(e, [requests[k].request_id for k in left], call_ended=True)
 
+    async def engine(self, e: int) -> Any:
+        """Replica ``e`` to call: its `asyncrl.rpc` link where it serves one (asked once), else its handle."""
+        linked = self._linked.get(e)
+        if linked is None:
+            engine = self.engines[e]
+            linked = await rpc.link(engine) if self._rpc else engine
+            if self.engines[e] is engine:  # not replaced meanwhile
+                self._linked[e] = linked
+        return linked
+
+    def handle(self, e: int) -> Any:
+        """Replica ``e`` as it is called now: its link once made, else its handle."""
+        return self._linked.get(e, self.engines[e])
+
     async def _time_out(self, e: int, running: list[str]) -> None:
         self.timed_out += len(running)
         try:
-            await calls.call_within(self.engines[e], "abort", 30.0, running)
+            await calls.call_within(self.handle(e), "abort", 30.0, running)
         except Exception:  # noqa: BLE001 - the engine may be gone; the timeout is the error that matters
             pass
 
@@ -177,7 +196,7 @@ class EnginePool:
         by_engine: dict[int, list[str]] = {}
         for request_id, e in self._in_flight.items():
             by_engine.setdefault(e, []).append(request_id)
-        aborts = [calls.call(self.engines[e], "abort", ids) for e, ids in by_engine.items()]
+        aborts = [calls.call(self.handle(e), "abort", ids) for e, ids in by_engine.items()]
         results = await asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), timeout_s)
         for e, result in zip(by_engine, results):
             if isinstance(result, BaseException):

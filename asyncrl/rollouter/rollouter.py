@@ -103,7 +103,7 @@ class Rollouter:
                  partial: PartialRolloutConfig | None = None, aggregator: Any = None, agent: Agent | None = None):
         self.agent = agent
         """The agent loop each response runs (`asyncrl.rollouter.agents.build_agent`); None: one plain request."""
-        self.pool = EnginePool(engines, cfg.request_timeout_s, cfg.result_batch_s)
+        self.pool = EnginePool(engines, cfg.request_timeout_s, cfg.result_batch_s, rpc=cfg.engine_calls == "zmq")
         self.state = state or RolloutState()
         self.feed = Feed(prompts, self.state)
         self.partial = partial or PartialRolloutConfig()

@@ -1,0 +1,157 @@
+"""Calls to Ray actors over ZeroMQ (`asyncrl.rpc`): real actor processes, real sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import ray
+
+from asyncrl import calls, rpc
+from asyncrl.queue.memory import MemorySink
+from asyncrl.rollouter.actor import remote_engine_actor
+from asyncrl.rollouter.pool import actor_died
+from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+from asyncrl.types import GenerateRequest, SamplingParams
+
+SIM = dict(kind="sim", max_running=8, tokens_per_s=4000.0, median_tokens=4, long_tail=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+class Recorder(rpc.Serving):
+    """An actor with a plain method, an async one and an async generator that fails part way."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def note(self, i: int) -> int:
+        self.seen.append(i)
+        return i
+
+    async def noted(self, *, last: int = 0) -> list[int]:
+        return self.seen[-last:] if last else list(self.seen)
+
+    async def count_to(self, n: int, fail_at: int | None = None):
+        for i in range(n):
+            if i == fail_at:
+                raise ValueError(f"stopped at {i}")
+            await asyncio.sleep(0)
+            yield i
+
+
+def _requests(count: int, prefix: str) -> list[GenerateRequest]:
+    return [GenerateRequest(request_id=f"{prefix}{i}", prompt_ids=np.arange(3, 8 + i), max_tokens=16,
+                            sampling=SamplingParams(seed=100 + i)) for i in range(count)]
+
+
+async def test_calls_streams_and_errors_come_back_as_through_ray(ray_cluster):
+    engine = remote_engine_actor(num_cpus=0).remote(**SIM)
+    linked = await rpc.link(engine)
+    assert isinstance(linked, rpc.RpcActor) and linked.handle is engine
+    assert await rpc.link(linked) is linked
+    assert await calls.call(linked, "version") == await engine.version.remote() == 0
+
+    # A group's results: the same tokens over ZeroMQ as through Ray's streaming call.
+    over_ray = [x async for batch in calls.stream(engine, "generate_group", _requests(4, "a"), False, 0.0) for x in batch]
+    over_zmq = [x async for batch in calls.stream(linked, "generate_group", _requests(4, "b"), False, 0.0) for x in batch]
+    assert sorted(j for j, _ in over_zmq) == [0, 1, 2, 3]
+    assert ({j: r.response_ids.tolist() for j, r in over_ray} == {j: r.response_ids.tolist() for j, r in over_zmq})
+    stats = await calls.call(linked, "stats")
+    assert stats["requests"] == 8  # both calls reached the one engine
+
+    # An error keeps its class and message; an unknown method names itself.
+    with pytest.raises(RuntimeError, match="call init_weight_sync first"):
+        await calls.call(linked, "receive_weights", version=1)
+    with pytest.raises(AttributeError, match="no_such_method"):
+        await calls.call(linked, "no_such_method")
+    ray.kill(engine)
+
+
+async def test_calls_start_in_the_order_sent_and_a_stream_ends_with_its_error(ray_cluster):
+    actor = ray.remote(num_cpus=0)(Recorder).remote()
+    linked = await rpc.link(actor)
+    sent = [linked.note.remote(i) for i in range(500)]  # sent at once, none awaited yet
+    assert await asyncio.gather(*sent) == list(range(500))
+    assert await linked.noted.remote() == list(range(500))
+    assert await linked.noted.remote(last=2) == [498, 499]  # keyword arguments travel too
+
+    assert [i async for i in linked.count_to.stream(5)] == [0, 1, 2, 3, 4]
+    got = []
+    with pytest.raises(ValueError, match="stopped at 3"):
+        async for ref in linked.count_to.options(num_returns="streaming").remote(10, fail_at=3):  # Ray's form
+            got.append(await ref)
+    assert got == [0, 1, 2]
+    ray.kill(actor)
+
+
+async def test_a_dead_actor_fails_its_calls_in_flight_and_later_ones_with_rays_error(ray_cluster):
+    engine = remote_engine_actor(num_cpus=0).remote(**{**SIM, "tokens_per_s": 2.0})  # 16 tokens: ~64 s
+    linked = await rpc.link(engine)
+    stream = calls.stream(linked, "generate_group", _requests(2, "slow"), False, 0.0)
+    in_flight = asyncio.ensure_future(stream.__anext__())
+    async with asyncio.timeout(60):
+        while (await engine.stats.remote())["running"] < 2:  # the call is running in the actor
+            await asyncio.sleep(0.05)
+    assert not in_flight.done()
+    ray.kill(engine)
+    with pytest.raises(ray.exceptions.RayActorError) as died:
+        await asyncio.wait_for(in_flight, 30)
+    assert actor_died(died.value)
+    with pytest.raises(ray.exceptions.RayActorError):
+        await asyncio.wait_for(calls.call(linked, "version"), 30)
+
+
+@ray.remote(num_cpus=0)
+def _version_from_another_process(linked: rpc.RpcActor) -> tuple[str, int]:
+    async def ask():
+        return await calls.call(linked, "version")
+
+    return type(linked).__name__, asyncio.run(ask())
+
+
+async def test_a_link_travels_to_another_process_of_the_node(ray_cluster):
+    engine = remote_engine_actor(num_cpus=0).remote(**SIM)
+    linked = await rpc.link(engine)
+    assert await _version_from_another_process.remote(linked) == ("RpcActor", 0)
+    ray.kill(engine)
+
+
+async def test_an_actor_of_another_node_and_an_in_process_object_are_called_as_they_are(ray_cluster, monkeypatch):
+    engine = remote_engine_actor(num_cpus=0).remote(**SIM)
+    monkeypatch.setattr(rpc, "node_ip", lambda: "10.255.0.1")  # this process on another node than the actor
+    assert await rpc.link(engine) is engine
+    plain = Recorder()
+    assert await rpc.link(plain) is plain
+    ray.kill(engine)
+
+
+async def _groups(engine_calls: str) -> dict[str, list]:
+    engines = [remote_engine_actor(num_cpus=0).remote(**SIM) for _ in range(2)]
+    prompts = [Prompt(text=str(i), prompt_ids=np.arange(2, 6 + i)) for i in range(6)]
+    sink = MemorySink()
+    cfg = RolloutConfig(n=3, max_tokens=16, groups_per_sync=6, engine_calls=engine_calls)
+    r = Rollouter(cfg, engines, sink, prompts, lambda prompt, ids: float(len(ids)))
+    await asyncio.wait_for(r.run(num_groups=6), 120)
+    assert all(isinstance(r.pool.handle(e), rpc.RpcActor) == (engine_calls == "zmq") for e in range(2))
+    for e in engines:
+        ray.kill(e)
+    return {g.sample_id: [t.response_ids.tolist() for t in sorted(g.trajectories, key=lambda t: t.index)]
+            for g in sink.groups if g.complete}
+
+
+async def test_the_rollouter_gets_the_same_groups_over_zeromq_as_through_ray(ray_cluster):
+    over_zmq = await _groups("zmq")
+    assert len(over_zmq) == 6 and all(len(v) == 3 for v in over_zmq.values())
+    assert over_zmq == await _groups("ray")
+
+
+def test_engine_calls_is_checked():
+    with pytest.raises(ValueError, match="RolloutConfig.engine_calls must be zmq or ray, got 'grpc'"):
+        RolloutConfig(engine_calls="grpc")
