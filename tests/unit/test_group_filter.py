@@ -283,6 +283,7 @@ async def test_a_crash_after_a_checkpoint_trains_or_drops_each_id_once_and_never
                 await asyncio.wait_for(trainer.train_step(), 120)
             if finish:
                 await trainer.finish()
+                rollouter.final = rollouter.snapshot()  # before the stop cancels the groups in flight
         finally:  # without finish: a crash, whatever step 3 did is lost
             feed.cancel()
             await asyncio.gather(feed, return_exceptions=True)
@@ -307,8 +308,9 @@ async def test_a_crash_after_a_checkpoint_trains_or_drops_each_id_once_and_never
     dropped = {r["sample_id"] for r in records if r["status"] == "dropped"}
     assert dropped and {r["reason"] for r in records if r["status"] == "dropped"} == {"filtered"}
     assert not set(sent) & set(durable)  # nothing durable before the crash is generated again
-    # Every feed index below the final position is trained, dropped with a reason, or still pending.
-    snap = rollouter.snapshot()
+    # Every feed index below the final position is trained, dropped with a reason, or still pending
+    # (in the feed's snapshot at the end, taken while the run still had its groups in flight).
+    snap = rollouter.final
     pending = {parse_sample_id(s)[1] for s in snap["in_flight"] + snap["unacked"]}
     assert set(range(snap["next_index"])) <= {parse_sample_id(s)[1] for s in ids} | pending
 
