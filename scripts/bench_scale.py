@@ -398,7 +398,8 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
             "sync_fanout_p50_ms": 1e3 * _pct(fanout, 50), "sync_fanout_p99_ms": 1e3 * _pct(fanout, 99),
             "gate_lag_p50_ms": 1e3 * _pct(gate, 50), "gate_lag_p99_ms": 1e3 * _pct(gate, 99),
             "rss_mb": rss / 2**20, "groups_per_sync": g,
-            "sync_phases_p50_ms": [round(1e3 * _pct([p[i] for p in phases], 50), 2) for i in range(3)]}
+            "sync_phases_p50_ms": [round(1e3 * _pct([p[i] for p in phases], 50), 2) for i in range(3)],
+            "sync_phases_p99_ms": [round(1e3 * _pct([p[i] for p in phases], 99), 2) for i in range(3)]}
 
 
 async def _aggregator_run(args: argparse.Namespace, replicas: int) -> dict:
@@ -503,7 +504,8 @@ def _one_size(args: argparse.Namespace, replicas: int, ray_hop: bool, agg: bool,
     # Paced at --paced-req-s: the latencies of a Rollouter at work but not saturated.
     paced = _with_trainer(args, replicas, args.paced_req_s / args.n, args.probe_s, ray_hop)
     result.update({f"{k}": paced[k] for k in ("sync_fanout_p50_ms", "sync_fanout_p99_ms", "gate_lag_p50_ms",
-                                              "gate_lag_p99_ms", "sync_phases_p50_ms", "syncs")},
+                                              "gate_lag_p99_ms", "sync_phases_p50_ms", "sync_phases_p99_ms",
+                                              "syncs")},
                   paced_req_s=paced["req_s"], paced_cpu_util=paced["cpu_util"],
                   saturated_fanout_p99_ms=result["sync_fanout_p99_ms"], saturated_gate_lag_p99_ms=result["gate_lag_p99_ms"])
     if agg and args.agg_seconds > 0:  # the aggregator's rounds: once per size, replicas in process
@@ -574,7 +576,7 @@ def _sizes(args: argparse.Namespace, ray_hop: bool, agg: bool) -> list[dict]:
               f"(CPU {r['cpu_util']:.2f}, {r['engine_calls_per_group']:.2f} engine calls/group)  sync fan-out p50 "
               f"{r['sync_fanout_p50_ms']:.1f} p99 {r['sync_fanout_p99_ms']:.1f} ms ({r['syncs']} syncs at "
               f"{r['paced_req_s']:.0f} req/s, CPU {r['paced_cpu_util']:.2f}; p50 pause/update/resume "
-              f"{r['sync_phases_p50_ms']} ms)  gate lag p99 {r['gate_lag_p99_ms']:.1f} ms  aggregator lag p99 "
+              f"{r['sync_phases_p50_ms']} ms, p99 {r['sync_phases_p99_ms']} ms)  gate lag p99 {r['gate_lag_p99_ms']:.1f} ms  aggregator lag p99 "
               f"{r.get('agg_lag_p99_ms', float('nan')):.1f} ms ({r.get('rounds', 0)} rounds)  RSS {r['rss_mb']:.0f} MB",
               flush=True)
     return rows

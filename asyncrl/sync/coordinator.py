@@ -286,12 +286,9 @@ class WeightSyncCoordinator:
         return list(ok), errors
 
     async def _wait(self, refs: Mapping[Any, Any], timeout: float, setting: str, step: str):
-        """Await every ref under one deadline; (results by key, errors by key naming step and setting)."""
-
-        async def one(ref):
-            return await ref
-
-        tasks = {k: asyncio.ensure_future(one(r)) for k, r in refs.items()}
+        """Await every ref under one deadline; (results by key, errors by key naming step and setting).
+        A ref is a Ray ObjectRef, an awaitable, or a future (an `asyncrl.rpc` call: no task for it)."""
+        tasks = {k: asyncio.ensure_future(r) for k, r in refs.items()}
         if tasks:
             await asyncio.wait(tasks.values(), timeout=timeout)
         results, errors = {}, {}
