@@ -169,6 +169,25 @@ class _EmptyTrainer:
         return None
 
 
+class SyncDriver:
+    """The weight-sync coordinator in a Ray actor process of its own, as in a run (where it lives in
+    the trainer's process, not the Rollouter's): it calls the replicas over the same path the
+    Rollouter does (``engine_calls``)."""
+
+    def __init__(self, handles: list, engine_calls: str) -> None:
+        from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
+
+        self.coordinator = WeightSyncCoordinator([_Remote(_EmptyTrainer())],
+                                                 {f"engine[{i}]": h for i, h in enumerate(handles)},
+                                                 WeightSyncConfig(retries=0), rpc=engine_calls == "zmq")
+
+    async def sync(self, republish: bool = False) -> tuple[int, float, float, float, float]:
+        """One sync (``republish``: the current version again): (version, total, pause, update, resume seconds)."""
+        c = self.coordinator
+        version = await (c.republish() if republish else c.sync())
+        return version, c.last.total_s, c.last.pause_s, c.last.transfer_s, c.last.resume_s
+
+
 class SimHost(Serving):
     """Several simulated replicas in one Ray actor process, each an `EngineActor(kind="sim")` with
     an empty weight update; `_Hosted` calls one of them through Ray as if it were an actor of its
@@ -321,9 +340,22 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
     await producer.start()
     counted = _Counted(producer)
     rollouter = Timed(cfg, engines, counted, _prompts(), _reward)
-    coordinator = WeightSyncCoordinator([_Remote(_EmptyTrainer())],
-                                        {f"engine[{i}]": h for i, h in enumerate(handles)},
-                                        WeightSyncConfig(retries=0), rpc=args.engine_calls == "zmq")
+    if ray_hop:  # the coordinator in a process of its own, as in a run
+        import ray
+
+        driver = ray.remote(num_cpus=0)(SyncDriver).remote(handles, args.engine_calls)
+
+        async def sync(republish: bool = False) -> tuple[int, float, float, float, float]:
+            return await driver.sync.remote(republish)
+    else:
+        coordinator = WeightSyncCoordinator([_Remote(_EmptyTrainer())],
+                                            {f"engine[{i}]": h for i, h in enumerate(handles)},
+                                            WeightSyncConfig(retries=0))
+
+        async def sync(republish: bool = False) -> tuple[int, float, float, float, float]:
+            version = await (coordinator.republish() if republish else coordinator.sync())
+            last = coordinator.last
+            return version, last.total_s, last.pause_s, last.transfer_s, last.resume_s
     fanout: list[float] = []
     phases: list[tuple[float, float, float]] = []  # (pause, update, resume) of each sync
     measuring = False
@@ -338,25 +370,21 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
             if stop.is_set():
                 return
             await rollouter.on_pause()
-            t0 = time.perf_counter()
-            version = await coordinator.sync()
+            version, total, *phase = await sync()
             if measuring:
-                fanout.append(time.perf_counter() - t0)
-                last = coordinator.last
-                phases.append((last.pause_s, last.transfer_s, last.resume_s))
+                fanout.append(total)
+                phases.append(tuple(phase))
             await rollouter.on_sync(version)
 
     async def probe_loop() -> None:
         while probe_s and not stop.is_set():
             await asyncio.sleep(probe_s)
             await rollouter.on_pause()
-            t0 = time.perf_counter()
-            await coordinator.republish()
+            version, total, *phase = await sync(republish=True)
             if measuring:
-                fanout.append(time.perf_counter() - t0)
-                last = coordinator.last
-                phases.append((last.pause_s, last.transfer_s, last.resume_s))
-            await rollouter.on_sync(coordinator.version)
+                fanout.append(total)
+                phases.append(tuple(phase))
+            await rollouter.on_sync(version)
 
     settle_gc()  # as the Rollouter's process does once set up
     task = asyncio.create_task(rollouter.run())
@@ -384,8 +412,8 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
         if ray_hop:
             import ray
 
-            for host in hosts:
-                ray.kill(host)
+            for actor in (*hosts, driver):
+                ray.kill(actor)
         else:
             for e in engines:
                 await e.close()

@@ -44,6 +44,7 @@ from asyncrl.calls import maybe_await
 from asyncrl.rollouter.engines.backends import make_engine
 from asyncrl.rpc import Serving
 from asyncrl.rollouter.engines.base import PauseMode
+from asyncrl.rollouter.heap import settle_gc
 from asyncrl.types import GenerateRequest, GenerateResult
 
 class EngineActor(Serving):
@@ -67,6 +68,8 @@ class EngineActor(Serving):
         self._closed_round: int | None = None
         """The round a ``queued`` truncation closed: truncatable requests of it are not started."""
         self._calls = dict(groups=0, group_prompt_tokens=0, group_prefill_tokens=0)
+        if _in_ray_actor():  # the actor's process is set up: keep full collections off its event loop
+            settle_gc()
 
     async def ready(self) -> dict:
         """Returns once the engine is built: ``{"kind", "version"}``."""
@@ -229,6 +232,12 @@ class EngineActor(Serving):
         if self._receiver is not None:
             await maybe_await(self._receiver.close())
         await self.engine.close()
+
+
+def _in_ray_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def remote_engine_actor(num_cpus: float = 1, num_gpus: float = 0, **options):

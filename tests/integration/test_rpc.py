@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import ray
 
 from asyncrl import calls, rpc
 from asyncrl.queue.memory import MemorySink
+from asyncrl.rollouter.heap import GC_YOUNG_THRESHOLD
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.rollouter.pool import actor_died
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
@@ -71,6 +73,10 @@ async def test_calls_streams_and_errors_come_back_as_through_ray(ray_cluster):
         await calls.call(linked, "receive_weights", version=1)
     with pytest.raises(AttributeError, match="no_such_method"):
         await calls.call(linked, "no_such_method")
+
+    # The actor's process keeps full collections off its event loop, as the Rollouter's does.
+    frozen, young = await engine.__ray_call__.remote(lambda self: (gc.get_freeze_count(), gc.get_threshold()[0]))
+    assert frozen > 1000 and young == GC_YOUNG_THRESHOLD
     ray.kill(engine)
 
 
