@@ -86,8 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-calls", choices=("zmq", "ray"), default="zmq",
                    help="rollout.engine_calls: the Rollouter's and the coordinator's calls to the replicas' "
                         "actors over ZeroMQ (asyncrl.rpc; the default) or as Ray actor calls")
-    p.add_argument("--modes", nargs="+", choices=("ray", "in-process"), default=["ray", "in-process"],
-                   help="where the replicas live: Ray actors (the headline figures) and/or the Rollouter's process")
+    p.add_argument("--modes", nargs="+", choices=("ray", "ray-calls", "in-process"),
+                   default=["ray", "ray-calls", "in-process"],
+                   help="where the replicas live: Ray actors called as --engine-calls says (the headline figures), "
+                        "Ray actors called as Ray actor calls (the baseline before asyncrl.rpc), and/or the "
+                        "Rollouter's process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bench_scale_agent.add_args(p)
@@ -181,6 +184,9 @@ class SyncDriver:
                                                  {f"engine[{i}]": h for i, h in enumerate(handles)},
                                                  WeightSyncConfig(retries=0), rpc=engine_calls == "zmq")
 
+    def ready(self) -> bool:
+        return True
+
     async def sync(self, republish: bool = False) -> tuple[int, float, float, float, float]:
         """One sync (``republish``: the current version again): (version, total, pause, update, resume seconds)."""
         c = self.coordinator
@@ -220,6 +226,9 @@ class _Hosted:
 
     def __init__(self, host, i: int) -> None:
         self.host, self.i = host, i
+
+    def __reduce__(self):  # (handed to the coordinator's process)
+        return _Hosted, (self.host, self.i)
 
     def __getattr__(self, name: str):
         if name == "generate_group":
@@ -344,6 +353,7 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
         import ray
 
         driver = ray.remote(num_cpus=0)(SyncDriver).remote(handles, args.engine_calls)
+        await driver.ready.remote()  # its process is up before the clock starts
 
         async def sync(republish: bool = False) -> tuple[int, float, float, float, float]:
             return await driver.sync.remote(republish)
@@ -589,7 +599,8 @@ def _sizes(args: argparse.Namespace, ray_hop: bool, agg: bool) -> list[dict]:
     """Every size of ``--replicas`` for one placement of the replicas, each in a process of its own."""
     ctx = mp.get_context("spawn")
     rows = []
-    where = f"in {args.hosts} Ray actor processes (fewer when fewer replicas)" if ray_hop else "in process (no Ray)"
+    where = (f"in {args.hosts} Ray actor processes (fewer when fewer replicas), called over {args.engine_calls}"
+             if ray_hop else "in process (no Ray)")
     print(f"replicas {where}:", flush=True)
     for replicas in args.replicas:
         out = ctx.Queue()
@@ -627,14 +638,23 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench_scale: replicas {args.replicas}, {args.max_running} slots x {args.tokens_per_s:g} tokens/s each, "
           f"n={args.n}, trainer {args.train_groups_s:g} groups/s, {args.seconds:g} s per size after "
           f"{args.warmup_s:g} s; load average {load[0]:.2f} {load[1]:.2f}", flush=True)
-    modes = sorted(set(args.modes), key=["ray", "in-process"].index)  # the Ray hop first: the headline
-    by_mode = {m: _sizes(args, m == "ray", agg=m == modes[0]) for m in modes}
+    modes = sorted(set(args.modes), key=["ray", "ray-calls", "in-process"].index)  # the Ray hop first: the headline
+    as_ray_calls = argparse.Namespace(**{**vars(args), "engine_calls": "ray"})
+    by_mode = {m: _sizes(as_ray_calls if m == "ray-calls" else args, m != "in-process", agg=m == modes[0])
+               for m in modes}
     rows = by_mode[modes[0]]
     largest = rows[-1]
-    result: dict = {"ray_hop": modes[0] == "ray", **_summary(rows)}
-    if len(modes) > 1:  # the figures without the Ray hop, beside
-        result["in_process"] = {k: v for k, v in _summary(by_mode["in-process"]).items()
-                                if k not in ("agg_lag_p99_ms", "agg_report_p50_ms")}
+    result: dict = {"ray_hop": modes[0] != "in-process", **_summary(rows)}
+    for m, key in (("ray-calls", "ray_calls"), ("in-process", "in_process")):  # the baselines, beside
+        if m in modes and m != modes[0]:
+            result[key] = {k: v for k, v in _summary(by_mode[m]).items() if k not in ("agg_lag_p99_ms", "agg_report_p50_ms")}
+    if "ray_calls" in result:
+        base = by_mode["ray-calls"][-1]
+        result["req_s_vs_ray_calls"] = round(largest["req_s"] / base["req_s"], 2)
+        print(f"at {largest['replicas']} replicas, {args.engine_calls} engine calls against Ray actor calls: "
+              f"{result['req_s_vs_ray_calls']}x the requests/s, CPU per request "
+              f"{largest['cpu_ms_per_req'] / base['cpu_ms_per_req']:.2f}x, fan-out p99 "
+              f"{largest['sync_fanout_p99_ms']:.0f} against {base['sync_fanout_p99_ms']:.0f} ms", flush=True)
     plan_s, plan = _plan_64_nodes()
     result["plan_64_nodes_s"] = round(plan_s, 3)
     lines = plan.splitlines()
