@@ -1,31 +1,33 @@
-"""Calls to a Ray actor of the same node over ZeroMQ: Ray places the actor and watches it, the calls skip it.
+"""Calls to Ray actors over ZeroMQ: Ray places the actor and watches it, the calls skip Ray.
 
-A Ray actor call costs its caller about 0.5-1 ms of CPU, and a streaming call more per message
+A Ray actor call costs its caller about 0.6 ms of CPU, and a streaming call more per message
 (`docs/scale.md`): at 128 engine replicas the Rollouter's group calls and the weight sync's
-3 x 128 pause / update / resume calls fill a core with Ray's own work. Here a call is a pickled
-message over a DEALER -> ROUTER pair of ZeroMQ sockets on loopback, answered in the actor's
-own event loop.
+3 x 128 pause / update / resume calls filled a core with Ray's own work. Here a call is a pickled
+message over a DEALER -> ROUTER pair of ZeroMQ sockets, answered in the actor's own event loop
+(about a tenth of a Ray call's CPU to the caller when calls overlap).
 
-- **Serving**: the actor (`EngineActor`, a benchmark's host of simulated replicas) makes an
-  `RpcServer` in its event loop on its first ``serve_rpc`` call and returns its endpoint and
-  node. The server resolves a call's ``key`` to the object whose method runs (None: the actor
-  itself; an index: one of a host's replicas) and runs it as Ray would: an ``async`` method as
-  a task of the actor's loop, so calls run concurrently; a plain one inline.
-- **Calling**: `link` asks a handle for its endpoint (one Ray call per actor and process) and
-  returns an `RpcActor`, a stand-in for the handle: ``actor.method.remote(*args)`` sends at once
-  and returns an awaitable; ``actor.method.options(num_returns="streaming")`` and `calls.stream`
-  give an async generator's items as they come. A handle of another node, or an object that
-  serves no endpoint, is returned as it is: those calls stay on Ray. An `RpcActor` pickles as
-  its handle and endpoint, so it can be handed to another process of the node.
-- **Liveness**: each process's link to an endpoint keeps one Ray call to the actor open
-  (``rpc_watch``, renewed each minute). When the actor dies that call fails with Ray's own
-  error (`ray.exceptions.RayActorError`), and every call in flight on the link, and every later
-  one, fails with it: callers tell a dead replica exactly as they do through Ray.
+- **Serving**: an actor class mixes in `Serving`. Its ``serve_rpc`` (called through Ray, which
+  authenticates the caller) makes an `RpcServer` in the actor's event loop: on loopback for a
+  caller of the actor's node; for a caller of another node, a CURVE server on the node's
+  address (encrypted; the ZAP handler admits only the client keys callers registered through
+  ``serve_rpc``). A call's ``key`` names the object its method runs on (None: the actor itself;
+  an index: one of a benchmark host's replicas). An ``async`` method runs as a task of the
+  actor's loop, so calls run concurrently as Ray runs them; a plain one inline.
+- **Calling**: `link` asks a Ray handle for its endpoint once per process and returns an
+  `RpcActor`, a stand-in for the handle: ``actor.method.remote(*args)`` sends at once and returns
+  a future; ``actor.method.options(num_returns="streaming")`` (as Ray's) and `calls.stream` give an
+  async generator's items as they come. Anything else (an in-process engine, a test's stand-in
+  for a handle) is returned as it is. An `RpcActor` pickles as its handle and endpoint, for
+  another process of the same node; on another node it refuses to link (link the handle there).
+- **Liveness**: each process's link to an actor keeps one Ray call to it open (``rpc_watch``,
+  renewed each minute). When the actor dies that call fails with Ray's own error
+  (`ray.exceptions.RayActorError`), and every call in flight on the link, and every later one,
+  fails with it: callers tell a dead replica exactly as they do through Ray.
 - **Order and loss**: one TCP connection per link, so calls start in the order sent (as Ray's
-  from one caller do); socket high-water marks are off, so nothing is dropped.
+  from one caller do); high-water marks are off, so nothing is dropped.
 
-Left out: calls across nodes (their endpoint would leave loopback; they go through Ray, which
-authenticates its callers); cancelling a call does not stop it in the actor, as with Ray.
+Left out: cancelling a call does not stop it in the actor (as with Ray); a caller whose CURVE
+handshake fails (a key never registered) waits, as a call to a hung actor does, for its deadline.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import zmq
 log = logging.getLogger("asyncrl.rpc")
 
 _ITEM, _RETURN, _ERROR = b"i", b"r", b"e"
+_ZAP_DOMAIN = "asyncrl-rpc"
 WATCH_S = 60.0
 """How long one ``rpc_watch`` call waits in the actor before the link renews it."""
 
@@ -103,22 +106,52 @@ class _Socket:
             self.sock.close(linger=0)
 
 
-def _socket(kind: int) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(kind)
+def _socket(kind: int, ctx: zmq.Context | None = None) -> zmq.Socket:
+    sock = (ctx or zmq.Context.instance()).socket(kind)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 0)
     return sock
 
 
-class RpcServer:
-    """A ROUTER socket on loopback in the running event loop; each call runs on ``resolve(key)``."""
+class _Admitted:
+    """The ZAP check of a CURVE server: only the public keys its callers registered over Ray pass."""
 
-    def __init__(self, resolve: Callable[[Any], Any]):
+    def __init__(self):
+        self.keys: set[bytes] = set()
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return client_key in self.keys
+
+
+class RpcServer:
+    """A ROUTER socket in the running event loop; each call runs on ``resolve(key)``.
+
+    On loopback by default. With ``curve``, a CURVE server on ``host`` (a node's address, for
+    callers on other nodes): encrypted, and only the client keys in ``admitted.keys`` complete the
+    handshake (a ZAP handler on a context of its own)."""
+
+    def __init__(self, resolve: Callable[[Any], Any], host: str = "127.0.0.1", curve: bool = False):
         self._resolve = resolve
-        sock = _socket(zmq.ROUTER)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._ctx = self._auth = None
+        self.server_key: str | None = None
+        self.admitted = _Admitted()
+        if curve:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._ctx = zmq.Context()
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback(domain=_ZAP_DOMAIN, credentials_provider=self.admitted)
+        sock = _socket(zmq.ROUTER, self._ctx)
+        if curve:
+            public, secret = zmq.curve_keypair()
+            self.server_key = public.decode()
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+            sock.zap_domain = _ZAP_DOMAIN.encode()
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
         self._tasks: set[asyncio.Task] = set()
         self._sock = _Socket(sock, self._on_call)
 
@@ -166,6 +199,9 @@ class RpcServer:
             if task is not asyncio.current_task():  # (a close called over this server)
                 task.cancel()
         self._sock.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._ctx.term()
 
 
 class Serving:
@@ -173,24 +209,37 @@ class Serving:
     ``_rpc_resolve(key)`` names the object a call runs on (this one by default)."""
 
     _rpc_server: RpcServer | None = None
+    _rpc_remote: RpcServer | None = None
 
     def _rpc_resolve(self, key: Any) -> Any:
         return self
 
-    async def serve_rpc(self) -> tuple[str, str]:
-        """``(endpoint, node ip)``: this actor's calls over ZeroMQ, for processes of its node (`link`)."""
-        if self._rpc_server is None:
-            self._rpc_server = RpcServer(self._rpc_resolve)
-        return self._rpc_server.endpoint, node_ip()
+    async def serve_rpc(self, caller_node: str | None = None, caller_key: str | None = None) -> dict:
+        """Where to call this actor over ZeroMQ (`link`): ``{"endpoint"}`` on loopback for a caller
+        of this node; for one of another node, the CURVE endpoint on this node's address and
+        ``server_key``, ``caller_key`` (a CURVE public key) admitted from now on. This call comes
+        through Ray, which authenticates the caller."""
+        here = node_ip()
+        if caller_node is None or caller_node == here:
+            if self._rpc_server is None:
+                self._rpc_server = RpcServer(self._rpc_resolve)
+            return {"endpoint": self._rpc_server.endpoint, "node": here}
+        if caller_key is None:
+            raise ValueError("serve_rpc: a caller on another node must give its CURVE public key (caller_key)")
+        if self._rpc_remote is None:
+            self._rpc_remote = RpcServer(self._rpc_resolve, host=here, curve=True)
+        self._rpc_remote.admitted.keys.add(caller_key.encode())
+        return {"endpoint": self._rpc_remote.endpoint, "node": here, "server_key": self._rpc_remote.server_key}
 
     async def rpc_watch(self, seconds: float) -> None:
         """Returns after ``seconds``; a link keeps one such call open to learn of this actor's death."""
         await asyncio.sleep(seconds)
 
     def close_rpc(self) -> None:
-        if self._rpc_server is not None:
-            self._rpc_server.close()
-            self._rpc_server = None
+        for server in (self._rpc_server, self._rpc_remote):
+            if server is not None:
+                server.close()
+        self._rpc_server = self._rpc_remote = None
 
 
 # ---------------------------------------------------------------------------------------- client
@@ -237,9 +286,13 @@ class _Stream:
 class _Link:
     """One process's connection to one endpoint: the socket, the calls in flight, the liveness watch."""
 
-    def __init__(self, endpoint: str, handle: Any):
+    def __init__(self, endpoint: str, handle: Any, server_key: str | None = None):
         self.loop = asyncio.get_running_loop()
         sock = _socket(zmq.DEALER)
+        if server_key is not None:  # another node's actor: CURVE, with this process's keys
+            public, secret = client_keys()
+            sock.curve_serverkey = server_key.encode()
+            sock.curve_publickey, sock.curve_secretkey = public.encode(), secret.encode()
         sock.connect(endpoint)
         self._sock = _Socket(sock, self._on_reply)
         self._ids = itertools.count()
@@ -317,17 +370,32 @@ _links: dict[tuple[int, str, str], _Link] = {}
 endpoint's port may serve a later actor once one is dead)."""
 
 
-def _link_to(endpoint: str, handle: Any) -> _Link:
+_client_keys: tuple[str, str] | None = None
+
+
+def client_keys() -> tuple[str, str]:
+    """This process's CURVE key pair (public, secret) for calls to actors of other nodes, made once."""
+    global _client_keys
+    if _client_keys is None:
+        public, secret = zmq.curve_keypair()
+        _client_keys = public.decode(), secret.decode()
+    return _client_keys
+
+
+def _link_to(endpoint: str, handle: Any, server_key: str | None, node: str | None) -> _Link:
     loop = asyncio.get_running_loop()
     actor_id = getattr(handle, "_actor_id", None)
     key = (id(loop), endpoint, actor_id.hex() if actor_id is not None else repr(handle))
     link = _links.get(key)
     if link is None or link.loop is not loop:
+        if node is not None and node != node_ip():
+            raise RuntimeError(f"an RpcActor made for the processes of node {node} is used on node {node_ip()}: "
+                               "link the Ray handle there (asyncrl.rpc.link)")
         for k, old in list(_links.items()):  # links of event loops that have ended (a test's, a run's)
             if old.loop.is_closed():
                 old.close()
                 del _links[k]
-        link = _links[key] = _Link(endpoint, handle)
+        link = _links[key] = _Link(endpoint, handle, server_key)
     return link
 
 
@@ -375,19 +443,22 @@ async def _awaitables(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
 class RpcActor:
     """A Ray actor handle's calls over ZeroMQ (see the module docstring); ``handle`` is the Ray handle."""
 
-    def __init__(self, handle: Any, endpoint: str, key: Any = None):
-        self.handle, self.endpoint, self.key = handle, endpoint, key
+    def __init__(self, handle: Any, endpoint: str, key: Any = None, server_key: str | None = None,
+                 node: str | None = None):
+        self.handle, self.endpoint, self.key, self.server_key = handle, endpoint, key, server_key
+        self.node = node
+        """The node whose processes this endpoint is for (None: any)."""
 
     def _link(self) -> _Link:
-        return _link_to(self.endpoint, self.handle)
+        return _link_to(self.endpoint, self.handle, self.server_key, self.node)
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("__"):
             raise AttributeError(name)
         return _Method(self, name)
 
-    def __reduce__(self):
-        return RpcActor, (self.handle, self.endpoint, self.key)
+    def __reduce__(self):  # (a process of another node must ask `link` anew: the endpoint is per caller node)
+        return RpcActor, (self.handle, self.endpoint, self.key, self.server_key, self.node)
 
     def __repr__(self) -> str:
         return f"RpcActor({self.handle!r}, {self.endpoint!r}, key={self.key!r})"
@@ -403,7 +474,6 @@ async def link(target: Any) -> Any:
     serve = getattr(getattr(target, "serve_rpc", None), "remote", None) if isinstance(target, ActorHandle) else None
     if serve is None:  # an in-process object (or a stand-in for a handle), or an actor that serves no endpoint
         return target
-    endpoint, node = await serve()
-    if node != node_ip():
-        return target  # another node: through Ray
-    return RpcActor(target, endpoint)
+    here = node_ip()
+    served = await serve(here, client_keys()[0])
+    return RpcActor(target, served["endpoint"], server_key=served.get("server_key"), node=here)

@@ -129,12 +129,46 @@ async def test_a_link_travels_to_another_process_of_the_node(ray_cluster):
     ray.kill(engine)
 
 
-async def test_an_actor_of_another_node_and_an_in_process_object_are_called_as_they_are(ray_cluster, monkeypatch):
-    engine = remote_engine_actor(num_cpus=0).remote(**SIM)
-    monkeypatch.setattr(rpc, "node_ip", lambda: "10.255.0.1")  # this process on another node than the actor
-    assert await rpc.link(engine) is engine
+class _NeverDies:
+    """The Ray handle a link watches, for an actor in this process (another node cannot exist here)."""
+
+    class rpc_watch:  # noqa: N801 - the shape of a Ray actor method
+        @staticmethod
+        def remote(seconds: float):
+            return asyncio.sleep(seconds)
+
+
+async def test_a_caller_of_another_node_gets_a_curve_endpoint_that_admits_only_its_key(monkeypatch):
+    # The actor's side of serve_rpc, in this process: its "node" is loopback, the caller's another one.
+    monkeypatch.setattr(rpc, "node_ip", lambda: "127.0.0.1")
+    actor = Recorder()
+    with pytest.raises(ValueError, match="caller_key"):
+        await actor.serve_rpc(caller_node="10.255.0.1")
+    public, _ = rpc.client_keys()
+    served = await actor.serve_rpc(caller_node="10.255.0.1", caller_key=public)
+    assert served["endpoint"].startswith("tcp://127.0.0.1:") and served["server_key"]
+    assert served["endpoint"] != (await actor.serve_rpc())["endpoint"]  # this node's callers: plain loopback
+    admitted = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"])
+    assert await asyncio.wait_for(admitted.note.remote(7), 10) == 7
+
+    # Another key, never registered through serve_rpc: its handshake fails, no call reaches the actor.
+    monkeypatch.setattr(rpc, "_client_keys", tuple(k.decode() for k in __import__("zmq").curve_keypair()))
+    stranger = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"], key="x")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(stranger.note.remote(8), 2)
+    assert actor.seen == [7]
+    actor.close_rpc()
+
+
+async def test_an_in_process_object_is_called_as_it_is_and_a_link_stays_on_its_node(ray_cluster, monkeypatch):
     plain = Recorder()
     assert await rpc.link(plain) is plain
+    engine = remote_engine_actor(num_cpus=0).remote(**SIM)
+    linked = await rpc.link(engine)
+    monkeypatch.setattr(rpc, "node_ip", lambda: "10.255.0.1")  # the link handed to a process of another node
+    moved = rpc.RpcActor(*linked.__reduce__()[1])
+    with pytest.raises(RuntimeError, match="link the Ray handle there"):
+        await calls.call(moved, "version")
     ray.kill(engine)
 
 
