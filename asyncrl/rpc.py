@@ -94,6 +94,8 @@ class _Socket:
                 log.exception("rpc: a message could not be handled")
 
     def send(self, frames) -> None:
+        if self.sock.closed:  # (an answer to a call that closed this server, or a dead link's)
+            return
         self.sock.send_multipart(frames)  # no high-water mark: never waits, never drops
         if not self._scheduled and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._scheduled = True
