@@ -249,20 +249,20 @@ class _Bound:
         return self.method.remote(*self.head, *args, **kwargs)
 
 
-def _ray_replicas(args: argparse.Namespace, replicas: int) -> tuple[list, list]:
-    """``replicas`` simulated replicas over ``--hosts`` Ray actors: (replica handles, host actors)."""
+def _ray_replicas(args: argparse.Namespace, replicas: int, hosts_n: int | None = None, **sim) -> tuple[list, list]:
+    """``replicas`` simulated replicas over ``hosts_n`` (``--hosts``) Ray actors: (replica handles, host actors)."""
     import sys
 
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # scripts/ is not importable in Ray's workers
     host_cls = ray.remote(num_cpus=0)(SimHost)
-    hosts_n = min(args.hosts, replicas)
+    hosts_n = min(hosts_n or args.hosts, replicas)
     counts = [replicas // hosts_n + (h < replicas % hosts_n) for h in range(hosts_n)]
     hosts, handles = [], []
     for h, count in enumerate(counts):
         host = host_cls.remote(count, args.seed * 1000 + len(handles), max_running=args.max_running,
-                               tokens_per_s=args.tokens_per_s)
+                               tokens_per_s=args.tokens_per_s, **sim)
         hosts.append(host)
         handles += [_Hosted(host, i) for i in range(count)]
     ray.get([host.ready.remote() for host in hosts], timeout=120)
@@ -679,7 +679,8 @@ def agent_main(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--agent-repeats must be >= 1, got {args.agent_repeats}")
     loop_name = bench_scale_agent.event_loop(args.event_loop)
     print(f"bench_scale --agent: {args.agent_conversations} conversations at once, {args.agent_turns} turns each, "
-          f"n={args.agent_n}, {args.agent_replicas} simulated replicas in process ({args.max_running} slots x "
+          f"n={args.agent_n}, {args.agent_replicas} simulated replicas "
+          f"{f'in {args.agent_hosts} Ray actor processes, called over {args.engine_calls}' if args.agent_hosts else 'in process'} ({args.max_running} slots x "
           f"{args.tokens_per_s:g} tokens/s), tool latency median {args.tool_median_s:g} s p99 {args.tool_p99_s:g} s, event "
           f"loop {loop_name}; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

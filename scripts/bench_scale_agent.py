@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from asyncrl import calls
 from asyncrl.agent.base import Env, Step
 
 TARGET_LOOP_LAG_P99_MS = 50.0
@@ -49,7 +50,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="conversations per prompt (1: each its own group, so every one in flight is live; with more, "
                         "a group holds its slot until its slowest conversation ends)")
     g.add_argument("--agent-turns", type=int, default=4, help="model turns per conversation (a tool call after each but the last)")
-    g.add_argument("--agent-replicas", type=int, default=32, help="simulated replicas (in this process)")
+    g.add_argument("--agent-replicas", type=int, default=32, help="simulated replicas")
+    g.add_argument("--agent-hosts", type=int, default=0,
+                   help="Ray actor processes the replicas live in, called over --engine-calls (0: in this process, "
+                        "sharing the Rollouter's loop)")
     g.add_argument("--tool-median-s", type=float, default=0.2, help="tool latency: the log-normal's median")
     g.add_argument("--tool-p99-s", type=float, default=2.0, help="tool latency: the log-normal's p99")
     g.add_argument("--agent-repeats", type=int, default=3,
@@ -217,10 +221,21 @@ async def agent_run(args: argparse.Namespace) -> dict:
     counts = {"tool_calls": 0, "live": 0}
     agent = _agent(args, counts)
     prefill = args.prefill_tokens_per_s or None
-    engines = [EngineActor(kind="sim", max_running=args.max_running, tokens_per_s=args.tokens_per_s,
-                           prefill_tokens_per_s=prefill, seed=args.seed * 1000 + r) for r in range(args.agent_replicas)]
+    hosts = []
+    if args.agent_hosts:  # the replicas in Ray actor processes, as in a run (their schedulers leave this loop)
+        import ray
+
+        import bench_scale
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        engines, hosts = bench_scale._ray_replicas(args, args.agent_replicas, args.agent_hosts,
+                                                   prefill_tokens_per_s=prefill)
+    else:
+        engines = [EngineActor(kind="sim", max_running=args.max_running, tokens_per_s=args.tokens_per_s,
+                               prefill_tokens_per_s=prefill, seed=args.seed * 1000 + r) for r in range(args.agent_replicas)]
     cfg = RolloutConfig(n=n, max_tokens=128, groups_per_sync=total, staleness_threshold=0.0, seed=args.seed,
-                        max_concurrent=concurrent, request_timeout_s=600.0, result_batch_s=args.result_batch_s)
+                        max_concurrent=concurrent, request_timeout_s=600.0, result_batch_s=args.result_batch_s,
+                        engine_calls=args.engine_calls)
     prompts = [Prompt(text=f"What is {i % 90 + 10} times {i % 7 + 3}?", prompt_ids=np.array([1], dtype=np.int64))
                for i in range(total)]
     sink = _Sink()
@@ -238,8 +253,11 @@ async def agent_run(args: argparse.Namespace) -> dict:
 
     rollouter = Counted(cfg, engines, sink, prompts, _reward, agent=agent)
 
+    async def stats() -> list[dict]:
+        return list(await asyncio.gather(*(calls.call(e, "stats") for e in engines)))
+
     async def requests() -> int:
-        return sum([(await e.stats())["requests"] for e in engines])
+        return sum(s["requests"] for s in await stats())
 
     lags: list[float] = []
     live: list[int] = []
@@ -269,17 +287,24 @@ async def agent_run(args: argparse.Namespace) -> dict:
         await run  # returns once every admitted group ended
         gc.collect()  # what the run left in reference cycles (counted in gc_garbage)
         wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
-        stats = [await e.stats() for e in engines]
+        replica_stats = await stats()
     finally:
         stop.set()
         await rollouter.stop()
         await asyncio.gather(timer, run, return_exceptions=True)
-        for e in engines:
-            await e.close()
+        if hosts:
+            import ray
+
+            for host in hosts:
+                ray.kill(host)
+            ray.shutdown()
+        else:
+            for e in engines:
+                await e.close()
         agent.close()
         gc.callbacks.remove(gc_pauses)
     window = max(t1 - t0, 1e-9)
-    turn_requests = sum(s["requests"] for s in stats)
+    turn_requests = sum(s["requests"] for s in replica_stats)
     turns = [t for _, _, trajectories in sink.sent for _, t in trajectories]
     window_lags = lags[lag0:lag1] or lags  # the concurrency full; ``lags``: the whole run (start and drain included)
     return {
@@ -291,11 +316,11 @@ async def agent_run(args: argparse.Namespace) -> dict:
         "mean_turns": float(np.mean(turns)) if turns else 0.0,
         **check_delivery(admitted, sink.sent, n, args.agent_turns),
         "turn_requests": turn_requests, "engine_calls_per_turn": rollouter.pool.calls / max(turn_requests, 1),
-        "prefill_tokens_per_turn": sum(s["prefill_tokens"] for s in stats) / max(turn_requests, 1),
-        "session_tokens_reused_per_turn": sum(s["session_tokens_reused"] for s in stats) / max(turn_requests, 1),
+        "prefill_tokens_per_turn": sum(s["prefill_tokens"] for s in replica_stats) / max(turn_requests, 1),
+        "session_tokens_reused_per_turn": sum(s["session_tokens_reused"] for s in replica_stats) / max(turn_requests, 1),
         "gc_pauses": len(gc_pauses.pauses), "gc_pause_max_ms": 1e3 * max(gc_pauses.pauses, default=0.0),
         "gc_pause_total_ms": 1e3 * sum(gc_pauses.pauses), "gc_garbage": gc_pauses.garbage, "gc_full": len(gc_pauses.oldest),
-        "gc_full_max_ms": 1e3 * max(gc_pauses.oldest, default=0.0), "cpu_util": cpu / wall, "wall_s": wall, "replicas": args.agent_replicas, "load_avg_1m": os.getloadavg()[0],
+        "gc_full_max_ms": 1e3 * max(gc_pauses.oldest, default=0.0), "cpu_util": cpu / wall, "wall_s": wall, "replicas": args.agent_replicas, "hosts": args.agent_hosts, "load_avg_1m": os.getloadavg()[0],
     }
 
 

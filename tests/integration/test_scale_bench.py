@@ -49,3 +49,16 @@ def test_soak_reads_events_as_they_are_written_and_gives_stepless_ones_to_the_la
         f.write(credit[20:] + "\n" + json.dumps({**event, "step": 2, "value": 0.7}) + "\n")
     assert tail.poll() == {1: {"timing_s/step": 0.5, "stream/credit": 7.0}, 2: {"timing_s/step": 0.7}}
     assert tail.latest == {"timing_s/step": 0.7, "stream/credit": 7.0}
+
+
+@pytest.mark.timeout(180)
+def test_bench_scale_agent_through_ray_actors_loses_no_conversation(capsys):
+    # The replicas in two Ray actor processes, every turn and end_session over asyncrl.rpc.
+    result = bench_scale.main(["--agent", "--json", "--agent-repeats", "1", "--agent-conversations", "48",
+                               "--agent-rounds", "2", "--agent-replicas", "4", "--agent-hosts", "2",
+                               "--tool-median-s", "0.005", "--tool-p99-s", "0.02"])
+    assert "4 simulated replicas in 2 Ray actor processes, called over zmq" in capsys.readouterr().out
+    assert result["hosts"] == 2 and result["conversations_sent"] == 96 and result["mean_turns"] == 4.0
+    assert result["lost"] == result["duplicated"] == result["bad_turns"] == result["failed"] == 0
+    assert result["turn_requests"] == 96 * 4  # each turn one engine request, none repeated
+    assert result["session_tokens_reused_per_turn"] > result["prefill_tokens_per_turn"] > 0  # sessions kept
