@@ -38,7 +38,7 @@ import inspect
 import itertools
 import logging
 import pickle
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import zmq
@@ -467,8 +467,8 @@ class RpcActor:
 
 
 async def link(target: Any) -> Any:
-    """``target``'s calls over ZeroMQ where it is a Ray actor that serves them on this node (an
-    `RpcActor`); else ``target`` itself."""
+    """``target``'s calls over ZeroMQ where it is a Ray actor that serves them (`Serving`): an
+    `RpcActor` (on loopback for an actor of this node, CURVE for one of another); else ``target``."""
     if isinstance(target, RpcActor):
         return target
     from ray.actor import ActorHandle
@@ -479,3 +479,19 @@ async def link(target: Any) -> Any:
     here = node_ip()
     served = await serve(here, client_keys()[0])
     return RpcActor(target, served["endpoint"], server_key=served.get("server_key"), node=here)
+
+
+async def link_each(engines: Any, keys: Iterable[Any], timeout_s: float) -> set[Any]:
+    """`link` ``engines[k]`` for each key at once, each under ``timeout_s``, and put each link in its
+    handle's place unless the handle was replaced meanwhile (a restarted replica): the keys linked.
+    One that fails or does not answer is left as it is (a caller may try it again later)."""
+    keys = list(keys)
+    handles = [engines[k] for k in keys]
+    links = await asyncio.gather(*(asyncio.wait_for(link(h), timeout_s) for h in handles), return_exceptions=True)
+    linked = set()
+    for k, handle, out in zip(keys, handles, links):
+        current = engines.get(k) if isinstance(engines, dict) else engines[k]  # (a dict's entry may be dropped)
+        if not isinstance(out, BaseException) and current is handle:
+            engines[k] = out
+            linked.add(k)
+    return linked

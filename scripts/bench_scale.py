@@ -315,7 +315,6 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
     from asyncrl.queue import StreamConfig, StreamProducer
     from asyncrl.rollouter.actor import EngineActor
     from asyncrl.rollouter.rollouter import RolloutConfig, Rollouter, settle_gc
-    from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
 
     g = _groups_per_sync(args, replicas)
     if ray_hop:
@@ -357,15 +356,8 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
 
         async def sync(republish: bool = False) -> tuple[int, float, float, float, float]:
             return await driver.sync.remote(republish)
-    else:
-        coordinator = WeightSyncCoordinator([_Remote(_EmptyTrainer())],
-                                            {f"engine[{i}]": h for i, h in enumerate(handles)},
-                                            WeightSyncConfig(retries=0))
-
-        async def sync(republish: bool = False) -> tuple[int, float, float, float, float]:
-            version = await (coordinator.republish() if republish else coordinator.sync())
-            last = coordinator.last
-            return version, last.total_s, last.pause_s, last.transfer_s, last.resume_s
+    else:  # in this process, on the Rollouter's loop
+        sync = SyncDriver(handles, args.engine_calls).sync
     fanout: list[float] = []
     phases: list[tuple[float, float, float]] = []  # (pause, update, resume) of each sync
     measuring = False

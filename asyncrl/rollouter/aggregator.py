@@ -111,14 +111,7 @@ class AggregatorActor:
 
     async def _link(self) -> None:
         todo = [i for i in range(len(self.engines)) if i not in self._linked]
-        handles = [self.engines[i] for i in todo]
-        links = await asyncio.gather(*(asyncio.wait_for(rpc.link(h), self.signal_timeout_s) for h in handles),
-                                     return_exceptions=True)
-        for i, handle, linked in zip(todo, handles, links):
-            # (one that did not answer is tried again at a later signal; one replaced meanwhile is left as it is)
-            if not isinstance(linked, BaseException) and self.engines[i] is handle:
-                self.engines[i] = linked
-                self._linked.add(i)
+        self._linked |= await rpc.link_each(self.engines, todo, self.signal_timeout_s)  # the rest: at a later signal
 
     async def replace_engine(self, index: int, engine: Any) -> None:
         """Replica ``index`` was started again: signal the new one."""

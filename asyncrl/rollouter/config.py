@@ -87,10 +87,10 @@ class RolloutConfig:
     this late. None: one plain call answered when the group's last response ends (rewards start
     then; the cheapest for the Rollouter: a streaming call costs it ~3x a plain one, docs/scale.md)."""
     engine_calls: str = "zmq"
-    """How the Rollouter calls engine replicas that are Ray actors of its node: ``zmq`` (over a
-    ZeroMQ socket pair on loopback, Ray placing and watching the actor: `asyncrl.rpc`; a fraction
-    of a Ray call's CPU) or ``ray`` (Ray actor calls). Replicas on other nodes are called through
-    Ray either way."""
+    """How the Rollouter, the weight-sync coordinator and the aggregator call engine replicas that
+    are Ray actors: ``zmq`` (over a ZeroMQ socket pair, Ray placing and watching the actor:
+    `asyncrl.rpc`; loopback on the replica's node, CURVE-encrypted from another; a fraction of a
+    Ray call's CPU) or ``ray`` (Ray actor calls)."""
     seed: int = 0
     """Base seed; request ``k`` of sample ``i`` samples with ``seed + 1000 * i + k`` (+ its age)."""
     agent: AgentConfig = field(default_factory=AgentConfig)

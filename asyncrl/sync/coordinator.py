@@ -271,14 +271,8 @@ class WeightSyncCoordinator:
         a sync's 3 x N pause / update / resume calls then cost a fraction of Ray calls. One that does
         not answer stays a Ray handle (the pause finds out what it is)."""
         names = [n for n in self.engines if n not in self._linked] if self._rpc else []
-        if not names:
-            return
-        links, _ = await self._wait({n: rpc.link(self.engines[n]) for n in names}, self.config.pause_timeout_s,
-                                    "pause_timeout_s", "link")
-        for name, linked in links.items():
-            if name in self.engines:
-                self.engines[name] = linked
-                self._linked.add(name)
+        if names:
+            self._linked |= await rpc.link_each(self.engines, names, self.config.pause_timeout_s)
 
     async def _each(self, names, call, timeout: float, setting: str, step: str):
         refs = {n: call(self.engines[n]) for n in names}

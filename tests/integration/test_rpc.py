@@ -172,6 +172,20 @@ async def test_an_in_process_object_is_called_as_it_is_and_a_link_stays_on_its_n
     ray.kill(engine)
 
 
+async def test_link_each_links_in_place_and_leaves_a_handle_replaced_meanwhile(ray_cluster):
+    cls = remote_engine_actor(num_cpus=0)
+    a, b = cls.remote(**SIM), cls.remote(**SIM)
+    engines = {"a": a, "b": b, "plain": Recorder()}
+    linking = asyncio.ensure_future(rpc.link_each(engines, ["a", "b", "plain"], 30.0))
+    await asyncio.sleep(0)  # the links are asked for
+    engines["a"] = "restarted"  # replica a started again while its old handle was being linked
+    assert await linking == {"b", "plain"}
+    assert engines["a"] == "restarted" and isinstance(engines["b"], rpc.RpcActor) and engines["b"].handle is b
+    assert isinstance(engines["plain"], Recorder)  # nothing to link: called as it is
+    ray.kill(a)
+    ray.kill(b)
+
+
 async def _groups(engine_calls: str) -> dict[str, list]:
     engines = [remote_engine_actor(num_cpus=0).remote(**SIM) for _ in range(2)]
     prompts = [Prompt(text=str(i), prompt_ids=np.arange(2, 6 + i)) for i in range(6)]
