@@ -144,6 +144,10 @@ class WeightSyncCoordinator:
         resumed, errors = await self._each(
             landed, lambda h: h.resume.remote(), cfg.resume_timeout_s, "resume_timeout_s", "resume"
         )
+        if errors:  # one that died after its transfer is dropped, as at the pause (a restart brings it back)
+            _, dead = await self._ping(list(errors))
+            for name in dead:
+                self._drop(name, errors[name])
         failed.update(errors)
         report.resume_s = time.perf_counter() - t2
         report.total_s = time.perf_counter() - t0
