@@ -172,6 +172,15 @@ RAY_TASK_EVENTS = 10_000
 cluster keeps its own setting (``RAY_task_events_max_num_task_in_gcs`` when it is started)."""
 
 
+def same_priority() -> dict:
+    """Ray ``_system_config`` for a local Ray: its workers keep the priority of the process that starts
+    it. Ray renices every worker to 15 (``worker_niceness``) so that the driver stays responsive; in an
+    asyncrl run the actors do all the work, so any other process of the machine would come first: with
+    three busy processes beside it, a Ray actor took 148 s to start here instead of 4 (2026-11-26).
+    A ``RAY_worker_niceness`` in the environment is left to decide."""
+    return {} if "RAY_worker_niceness" in os.environ else {"worker_niceness": 0}
+
+
 def connect(placement, cpu_actors: int) -> Cluster:
     """Join ``placement.address`` or ``RAY_ADDRESS`` (set by ``ray job submit``), else start a local Ray."""
     import logging
@@ -188,11 +197,12 @@ def connect(placement, cpu_actors: int) -> Cluster:
         # Ray's GCS keeps the events of the last 100,000 actor calls by default: a run makes one
         # call per request, so over 1000 demo steps the GCS grew 91 -> 361 MB (scripts/soak.py)
         # before it stopped. Keep RAY_TASK_EVENTS of them (Ray's own dashboard shows those).
+        # Its workers keep the launcher's priority (same_priority: Ray would renice them to 15).
         for attempt in range(1, _LOCAL_STARTS + 1):
             try:
                 ray.init(address="local", num_cpus=max(cpu_actors, os.cpu_count() or 1), include_dashboard=False,
                          log_to_driver=True, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-                         _system_config={"task_events_max_num_task_in_gcs": RAY_TASK_EVENTS})
+                         _system_config={"task_events_max_num_task_in_gcs": RAY_TASK_EVENTS, **same_priority()})
                 break
             except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
                 # Ray gives its raylet a fixed 30 s to register; a machine busy with other work can

@@ -528,7 +528,10 @@ def _one_size(args: argparse.Namespace, replicas: int, ray_hop: bool, agg: bool,
     if ray_hop:
         import ray
 
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from asyncrl.placement import same_priority
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _system_config=same_priority())
     # Saturated: the trainer takes groups as fast as they come, so the Rollouter is the bound.
     result = _with_trainer(args, replicas, args.train_groups_s, None, ray_hop)
     # Paced at --paced-req-s: the latencies of a Rollouter at work but not saturated.
@@ -547,12 +550,15 @@ def _ray_call_cost(calls: int) -> dict:
     """Ray's own cost of one actor call, from a driver to an async actor (what the figures leave out)."""
     import ray
 
+    from asyncrl.placement import same_priority
+
     @ray.remote(num_cpus=0)
     class Echo:
         async def ping(self, x):
             return x
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _system_config=same_priority())
     try:
         actor = Echo.remote()
         ray.get(actor.ping.remote(0))
@@ -587,6 +593,10 @@ KEYS = ["req_s", "cpu_ms_per_req", "sync_fanout_p50_ms", "sync_fanout_p99_ms", "
         "agg_lag_p99_ms", "agg_report_p50_ms", "rss_mb", "groups_per_sync", "engine_calls_per_group"]
 
 
+SIZE_TIMEOUT_S = 900
+"""One size's process (a local Ray, two runs against a trainer, the aggregator's rounds) past this is killed."""
+
+
 def _sizes(args: argparse.Namespace, ray_hop: bool, agg: bool) -> list[dict]:
     """Every size of ``--replicas`` for one placement of the replicas, each in a process of its own."""
     ctx = mp.get_context("spawn")
@@ -598,7 +608,11 @@ def _sizes(args: argparse.Namespace, ray_hop: bool, agg: bool) -> list[dict]:
         out = ctx.Queue()
         proc = ctx.Process(target=_one_size, args=(args, replicas, ray_hop, agg, out))
         proc.start()
-        proc.join()
+        proc.join(SIZE_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise SystemExit(f"bench_scale: the run at {replicas} replicas did not end within {SIZE_TIMEOUT_S} s")
         if proc.exitcode != 0 or out.empty():
             raise SystemExit(f"bench_scale: the run at {replicas} replicas failed (exit code {proc.exitcode})")
         r = out.get()

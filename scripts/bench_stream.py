@@ -391,7 +391,10 @@ def main() -> None:
     if not args.skip_ray:
         import ray
 
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        from asyncrl.placement import same_priority
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 _system_config=same_priority())
         try:
             for name, (tokens, count) in cases.items():
                 n = max(args.warmup + 50, int(count * args.ray_fraction))

@@ -214,8 +214,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import ray
 
+    from asyncrl.placement import same_priority
+
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, _system_config=same_priority())
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -6,6 +6,11 @@ import pytest
 
 from asyncrl.skip import SkipManager
 
+# Ray renices its workers to 15 (asyncrl.placement.same_priority): beside the suite's other processes
+# (three pytest workers on two cores) a Ray actor then took minutes to start, and tests timed out.
+# Every Ray a test starts, in process or in a launched child (which inherits this), keeps one priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     try:

@@ -44,3 +44,22 @@ def test_it_gives_up_after_three_starts_and_other_errors_are_not_retried(monkeyp
     with pytest.raises(ValueError, match="bad num_cpus"):
         placement.connect(SimpleNamespace(address=None), cpu_actors=3)
     assert len(calls) == 1
+
+
+def test_the_local_ray_s_workers_keep_the_launcher_s_priority_unless_the_environment_says(monkeypatch):
+    import os
+
+    import ray
+
+    # Ray renices its workers to 15 by default; the launcher's local Ray keeps them at the launcher's own.
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert placement.same_priority() == {"worker_niceness": 0}
+    placement.connect(SimpleNamespace(address=None), cpu_actors=1)
+    try:
+        niceness = ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote(), timeout=120)
+    finally:
+        ray.shutdown()
+    assert niceness == os.nice(0)
+    monkeypatch.setenv("RAY_worker_niceness", "15")  # a user's own choice stands
+    assert placement.same_priority() == {}
