@@ -310,6 +310,53 @@ async def test_engine_killed_mid_broadcast_leaves_the_survivor_with_a_whole_new_
         ray.kill(victim)
 
 
+class _KillAtResume:
+    """Engine handle proxy: the engine holds the new weights; its process is SIGKILLed as its resume is called."""
+
+    def __init__(self, handle, pid):
+        self._h, self._pid = handle, pid
+        self.resume = self
+        self.killed = False
+
+    def remote(self):
+        async def kill_then_resume():
+            os.kill(self._pid, signal.SIGKILL)
+            psutil.Process(self._pid).wait(30)
+            self.killed = True
+            return await self._h.resume.remote()
+
+        return kill_then_resume()
+
+    def __getattr__(self, name):
+        return getattr(self._h, name)
+
+
+async def test_an_engine_killed_between_its_weights_and_its_resume_is_dropped_and_the_next_sync_goes_on(
+        trainer, engines, model_path):
+    survivor = engines[0]
+    victim = remote_engine_actor(num_cpus=0.5).remote(kind="torch", model_path=str(model_path), eos_token_ids=(),
+                                                      num_threads=1)
+    await victim.ready.remote()
+    try:
+        coord = WeightSyncCoordinator(trainer.workers, {"survivor": survivor, "victim": victim}, CFG,
+                                      version=await survivor.version.remote())
+        v1 = await coord.sync()
+        pid = await victim.__ray_call__.remote(lambda self: os.getpid())
+        proxy = coord.engines["victim"] = _KillAtResume(victim, pid)
+        await trainer.call("__ray_call__", [(_perturb, 41), (_perturb, 41)], timeout=60)
+        with pytest.raises(WeightSyncError, match=rf"version {v1 + 1} failed for victim \(victim: resume failed: .*\); "
+                                                  rf"resumed on version {v1 + 1}: survivor$"):
+            await coord.sync()
+        assert proxy.killed and not _running(pid)
+        # dropped at once (a restart brings it back), not left in the group for the next sync to trip on
+        assert list(coord.engines) == ["survivor"] and "victim" in coord.dead and coord.version == v1 + 1
+        await trainer.call("__ray_call__", [(_perturb, 42), (_perturb, 42)], timeout=60)
+        assert await coord.sync() == v1 + 2 and coord.last.attempts == 1 and not coord.last.failed
+        await _assert_equal(trainer, [survivor])
+    finally:
+        ray.kill(victim)
+
+
 class _RolloutSide:
     """The Rollouter's side of `NotifyingSyncer` (its Ray handle's methods), recording what it is told."""
 
