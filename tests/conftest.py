@@ -12,27 +12,7 @@ from asyncrl.skip import SkipManager
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 
-# The files of the longest runs, longest first (wall seconds of their tests in one full run here,
-# three workers on two cores, 2026-11-26): pytest-xdist (--dist loadfile) hands out files in
-# collection order, so these start first and the many short files fill the workers' ends. In
-# collection order the last long file started ~25 minutes in and ran alone for its last 5 minutes.
-LONGEST_FIRST = (
-    "test_restarts.py",  # ~915 s
-    "test_vllm_real.py",  # ~900 s
-    "test_resume.py",  # ~450 s
-    "test_agent_run.py",  # ~410 s
-    "test_launch.py",  # ~300 s
-    "test_modes_learn.py",  # ~250 s
-    "test_bench_overlap.py",  # ~210 s
-    "test_bench_e2e.py",  # ~195 s
-    "test_launch_skip.py",  # ~155 s
-    "test_scale_bench.py",  # ~145 s
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     try:
         import torch
 
