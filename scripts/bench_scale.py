@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="RolloutConfig.result_batch_s: a group call's results streamed in batches this far apart "
                         "('none': one plain call per group, answered at its end)")
     p.add_argument("--hosts", type=int, default=4, help="Ray actor processes the replicas are spread over")
+    p.add_argument("--host-niceness", type=int, default=0,
+                   help="niceness the host processes add to their own (0: the Rollouter's priority, as Ray actors "
+                        "of one run have; 15: Ray's default for its workers, behind the Rollouter)")
     p.add_argument("--engine-calls", choices=("zmq", "ray"), default="zmq",
                    help="rollout.engine_calls: the Rollouter's and the coordinator's calls to the replicas' "
                         "actors over ZeroMQ (asyncrl.rpc; the default) or as Ray actor calls")
@@ -199,9 +202,11 @@ class SimHost(Serving):
     an empty weight update; `_Hosted` calls one of them through Ray as if it were an actor of its
     own, and `asyncrl.rpc.RpcActor(host, endpoint, key=i)` over ZeroMQ (``serve_rpc``)."""
 
-    def __init__(self, count: int, first_seed: int, **sim) -> None:
+    def __init__(self, count: int, first_seed: int, niceness: int = 0, **sim) -> None:
         from asyncrl.rollouter.actor import EngineActor
 
+        if niceness:  # (only ever raised: an unprivileged process cannot lower it)
+            os.nice(niceness)
         self.replicas = [_EmptyUpdate(EngineActor(kind="sim", seed=first_seed + i, **sim)) for i in range(count)]
 
     def _rpc_resolve(self, i: int):
@@ -261,8 +266,8 @@ def _ray_replicas(args: argparse.Namespace, replicas: int, hosts_n: int | None =
     counts = [replicas // hosts_n + (h < replicas % hosts_n) for h in range(hosts_n)]
     hosts, handles = [], []
     for h, count in enumerate(counts):
-        host = host_cls.remote(count, args.seed * 1000 + len(handles), max_running=args.max_running,
-                               tokens_per_s=args.tokens_per_s, **sim)
+        host = host_cls.remote(count, args.seed * 1000 + len(handles), args.host_niceness,
+                               max_running=args.max_running, tokens_per_s=args.tokens_per_s, **sim)
         hosts.append(host)
         handles += [_Hosted(host, i) for i in range(count)]
     ray.get([host.ready.remote() for host in hosts], timeout=120)
@@ -593,6 +598,10 @@ KEYS = ["req_s", "cpu_ms_per_req", "sync_fanout_p50_ms", "sync_fanout_p99_ms", "
         "agg_lag_p99_ms", "agg_report_p50_ms", "rss_mb", "groups_per_sync", "engine_calls_per_group"]
 
 
+def _niceness(args: argparse.Namespace) -> str:
+    return f", the hosts at niceness +{args.host_niceness}" if args.host_niceness else ""
+
+
 SIZE_TIMEOUT_S = 900
 """One size's process (a local Ray, two runs against a trainer, the aggregator's rounds) past this is killed."""
 
@@ -602,7 +611,7 @@ def _sizes(args: argparse.Namespace, ray_hop: bool, agg: bool) -> list[dict]:
     ctx = mp.get_context("spawn")
     rows = []
     where = (f"in {args.hosts} Ray actor processes (fewer when fewer replicas), called over {args.engine_calls}"
-             if ray_hop else "in process (no Ray)")
+             f"{_niceness(args)}" if ray_hop else "in process (no Ray)")
     print(f"replicas {where}:", flush=True)
     for replicas in args.replicas:
         out = ctx.Queue()
@@ -686,7 +695,7 @@ def agent_main(args: argparse.Namespace) -> dict:
     loop_name = bench_scale_agent.event_loop(args.event_loop)
     print(f"bench_scale --agent: {args.agent_conversations} conversations at once, {args.agent_turns} turns each, "
           f"n={args.agent_n}, {args.agent_replicas} simulated replicas "
-          f"{f'in {args.agent_hosts} Ray actor processes, called over {args.engine_calls}' if args.agent_hosts else 'in process'} ({args.max_running} slots x "
+          f"{f'in {args.agent_hosts} Ray actor processes, called over {args.engine_calls}{_niceness(args)}' if args.agent_hosts else 'in process'} ({args.max_running} slots x "
           f"{args.tokens_per_s:g} tokens/s), tool latency median {args.tool_median_s:g} s p99 {args.tool_p99_s:g} s, event "
           f"loop {loop_name}; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
