@@ -97,7 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bench_scale_agent.add_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.host_niceness <= 19:
+        p.error(f"--host-niceness must be 0-19 (a process can only lower its own priority), got {args.host_niceness}")
+    return args
 
 
 # ---------------------------------------------------------------------------- the trainer's side
@@ -205,7 +208,7 @@ class SimHost(Serving):
     def __init__(self, count: int, first_seed: int, niceness: int = 0, **sim) -> None:
         from asyncrl.rollouter.actor import EngineActor
 
-        if niceness:  # (only ever raised: an unprivileged process cannot lower it)
+        if niceness:  # (0-19, checked by parse_args: an unprivileged process cannot raise its priority)
             os.nice(niceness)
         self.replicas = [_EmptyUpdate(EngineActor(kind="sim", seed=first_seed + i, **sim)) for i in range(count)]
 

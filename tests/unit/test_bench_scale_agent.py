@@ -53,3 +53,11 @@ def test_tool_latency_has_the_median_and_p99_asked_for():
     latency = bench_scale_agent.ToolLatency(0.2, 2.0, seed=0)
     draws = np.array([latency.draw() for _ in range(20000)])
     assert abs(np.median(draws) - 0.2) < 0.01 and 1.7 < np.percentile(draws, 99) < 2.3
+
+
+def test_host_niceness_is_refused_outside_0_to_19_naming_the_flag(capsys):
+    assert bench_scale.parse_args(["--host-niceness", "15"]).host_niceness == 15
+    for bad in ("-3", "20"):
+        with pytest.raises(SystemExit):
+            bench_scale.parse_args(["--host-niceness", bad])
+        assert f"--host-niceness must be 0-19 (a process can only lower its own priority), got {bad}" in capsys.readouterr().err
