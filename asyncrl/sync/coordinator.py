@@ -144,10 +144,7 @@ class WeightSyncCoordinator:
         resumed, errors = await self._each(
             landed, lambda h: h.resume.remote(), cfg.resume_timeout_s, "resume_timeout_s", "resume"
         )
-        if errors:  # one that died after its transfer is dropped, as at the pause (a restart brings it back)
-            _, dead = await self._ping(list(errors))
-            for name in dead:
-                self._drop(name, errors[name])
+        await self._drop_dead(errors)  # one that died after its transfer, as at the pause
         failed.update(errors)
         report.resume_s = time.perf_counter() - t2
         report.total_s = time.perf_counter() - t0
@@ -170,10 +167,7 @@ class WeightSyncCoordinator:
         """``pause(keep)`` every engine: (paused names, failures); dead engines are dropped."""
         paused, errors = await self._each(list(self.engines), lambda h: h.pause.remote("keep", self.clear_cache),
                                           self.config.pause_timeout_s, "pause_timeout_s", "pause")
-        if errors:
-            _, dead = await self._ping(list(errors))
-            for name in dead:
-                self._drop(name, errors[name])
+        await self._drop_dead(errors)
         return paused, dict(errors)
 
     async def _transfer(self, names: list[str], target: int, failed: dict[str, str],
@@ -311,6 +305,14 @@ class WeightSyncCoordinator:
         ok, errors = await self._each(names, lambda h: h.version.remote(), self.config.pause_timeout_s,
                                       "pause_timeout_s", "liveness ping")
         return [n for n in names if n in ok], [n for n in names if n in errors]
+
+    async def _drop_dead(self, errors: Mapping[str, str]) -> None:
+        """Ping the engines that failed a step and drop the dead ones with their error (a restart brings
+        them back); one that still answers stays."""
+        if errors:
+            _, dead = await self._ping(list(errors))
+            for name in dead:
+                self._drop(name, errors[name])
 
     def _drop(self, name: str, why: str) -> None:
         self.engines.pop(name, None)
