@@ -224,25 +224,39 @@ def _running(pid: int) -> bool:
         return False
 
 
-class _KillAfterPause:
-    """Engine handle proxy: the engine process is SIGKILLed right after its pause returns."""
+class _Killing:
+    """Engine handle proxy: the engine process is SIGKILLed right after its ``method`` call returns, or
+    with ``before``, as the call is made (the call then meets a dead actor)."""
 
-    def __init__(self, handle, pid):
-        self._h, self._pid = handle, pid
-        self.pause = self
+    def __init__(self, handle, pid, method: str, before: bool = False):
+        self._h, self._pid, self._method, self._before = handle, pid, method, before
+        setattr(self, method, self)
         self.killed = False
 
-    def remote(self, *args):
-        async def pause_then_kill():
-            await self._h.pause.remote(*args)
-            os.kill(self._pid, signal.SIGKILL)
-            psutil.Process(self._pid).wait(30)  # reaped by Ray's raylet; gone before we go on
-            self.killed = True
+    def _kill(self):
+        os.kill(self._pid, signal.SIGKILL)
+        psutil.Process(self._pid).wait(30)  # reaped by Ray's raylet; gone before we go on
+        self.killed = True
 
-        return pause_then_kill()
+    def remote(self, *args):
+        async def call():
+            if self._before:
+                self._kill()
+            out = await getattr(self._h, self._method).remote(*args)
+            if not self._before:
+                self._kill()
+            return out
+
+        return call()
 
     def __getattr__(self, name):
         return getattr(self._h, name)
+
+
+def _torch_engine(model_path):
+    """A built-in engine actor on the module's tiny model, besides the fixture's two."""
+    return remote_engine_actor(num_cpus=0.5).remote(kind="torch", model_path=str(model_path), eos_token_ids=(),
+                                                    num_threads=1)
 
 
 async def test_engine_killed_during_sync_is_named_and_the_other_serves_new_version(trainer, engines):
@@ -251,7 +265,7 @@ async def test_engine_killed_during_sync_is_named_and_the_other_serves_new_versi
                                   version=start)
     assert await coord.sync() == start + 1  # the group is formed; now lose a member of it
     pid = await engines[1].__ray_call__.remote(lambda self: os.getpid())
-    proxy = _KillAfterPause(engines[1], pid)
+    proxy = _Killing(engines[1], pid, "pause")
     coord.engines["engine-b"] = proxy
     await trainer.call("__ray_call__", [(_perturb, 11), (_perturb, 11)], timeout=60)
     v = start + 2
@@ -287,8 +301,7 @@ def _die_on_third_bucket(self):
 
 async def test_engine_killed_mid_broadcast_leaves_the_survivor_with_a_whole_new_set(trainer, engines, model_path):
     survivor = engines[0]
-    victim = remote_engine_actor(num_cpus=0.5).remote(kind="torch", model_path=str(model_path), eos_token_ids=(),
-                                                      num_threads=1)
+    victim = _torch_engine(model_path)
     await victim.ready.remote()
     try:
         coord = WeightSyncCoordinator(trainer.workers, {"survivor": survivor, "victim": victim}, CFG,
@@ -310,39 +323,17 @@ async def test_engine_killed_mid_broadcast_leaves_the_survivor_with_a_whole_new_
         ray.kill(victim)
 
 
-class _KillAtResume:
-    """Engine handle proxy: the engine holds the new weights; its process is SIGKILLed as its resume is called."""
-
-    def __init__(self, handle, pid):
-        self._h, self._pid = handle, pid
-        self.resume = self
-        self.killed = False
-
-    def remote(self):
-        async def kill_then_resume():
-            os.kill(self._pid, signal.SIGKILL)
-            psutil.Process(self._pid).wait(30)
-            self.killed = True
-            return await self._h.resume.remote()
-
-        return kill_then_resume()
-
-    def __getattr__(self, name):
-        return getattr(self._h, name)
-
-
 async def test_an_engine_killed_between_its_weights_and_its_resume_is_dropped_and_the_next_sync_goes_on(
         trainer, engines, model_path):
     survivor = engines[0]
-    victim = remote_engine_actor(num_cpus=0.5).remote(kind="torch", model_path=str(model_path), eos_token_ids=(),
-                                                      num_threads=1)
+    victim = _torch_engine(model_path)
     await victim.ready.remote()
     try:
         coord = WeightSyncCoordinator(trainer.workers, {"survivor": survivor, "victim": victim}, CFG,
                                       version=await survivor.version.remote())
         v1 = await coord.sync()
         pid = await victim.__ray_call__.remote(lambda self: os.getpid())
-        proxy = coord.engines["victim"] = _KillAtResume(victim, pid)
+        proxy = coord.engines["victim"] = _Killing(victim, pid, "resume", before=True)
         await trainer.call("__ray_call__", [(_perturb, 41), (_perturb, 41)], timeout=60)
         with pytest.raises(WeightSyncError, match=rf"version {v1 + 1} failed for victim \(victim: resume failed: .*\); "
                                                   rf"resumed on version {v1 + 1}: survivor$"):
@@ -380,8 +371,7 @@ async def test_an_engine_killed_mid_broadcast_starts_again_and_serves_the_curren
     from asyncrl.processes import EngineRestarter, NotifyingSyncer
 
     def start_engine(i):
-        return remote_engine_actor(num_cpus=0.5).remote(kind="torch", model_path=str(model_path), eos_token_ids=(),
-                                                        num_threads=1)
+        return _torch_engine(model_path)
 
     survivor, victim = engines[0], start_engine(1)
     await victim.ready.remote()
