@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the paced run: an extra pause-all -> update -> resume-all every this many seconds")
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--seconds", type=float, default=8.0, help="measured time per size")
+    p.add_argument("--paced-seconds", type=float, default=30.0,
+                   help="measured time of the paced run (its syncs give the fan-out's p99: ~7 a second)")
     p.add_argument("--agg-seconds", type=float, default=4.0, help="the aggregator's run per size (0: leave it out)")
     p.add_argument("--ray-calls", type=int, default=0, help="also time this many Ray actor calls (0: leave out)")
     p.add_argument("--result-batch-s", type=lambda v: None if v == "none" else float(v), default=0.02,
@@ -314,7 +316,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, probe_s: float | None,
-                     ray_hop: bool) -> dict:
+                     ray_hop: bool, seconds: float) -> dict:
     """One async-mode run; with ``probe_s`` the bench also times an extra pause-all -> update ->
     resume-all (`WeightSyncCoordinator.republish`: the current version again) every ``probe_s``.
     ``ray_hop``: the replicas live in Ray actors (`_ray_replicas`), else in this process."""
@@ -405,7 +407,7 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
         await asyncio.sleep(args.warmup_s)
         measuring = True
         t0, c0, n0, s0 = time.perf_counter(), time.process_time(), counted.groups, len(syncs)
-        await asyncio.sleep(args.seconds)
+        await asyncio.sleep(seconds)
         t1, c1, n1 = time.perf_counter(), time.process_time(), counted.groups
         # calls per group over the whole run, warm-up included: a structural ratio, not a rate (on a
         # loaded machine a short window can hold groups admitted before it and no admission)
@@ -435,6 +437,7 @@ async def _async_run(args: argparse.Namespace, replicas: int, endpoint: str, pro
             "req_s": requests / (t1 - t0), "cpu_ms_per_req": 1e3 * (c1 - c0) / max(requests, 1),
             "cpu_util": (c1 - c0) / (t1 - t0), "syncs": len(fanout),
             "sync_fanout_p50_ms": 1e3 * _pct(fanout, 50), "sync_fanout_p99_ms": 1e3 * _pct(fanout, 99),
+            "sync_fanout_max_ms": 1e3 * max(fanout, default=float("nan")),
             "gate_lag_p50_ms": 1e3 * _pct(gate, 50), "gate_lag_p99_ms": 1e3 * _pct(gate, 99),
             "rss_mb": rss / 2**20, "groups_per_sync": g,
             "sync_phases_p50_ms": [round(1e3 * _pct([p[i] for p in phases], 50), 2) for i in range(3)],
@@ -510,7 +513,7 @@ def _groups_per_sync(args: argparse.Namespace, replicas: int) -> int:
 
 
 def _with_trainer(args: argparse.Namespace, replicas: int, groups_s: float, probe_s: float | None,
-                  ray_hop: bool) -> dict:
+                  ray_hop: bool, seconds: float) -> dict:
     """`_async_run` against a trainer process that consumes ``groups_s`` groups a second."""
     from asyncrl.net import free_port
 
@@ -523,7 +526,7 @@ def _with_trainer(args: argparse.Namespace, replicas: int, groups_s: float, prob
     try:
         if not ready.wait(60):
             raise RuntimeError("the trainer's consumer did not start within 60 s")
-        return asyncio.run(_async_run(args, replicas, endpoint, probe_s, ray_hop))
+        return asyncio.run(_async_run(args, replicas, endpoint, probe_s, ray_hop, seconds))
     finally:
         stop.set()
         trainer.join(10)
@@ -542,12 +545,13 @@ def _one_size(args: argparse.Namespace, replicas: int, ray_hop: bool, agg: bool,
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  _system_config=same_priority())
     # Saturated: the trainer takes groups as fast as they come, so the Rollouter is the bound.
-    result = _with_trainer(args, replicas, args.train_groups_s, None, ray_hop)
-    # Paced at --paced-req-s: the latencies of a Rollouter at work but not saturated.
-    paced = _with_trainer(args, replicas, args.paced_req_s / args.n, args.probe_s, ray_hop)
+    result = _with_trainer(args, replicas, args.train_groups_s, None, ray_hop, args.seconds)
+    # Paced at --paced-req-s: the latencies of a Rollouter at work but not saturated. Long enough for
+    # a p99 (~200 syncs at the defaults): over 8 s's ~50 syncs np.percentile's p99 was the maximum.
+    paced = _with_trainer(args, replicas, args.paced_req_s / args.n, args.probe_s, ray_hop, args.paced_seconds)
     result.update({f"{k}": paced[k] for k in ("sync_fanout_p50_ms", "sync_fanout_p99_ms", "gate_lag_p50_ms",
                                               "gate_lag_p99_ms", "sync_phases_p50_ms", "sync_phases_p99_ms",
-                                              "syncs")},
+                                              "syncs", "sync_fanout_max_ms")},
                   paced_req_s=paced["req_s"], paced_cpu_util=paced["cpu_util"],
                   saturated_fanout_p99_ms=result["sync_fanout_p99_ms"], saturated_gate_lag_p99_ms=result["gate_lag_p99_ms"])
     if agg and args.agg_seconds > 0:  # the aggregator's rounds: once per size, replicas in process
@@ -598,8 +602,8 @@ def _plan_64_nodes() -> tuple[float, str]:
     return time.perf_counter() - t0, text
 
 
-KEYS = ["req_s", "cpu_ms_per_req", "sync_fanout_p50_ms", "sync_fanout_p99_ms", "gate_lag_p50_ms", "gate_lag_p99_ms",
-        "agg_lag_p99_ms", "agg_report_p50_ms", "rss_mb", "groups_per_sync", "engine_calls_per_group"]
+KEYS = ["req_s", "cpu_ms_per_req", "sync_fanout_p50_ms", "sync_fanout_p99_ms", "sync_fanout_max_ms", "syncs",
+        "gate_lag_p50_ms", "gate_lag_p99_ms", "agg_lag_p99_ms", "agg_report_p50_ms", "rss_mb", "groups_per_sync", "engine_calls_per_group"]
 
 
 def _niceness(args: argparse.Namespace) -> str:
@@ -632,7 +636,8 @@ def _sizes(args: argparse.Namespace, ray_hop: bool, agg: bool) -> list[dict]:
         rows.append({"replicas": replicas, **r})
         print(f"  {replicas:4d} replicas: {r['req_s']:7.0f} req/s  {r['cpu_ms_per_req']:.3f} ms CPU/req "
               f"(CPU {r['cpu_util']:.2f}, {r['engine_calls_per_group']:.2f} engine calls/group)  sync fan-out p50 "
-              f"{r['sync_fanout_p50_ms']:.1f} p99 {r['sync_fanout_p99_ms']:.1f} ms ({r['syncs']} syncs at "
+              f"{r['sync_fanout_p50_ms']:.1f} p99 {r['sync_fanout_p99_ms']:.1f} max {r['sync_fanout_max_ms']:.1f} ms "
+              f"({r['syncs']} syncs at "
               f"{r['paced_req_s']:.0f} req/s, CPU {r['paced_cpu_util']:.2f}; p50 pause/update/resume "
               f"{r['sync_phases_p50_ms']} ms, p99 {r['sync_phases_p99_ms']} ms)  gate lag p99 {r['gate_lag_p99_ms']:.1f} ms  aggregator lag p99 "
               f"{r.get('agg_lag_p99_ms', float('nan')):.1f} ms ({r.get('rounds', 0)} rounds)  RSS {r['rss_mb']:.0f} MB",
@@ -656,7 +661,7 @@ def main(argv: list[str] | None = None) -> dict:
     load = os.getloadavg()
     print(f"bench_scale: replicas {args.replicas}, {args.max_running} slots x {args.tokens_per_s:g} tokens/s each, "
           f"n={args.n}, trainer {args.train_groups_s:g} groups/s, {args.seconds:g} s per size after "
-          f"{args.warmup_s:g} s; load average {load[0]:.2f} {load[1]:.2f}", flush=True)
+          f"{args.warmup_s:g} s (the paced run {args.paced_seconds:g} s); load average {load[0]:.2f} {load[1]:.2f}", flush=True)
     modes = sorted(set(args.modes), key=["ray", "ray-calls", "in-process"].index)  # the Ray hop first: the headline
     as_ray_calls = argparse.Namespace(**{**vars(args), "engine_calls": "ray"})
     by_mode = {m: _sizes(as_ray_calls if m == "ray-calls" else args, m != "in-process", agg=m == modes[0])
