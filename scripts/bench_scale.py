@@ -603,7 +603,8 @@ def _plan_64_nodes() -> tuple[float, str]:
 
 
 KEYS = ["req_s", "cpu_ms_per_req", "sync_fanout_p50_ms", "sync_fanout_p99_ms", "sync_fanout_max_ms", "syncs",
-        "gate_lag_p50_ms", "gate_lag_p99_ms", "agg_lag_p99_ms", "agg_report_p50_ms", "rss_mb", "groups_per_sync", "engine_calls_per_group"]
+        "gate_lag_p50_ms", "gate_lag_p99_ms", "agg_lag_p99_ms", "agg_report_p50_ms", "rss_mb", "groups_per_sync",
+        "engine_calls_per_group"]
 
 
 def _niceness(args: argparse.Namespace) -> str:
@@ -661,7 +662,8 @@ def main(argv: list[str] | None = None) -> dict:
     load = os.getloadavg()
     print(f"bench_scale: replicas {args.replicas}, {args.max_running} slots x {args.tokens_per_s:g} tokens/s each, "
           f"n={args.n}, trainer {args.train_groups_s:g} groups/s, {args.seconds:g} s per size after "
-          f"{args.warmup_s:g} s (the paced run {args.paced_seconds:g} s); load average {load[0]:.2f} {load[1]:.2f}", flush=True)
+          f"{args.warmup_s:g} s (the paced run {args.paced_seconds:g} s); load average {load[0]:.2f} {load[1]:.2f}",
+          flush=True)
     modes = sorted(set(args.modes), key=["ray", "ray-calls", "in-process"].index)  # the Ray hop first: the headline
     as_ray_calls = argparse.Namespace(**{**vars(args), "engine_calls": "ray"})
     by_mode = {m: _sizes(as_ray_calls if m == "ray-calls" else args, m != "in-process", agg=m == modes[0])

@@ -16,9 +16,9 @@ import soak  # noqa: E402
 def test_bench_scale_drives_the_rollouter_syncs_and_aggregator_at_two_sizes(capsys):
     # (the Ray-actor-call baseline, --modes ray-calls, is left to the bench's own runs: the Rollouter's
     # path through Ray actor calls is tested in test_rpc.py)
-    result = bench_scale.main(["--replicas", "1", "8", "--warmup-s", "0.5", "--seconds", "1.5", "--paced-seconds", "1.5",
-                               "--modes", "ray", "in-process", "--agg-seconds", "1.5", "--probe-s", "0.05", "--hosts", "2",
-                               "--json"])
+    result = bench_scale.main(["--replicas", "1", "8", "--warmup-s", "0.5", "--seconds", "1.5",
+                               "--paced-seconds", "1.5", "--modes", "ray", "in-process", "--agg-seconds", "1.5",
+                               "--probe-s", "0.05", "--hosts", "2", "--json"])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
     assert result["replicas"] == [1, 8] and result["ray_hop"] is True  # the headline figures cross Ray
