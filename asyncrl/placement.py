@@ -19,6 +19,7 @@ heterogeneous GPU types.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,25 +199,37 @@ def connect(placement, cpu_actors: int) -> Cluster:
         # call per request, so over 1000 demo steps the GCS grew 91 -> 361 MB (scripts/soak.py)
         # before it stopped. Keep RAY_TASK_EVENTS of them (Ray's own dashboard shows those).
         # Its workers keep the launcher's priority (same_priority: Ray would renice them to 15).
-        for attempt in range(1, _LOCAL_STARTS + 1):
-            try:
-                ray.init(address="local", num_cpus=max(cpu_actors, os.cpu_count() or 1), include_dashboard=False,
-                         log_to_driver=True, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-                         _system_config={"task_events_max_num_task_in_gcs": RAY_TASK_EVENTS, **same_priority()})
-                break
-            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
-                # Ray gives its raylet a fixed 30 s to register; a machine busy with other work can
-                # take longer. That start is abandoned and a fresh one tried.
-                if "timed out during startup" not in str(e) or attempt == _LOCAL_STARTS:
-                    raise
-                print(f"asyncrl: the local Ray did not start in time ({e}); starting it again "
-                      f"({attempt}/{_LOCAL_STARTS - 1})", flush=True)
-                ray.shutdown()
+        start_local_ray(num_cpus=max(cpu_actors, os.cpu_count() or 1), log_to_driver=True,
+                        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                        _system_config={"task_events_max_num_task_in_gcs": RAY_TASK_EVENTS},
+                        say=lambda line: print(f"asyncrl: {line}", flush=True))
     return Cluster(nodes=alive_nodes(), started_here=not address)
 
 
 _LOCAL_STARTS = 3
 """Tries to start a local Ray whose raylet did not register within Ray's 30 s (a loaded machine)."""
+
+
+def start_local_ray(*, say: Callable[[str], None] | None = None, **init: Any) -> None:
+    """``ray.init(address="local", include_dashboard=False, **init)``: a new local Ray, its workers at
+    the caller's priority (`same_priority`, merged into ``_system_config``). Ray gives its raylet a
+    fixed 30 s to register, which a machine busy with other work can exceed: that start is abandoned
+    and a fresh one tried, up to ``_LOCAL_STARTS`` in all (``say`` is told of each retry). The
+    launcher, the benchmarks and the tests start their local Ray through this."""
+    import ray
+
+    init = {"include_dashboard": False, **init}
+    init["_system_config"] = {**init.get("_system_config", {}), **same_priority()}
+    for attempt in range(1, _LOCAL_STARTS + 1):
+        try:
+            ray.init(address="local", **init)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == _LOCAL_STARTS:
+                raise
+            if say is not None:
+                say(f"the local Ray did not start in time ({e}); starting it again ({attempt}/{_LOCAL_STARTS - 1})")
+            ray.shutdown()
 
 
 def alive_nodes() -> list[Node]:

@@ -538,12 +538,9 @@ def _one_size(args: argparse.Namespace, replicas: int, ray_hop: bool, agg: bool,
     """One size, in a process of its own (so its CPU time and memory are its own); with
     ``ray_hop`` the process starts a local Ray for its replicas' actors."""
     if ray_hop:
-        import ray
+        from asyncrl.placement import start_local_ray
 
-        from asyncrl.placement import same_priority
-
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _system_config=same_priority())
+        start_local_ray(num_cpus=2, log_to_driver=False)
     # Saturated: the trainer takes groups as fast as they come, so the Rollouter is the bound.
     result = _with_trainer(args, replicas, args.train_groups_s, None, ray_hop, args.seconds)
     # Paced at --paced-req-s: the latencies of a Rollouter at work but not saturated. Long enough for
@@ -563,15 +560,14 @@ def _ray_call_cost(calls: int) -> dict:
     """Ray's own cost of one actor call, from a driver to an async actor (what the figures leave out)."""
     import ray
 
-    from asyncrl.placement import same_priority
+    from asyncrl.placement import start_local_ray
 
     @ray.remote(num_cpus=0)
     class Echo:
         async def ping(self, x):
             return x
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _system_config=same_priority())
+    start_local_ray(num_cpus=2, log_to_driver=False)
     try:
         actor = Echo.remote()
         ray.get(actor.ping.remote(0))

@@ -223,14 +223,11 @@ async def agent_run(args: argparse.Namespace) -> dict:
     prefill = args.prefill_tokens_per_s or None
     hosts = []
     if args.agent_hosts:  # the replicas in Ray actor processes, as in a run (their schedulers leave this loop)
-        import ray
-
-        from asyncrl.placement import same_priority
+        from asyncrl.placement import start_local_ray
 
         import bench_scale
 
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _system_config=same_priority())
+        start_local_ray(num_cpus=2, log_to_driver=False)
         engines, hosts = bench_scale._ray_replicas(args, args.agent_replicas, args.agent_hosts,
                                                    prefill_tokens_per_s=prefill)
     else:

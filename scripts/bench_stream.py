@@ -391,10 +391,9 @@ def main() -> None:
     if not args.skip_ray:
         import ray
 
-        from asyncrl.placement import same_priority
+        from asyncrl.placement import start_local_ray
 
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 _system_config=same_priority())
+        start_local_ray(num_cpus=2, log_to_driver=False, logging_level="ERROR")
         try:
             for name, (tokens, count) in cases.items():
                 n = max(args.warmup + 50, int(count * args.ray_fraction))

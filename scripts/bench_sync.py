@@ -214,10 +214,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import ray
 
-    from asyncrl.placement import same_priority
+    from asyncrl.placement import start_local_ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, _system_config=same_priority())
+    start_local_ray(num_cpus=4, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:

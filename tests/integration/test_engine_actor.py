@@ -11,6 +11,7 @@ import ray
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.placement import start_local_ray
 from asyncrl.rollouter.actor import EngineActor, remote_engine_actor
 from asyncrl.rollouter.engines import make_engine
 from asyncrl.types import GenerateRequest, SamplingParams
@@ -23,7 +24,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, log_to_driver=False)
     yield
     ray.shutdown()
 

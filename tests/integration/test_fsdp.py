@@ -6,6 +6,7 @@ import pytest
 import ray
 
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.placement import start_local_ray
 from asyncrl.trainer.batch import assemble
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
 from asyncrl.trainer.ranks import RankGroup
@@ -16,8 +17,8 @@ T = 600.0
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    start_local_ray(num_cpus=2, log_to_driver=False,
+                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     yield
     ray.shutdown()
 

@@ -10,6 +10,7 @@ import ray
 
 from asyncrl.metrics.report import engine_counters, prefill_metrics
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.placement import start_local_ray
 from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
@@ -22,7 +23,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.placement import start_local_ray
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.rollouter.aggregator import remote_aggregator_actor
 from asyncrl.rollouter.partial import PartialRolloutConfig
@@ -30,8 +31,8 @@ N, G = 2, 2
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_local_ray(num_cpus=2, log_to_driver=False,
+                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
 

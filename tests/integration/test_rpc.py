@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from asyncrl import calls, rpc
+from asyncrl.placement import start_local_ray
 from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.heap import GC_YOUNG_THRESHOLD
 from asyncrl.rollouter.actor import remote_engine_actor
@@ -22,7 +23,7 @@ SIM = dict(kind="sim", max_running=8, tokens_per_s=4000.0, median_tokens=4, long
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, log_to_driver=False)
     yield
     ray.shutdown()
 

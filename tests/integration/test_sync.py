@@ -19,6 +19,7 @@ import ray
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.placement import start_local_ray
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
 from asyncrl.sync.wire import WeightSyncError
@@ -40,8 +41,8 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_local_ray(num_cpus=4, log_to_driver=False,
+                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
 

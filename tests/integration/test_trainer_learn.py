@@ -17,6 +17,7 @@ import torch
 
 from asyncrl.models import default_model_path
 from asyncrl.models.tiny import build_tokenizer
+from asyncrl.placement import start_local_ray
 from asyncrl.rollouter.engines.builtin.engine import TorchEngine
 from asyncrl.tasks import arithmetic
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
@@ -69,8 +70,8 @@ async def test_sync_grpo_raises_mean_reward(rollout_batch):
                             algorithm=AlgorithmConfig(loss_agg_mode="token-mean", temperature=1.0),
                             optim=OptimConfig(lr=1e-3, warmup_steps=2)),
         groups_per_batch=PROMPTS, cpus_per_rank=1)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    start_local_ray(num_cpus=2, log_to_driver=False,
+                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     ranks = engine = None
     try:
         ranks = RankGroup.start_ray(cfg)
