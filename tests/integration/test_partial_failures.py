@@ -31,8 +31,7 @@ N, G = 2, 2
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    start_local_ray(num_cpus=2, log_to_driver=False,
-                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_local_ray(num_cpus=2, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
 

@@ -41,8 +41,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    start_local_ray(num_cpus=4, log_to_driver=False,
-                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_local_ray(num_cpus=4, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
 

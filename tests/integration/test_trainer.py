@@ -58,8 +58,7 @@ def ray_ranks(tmp_path_factory):
     from asyncrl.trainer.ranks import RankGroup
 
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-    start_local_ray(num_cpus=2, log_to_driver=False,
-                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_local_ray(num_cpus=2, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     ranks = RankGroup.start_ray(trainer_config(path))
     yield path, ranks
     ranks.close()

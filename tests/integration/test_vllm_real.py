@@ -695,12 +695,15 @@ def _events(run_dir, name: str) -> list:
 
 
 def _grew(run_dir, replica: int, since: int) -> bool:
-    """Replica ``replica``'s own request and token counters grew at versions from ``since``."""
-    for counter in ("requests", "tokens_generated"):
-        seen = [e.value for e in _events(run_dir, f"engine/{replica}/{counter}") if e.version >= since]
-        if not (len(seen) >= 2 and seen[-1] > seen[0]):
-            return False
-    return True
+    """Replica ``replica``'s own request and token counters grew at versions from ``since`` (one read
+    of events.jsonl: the restart test polls this once a step)."""
+    from asyncrl.metrics.sinks.jsonl import read_events
+
+    seen: dict[str, list[float]] = {f"engine/{replica}/{c}": [] for c in ("requests", "tokens_generated")}
+    for e in read_events(run_dir / "events.jsonl"):
+        if e.name in seen and e.version >= since:
+            seen[e.name].append(e.value)
+    return all(len(v) >= 2 and v[-1] > v[0] for v in seen.values())
 
 
 _VLLM_RUN = ["engine.kind=vllm", "engine.kv_cache_mb=64", "--n", "4", "--groups-per-step", "4", "--long-tail", "16",
