@@ -18,6 +18,10 @@ logprobs, versions arrays) go from one process to another through:
     held on average in the same run (the stream lets groups waiting to leave share a message):
     the physical limit for (a)'s own framing, shown beside (b) so that (a)'s batching is not
     mistaken for a faster wire;
+(b3) ``raw_zmq_gather``: (b), but each message's pool frame joined afresh from the group's own
+    arrays (one copy of its bytes, as any sender of groups it has just made must do; still no
+    encode, credit or acks): (b) re-sends one buffer that stays in the cache and copies nothing,
+    which no producer of new groups can do, so (a) against (b3) is the stream's own cost;
 (c) ``ray_queue``: a Ray actor queue receiving cloudpickled groups through actor calls from a
     producer actor, drained by a consumer actor that unpickles them (the design of verl's
     fully-async MessageQueue).
@@ -29,7 +33,8 @@ stream, raw, stream, raw, ...; each run's ratio is the stream's rate over the ra
 right after it, and the median of those ratios counts, with its spread (a shared machine moves
 a path by 30% between minutes: one run proves nothing). Both codecs run: ``accel`` (the C
 extension ``asyncrl/queue/_fastgroups``) and ``python`` (``ASYNCRL_PURE_PYTHON=1``); the
-batched and untuned raw baselines run after each pair of the first codec only.
+batched, untuned and gather raw baselines run after each pair of the first codec only
+(``vs_zmq_gather_median`` etc. in the JSON).
 
 Every run is printed with the 1-minute load average beside it, then the medians; with
 ``--json`` the last line holds ``vs_raw_median``, ``vs_raw_min``, ``vs_raw_max`` (1k, C),
@@ -169,20 +174,24 @@ def _tune(sock, tuned: bool) -> None:
         sock.setsockopt(zmq.RCVBUF, StreamConfig.socket_buffer_bytes)
 
 
-def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned: bool, out) -> None:
+def _raw_producer(port: int, tokens: int, messages: int, per_message: int, tuned: bool, gather: bool, out) -> None:
     import zmq
 
     from asyncrl.queue.group_codec import pack_groups, prepare_group
 
     arrays = _arrays(tokens, 1)
-    frames = pack_groups([prepare_group(make_group(i, arrays)) for i in range(per_message)])
+    prepared = [prepare_group(make_group(i, arrays)) for i in range(per_message)]
+    frames = pack_groups(prepared)
+    # gather: the pool frame joined afresh from the groups' own arrays for every message, as a
+    # sender of groups it has just made must (the same bytes; no encode, credit or acks)
+    parts = [a for g in prepared for column in g.sources for a in column]
     cpu = _cpu_s()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     _tune(sock, tuned)
     sock.connect(ENDPOINT.format(port=port))
     for _ in range(messages):
-        sock.send_multipart(frames, copy=False)
+        sock.send_multipart([frames[0], b"".join(parts)] if gather else frames, copy=False)
     sock.close(linger=-1)
     ctx.term()  # returns once every queued message went out
     out.put(("producer_cpu", (_cpu_s() - cpu) / (messages * per_message)))
@@ -206,13 +215,15 @@ def _raw_consumer(port: int, messages: int, tuned: bool, out) -> None:
     out.put((times, cpu))
 
 
-def _raw_rate(tokens: int, count: int, warmup: int, per_message: int, tuned: bool = True) -> tuple[float, float, float]:
-    """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message,
-    and the CPU seconds per group of its producer and of its consumer."""
+def _raw_rate(tokens: int, count: int, warmup: int, per_message: int, tuned: bool = True,
+              gather: bool = False) -> tuple[float, float, float]:
+    """Groups per second of raw ZeroMQ carrying ``count`` groups, ``per_message`` to a message
+    (``gather``: each message's pool joined afresh from the arrays), and the CPU seconds per
+    group of its producer and of its consumer."""
     messages = max(count // per_message, warmup // per_message + 10)
     port = free_port()
     (times, consumer_cpu), producer_cpu = _run_pair(
-        _raw_producer, _raw_consumer, (port, tokens, messages, per_message, tuned), (port, messages, tuned)
+        _raw_producer, _raw_consumer, (port, tokens, messages, per_message, tuned, gather), (port, messages, tuned)
     )
     return per_message * _rate(times, warmup // per_message), producer_cpu, consumer_cpu / per_message
 
@@ -357,8 +368,9 @@ def _run_case(name: str, tokens: int, count: int, codec: str, args, extras: bool
         if extras:  # after the pair, so they do not stretch the gap between its two halves
             run["raw_zmq_batched"] = _raw_rate(tokens, count, args.warmup, max(1, round(per_message)))[0]
             run["raw_zmq_untuned"] = _raw_rate(tokens, count, args.warmup, 1, tuned=False)[0]
+            run["raw_zmq_gather"] = _raw_rate(tokens, count, args.warmup, 1, gather=True)[0]
         runs.append(run)
-        others = "".join(f", {k} {run[k]:.0f}" for k in ("raw_zmq_batched", "raw_zmq_untuned") if k in run)
+        others = "".join(f", {k} {run[k]:.0f}" for k in ("raw_zmq_batched", "raw_zmq_untuned", "raw_zmq_gather") if k in run)
         print(f"{name} {codec:<6} run {i + 1}/{args.repeats}: stream {stream:.0f} groups/s, raw_zmq {raw:.0f}"
               f"{others}, vs_raw {stream / raw:.3f}, {per_message:.1f} groups/message, load {load:.2f}; "
               f"CPU us/group producer+consumer: stream {run['stream_cpu_us_producer']:.0f}+"
@@ -407,7 +419,7 @@ def main() -> None:
     for (name, codec), s in summary.items():
         mb = group_nbytes(cases[name][0]) / 1e6
         suffix = ("" if name == "1k" else f"_{name}") + ("" if codec == "accel" else "_py")
-        for path in ("stream", "raw_zmq", "raw_zmq_batched", "raw_zmq_untuned"):
+        for path in ("stream", "raw_zmq", "raw_zmq_batched", "raw_zmq_untuned", "raw_zmq_gather"):
             if path in s:
                 m = s[path]
                 print(f"{name:<5} {codec:<7} {path:<16} {m['median']:>12.0f} ({m['min']:.0f}-{m['max']:.0f}) "
@@ -417,7 +429,7 @@ def main() -> None:
         for stat in ("median", "min", "max"):
             results[f"vs_raw_{stat}{suffix}"] = round(s["vs_raw"][stat], 3)
         results[f"vs_raw_runs{suffix}"] = [round(r["vs_raw"], 3) for r in s["runs"]]
-        for path in ("raw_zmq_batched", "raw_zmq_untuned"):
+        for path in ("raw_zmq_batched", "raw_zmq_untuned", "raw_zmq_gather"):
             if path in s:
                 ratios = [r["stream"] / r[path] for r in s["runs"]]
                 results[f"vs_{path[4:]}_median{suffix}"] = round(statistics.median(ratios), 3)
@@ -437,7 +449,9 @@ def main() -> None:
         print(f"{name} {codec}: vs_raw median {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f}), "
               f"runs {each}  (target: median >= 0.9); CPU us/group, median, producer+consumer: stream "
               f"{cpu['stream_cpu_us_producer']:.0f}+{cpu['stream_cpu_us_consumer']:.0f}, raw_zmq "
-              f"{cpu['raw_zmq_cpu_us_producer']:.0f}+{cpu['raw_zmq_cpu_us_consumer']:.0f}")
+              f"{cpu['raw_zmq_cpu_us_producer']:.0f}+{cpu['raw_zmq_cpu_us_consumer']:.0f}"
+              + (f"; vs raw_zmq_gather median {statistics.median(r['stream'] / r['raw_zmq_gather'] for r in s['runs']):.3f}"
+                 if "raw_zmq_gather" in s else ""))
     results["load_avg_start"] = [round(x, 2) for x in loads[0]]
     results["load_avg_end"] = [round(x, 2) for x in loads[-1]]
     print(f"load average at the start {'/'.join(f'{x:.2f}' for x in loads[0])}, "
