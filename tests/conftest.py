@@ -35,6 +35,20 @@ def _quiet_threads():
     yield
 
 
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """A local Ray of the module's own (`asyncrl.placement.start_local_ray`: 2 CPUs, no log
+    forwarding; a module's ``RAY_INIT`` dict adds to or overrides those arguments), shut down
+    after the module's last test."""
+    import ray
+
+    from asyncrl.placement import start_local_ray
+
+    start_local_ray(**{"num_cpus": 2, "log_to_driver": False, **getattr(request.module, "RAY_INIT", {})})
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(params=["accelerated", "pure-python"])
 def codec_path(request, monkeypatch):
     """Run a test on both paths of the group codec: the C accelerator and pure Python.

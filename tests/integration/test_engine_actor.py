@@ -11,7 +11,6 @@ import ray
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.placement import start_local_ray
 from asyncrl.rollouter.actor import EngineActor, remote_engine_actor
 from asyncrl.rollouter.engines import make_engine
 from asyncrl.types import GenerateRequest, SamplingParams
@@ -20,13 +19,6 @@ from asyncrl.types import GenerateRequest, SamplingParams
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    start_local_ray(num_cpus=2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

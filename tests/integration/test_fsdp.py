@@ -3,10 +3,8 @@ written by two ranks resumes on one rank (DCP reshards) to the same parameters."
 
 import numpy as np
 import pytest
-import ray
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.placement import start_local_ray
 from asyncrl.trainer.batch import assemble
 from asyncrl.trainer.config import AlgorithmConfig, OptimConfig, TrainerConfig, WorkerConfig
 from asyncrl.trainer.ranks import RankGroup
@@ -15,12 +13,8 @@ from asyncrl.types import Group, Trajectory
 T = 600.0
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    start_local_ray(num_cpus=2, log_to_driver=False,
-                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
+# this module's Ray, as the conftest's ray_cluster starts it
+RAY_INIT = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import ray
 
 from asyncrl.metrics.report import engine_counters, prefill_metrics
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.placement import start_local_ray
 from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
@@ -19,13 +18,6 @@ from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    start_local_ray(num_cpus=2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _prompts(count: int) -> list[Prompt]:

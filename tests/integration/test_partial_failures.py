@@ -16,7 +16,6 @@ import ray
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.placement import start_local_ray
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.rollouter.aggregator import remote_aggregator_actor
 from asyncrl.rollouter.partial import PartialRolloutConfig
@@ -27,13 +26,8 @@ from asyncrl.queue.memory import MemorySink
 N, G = 2, 2
 
 
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    start_local_ray(num_cpus=2, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
+# this module's Ray, as the conftest's ray_cluster starts it
+RAY_INIT = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
 
 
 async def sync_live(engines, version):

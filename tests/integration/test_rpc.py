@@ -10,7 +10,6 @@ import pytest
 import ray
 
 from asyncrl import calls, rpc
-from asyncrl.placement import start_local_ray
 from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.heap import GC_YOUNG_THRESHOLD
 from asyncrl.rollouter.actor import remote_engine_actor
@@ -19,13 +18,6 @@ from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
 from asyncrl.types import GenerateRequest, SamplingParams
 
 SIM = dict(kind="sim", max_running=8, tokens_per_s=4000.0, median_tokens=4, long_tail=4, seed=3)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    start_local_ray(num_cpus=2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 class Recorder(rpc.Serving):

@@ -19,7 +19,6 @@ import ray
 import torch
 
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.placement import start_local_ray
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
 from asyncrl.sync.wire import WeightSyncError
@@ -39,11 +38,8 @@ def model_path(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0, initializer_range=0.2)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    start_local_ray(num_cpus=4, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
+# this module's Ray, as the conftest's ray_cluster starts it
+RAY_INIT = {"num_cpus": 4, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
 
 
 @pytest.fixture(scope="module")
