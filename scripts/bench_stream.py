@@ -317,7 +317,14 @@ def _ray_rate(tokens: int, count: int, warmup: int, window: int) -> float:
 
 # ---------------------------------------------------------------------------------- main
 
+# raw baselines run beside each pair of the first codec (see the module docstring)
+EXTRA_RAW = ("raw_zmq_batched", "raw_zmq_untuned", "raw_zmq_gather")
 CODECS = {"accel": "the C accelerator (asyncrl/queue/_fastgroups)", "python": "pure Python (ASYNCRL_PURE_PYTHON=1)"}
+
+
+def _suffix(name: str, codec: str) -> str:
+    """A case's JSON key suffix: none for 1k with the C codec, ``_8k`` and/or ``_py`` otherwise."""
+    return ("" if name == "1k" else f"_{name}") + ("" if codec == "accel" else "_py")
 
 
 def _use_codec(codec: str) -> None:
@@ -370,7 +377,7 @@ def _run_case(name: str, tokens: int, count: int, codec: str, args, extras: bool
             run["raw_zmq_untuned"] = _raw_rate(tokens, count, args.warmup, 1, tuned=False)[0]
             run["raw_zmq_gather"] = _raw_rate(tokens, count, args.warmup, 1, gather=True)[0]
         runs.append(run)
-        others = "".join(f", {k} {run[k]:.0f}" for k in ("raw_zmq_batched", "raw_zmq_untuned", "raw_zmq_gather") if k in run)
+        others = "".join(f", {k} {run[k]:.0f}" for k in EXTRA_RAW if k in run)
         print(f"{name} {codec:<6} run {i + 1}/{args.repeats}: stream {stream:.0f} groups/s, raw_zmq {raw:.0f}"
               f"{others}, vs_raw {stream / raw:.3f}, {per_message:.1f} groups/message, load {load:.2f}; "
               f"CPU us/group producer+consumer: stream {run['stream_cpu_us_producer']:.0f}+"
@@ -418,8 +425,8 @@ def main() -> None:
     print(f"\n{'case':<5} {'codec':<7} {'path':<16} {'groups/s median (min-max)':>28} {'MB/s median':>12}")
     for (name, codec), s in summary.items():
         mb = group_nbytes(cases[name][0]) / 1e6
-        suffix = ("" if name == "1k" else f"_{name}") + ("" if codec == "accel" else "_py")
-        for path in ("stream", "raw_zmq", "raw_zmq_batched", "raw_zmq_untuned", "raw_zmq_gather"):
+        suffix = _suffix(name, codec)
+        for path in ("stream", "raw_zmq", *EXTRA_RAW):
             if path in s:
                 m = s[path]
                 print(f"{name:<5} {codec:<7} {path:<16} {m['median']:>12.0f} ({m['min']:.0f}-{m['max']:.0f}) "
@@ -429,7 +436,7 @@ def main() -> None:
         for stat in ("median", "min", "max"):
             results[f"vs_raw_{stat}{suffix}"] = round(s["vs_raw"][stat], 3)
         results[f"vs_raw_runs{suffix}"] = [round(r["vs_raw"], 3) for r in s["runs"]]
-        for path in ("raw_zmq_batched", "raw_zmq_untuned", "raw_zmq_gather"):
+        for path in EXTRA_RAW:
             if path in s:
                 ratios = [r["stream"] / r[path] for r in s["runs"]]
                 results[f"vs_{path[4:]}_median{suffix}"] = round(statistics.median(ratios), 3)
@@ -450,8 +457,8 @@ def main() -> None:
               f"runs {each}  (target: median >= 0.9); CPU us/group, median, producer+consumer: stream "
               f"{cpu['stream_cpu_us_producer']:.0f}+{cpu['stream_cpu_us_consumer']:.0f}, raw_zmq "
               f"{cpu['raw_zmq_cpu_us_producer']:.0f}+{cpu['raw_zmq_cpu_us_consumer']:.0f}"
-              + (f"; vs raw_zmq_gather median {statistics.median(r['stream'] / r['raw_zmq_gather'] for r in s['runs']):.3f}"
-                 if "raw_zmq_gather" in s else ""))
+              + (f"; vs raw_zmq_gather median {gather:.3f}"
+                 if (gather := results.get(f"vs_zmq_gather_median{_suffix(name, codec)}")) is not None else ""))
     results["load_avg_start"] = [round(x, 2) for x in loads[0]]
     results["load_avg_end"] = [round(x, 2) for x in loads[-1]]
     print(f"load average at the start {'/'.join(f'{x:.2f}' for x in loads[0])}, "
