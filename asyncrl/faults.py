@@ -5,6 +5,8 @@ That heals a process that died or hung (a killed rank, an out-of-memory Rolloute
 the new processes do the same work and succeed. It cannot heal a programming error: a
 ``TypeError`` in a reward, a misspelt attribute in a loss, an assertion. Those fail the same way
 on the same samples after every restart, so they stop the run at once with their traceback.
+An exception of the user's code while a group is generated (env, agent loop, reward, group
+filter: `asyncrl.usercode.UserCodeError`) is one too, whatever its class.
 
 A programming error reaches the launcher in one of three shapes:
 
@@ -32,6 +34,10 @@ _IN_GROUP = re.compile(rf"\b\d+: ({_NAMES}): ")
 
 def programming_error(error: BaseException) -> str | None:
     """The name of the programming error behind ``error``, or None when a restart may heal it."""
+    from asyncrl.usercode import user_error
+
+    if user_error(error) is not None:
+        return "UserCodeError"
     if isinstance(error, PROGRAMMING_ERRORS):
         cause = getattr(error, "cause", None)  # a RayTaskError names the remote class
         return type(cause if isinstance(cause, BaseException) else error).__name__

@@ -160,16 +160,21 @@ def run_restarting(cfg, plan, cluster, run_dir: Path) -> int:
     """`run`; when it fails (a process of the run died), start it again from its last checkpoint,
     up to ``cfg.max_restarts`` times, each logged with its cause in ``<run_dir>/restarts.jsonl``.
     The restarted run restores as ``--resume`` does, so every sample is trained once. A
-    programming error (`asyncrl.faults`) is not restarted: it would fail the same way again."""
+    programming error (`asyncrl.faults`) is not restarted: it would fail the same way again; an
+    error of the user's code (`asyncrl.usercode`) exits 1 naming it, the prompt and its traceback."""
     from asyncrl import placement
     from asyncrl.faults import fault_line, programming_error
     from asyncrl.progress import newest_checkpoint
+    from asyncrl.usercode import stop_message, user_error
 
     restarts = 0
     while True:
         try:
             return asyncio.run(run(cfg, plan, run_dir))
         except Exception as e:
+            if (user := user_error(e)) is not None:
+                print(stop_message(user, run_dir), file=sys.stderr, flush=True)
+                return 1
             bug = programming_error(e)
             if bug is not None:
                 print(f"asyncrl: not restarting: {bug} is an error in the code, which a restart would meet again; "

@@ -239,5 +239,9 @@ async def checkpoint_after_failure(trainer: Any, error: Exception, run_dir: Path
         print(f"asyncrl: stopping on {type(error).__name__}; the checkpoint failed too ({type(e).__name__}: {e}); "
               f"{where} (from {newest_checkpoint(run_dir)})", file=sys.stderr, flush=True)
         return
-    print(f"asyncrl: stopping on {type(error).__name__}: {error}\nasyncrl: checkpoint of step {trainer.step} "
-          f"written; {where}", file=sys.stderr, flush=True)
+    from asyncrl.usercode import user_error
+
+    user = user_error(error)  # its one line, not the Ray error's whole remote traceback (printed once, later)
+    what = f"{type(user).__name__}: {user.line()}" if user is not None else f"{type(error).__name__}: {error}"
+    print(f"asyncrl: stopping on {what}\nasyncrl: checkpoint of step {trainer.step} written; {where}",
+          file=sys.stderr, flush=True)

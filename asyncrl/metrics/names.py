@@ -129,6 +129,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "filter/kept_ratio": (T, "trained / (trained + filtered) groups of the step (1 without a filter)"),
     "filter/prompts_per_trained_group": (T, "groups received during the step (trained or dropped for any reason) "
                                             "per trained group"),
+    "user_errors/dropped_groups": (T, "groups dropped for an error of the user's code (rollout.on_user_error=drop), "
+                                      "received during the step"),
     "train/step": (T, "the step (also in every event's step field)"),
     "val/reward_mean": (T, "greedy reward on the validation file (every data.val_every steps)"),
     "val/response_length_mean": (T, "mean validation response length"),

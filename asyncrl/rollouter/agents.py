@@ -21,8 +21,10 @@ Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands eac
   episode's last model turn (the last run of ``loss_mask`` 1; nothing when there is none).
 - Sessions: every run of the loop must return ``rollout.agent.sessions`` trajectories (default 1);
   response ``k``'s session ``s`` is trajectory ``k * sessions + s`` of a group of ``n * sessions``.
-  Another count fails the group (`SessionCountError`), as does a loop or env that raises
-  (`AgentLoopError`, naming it and the error); an engine's error passes through unchanged.
+  Another count is the loop's error (`SessionCountError`), as is a loop or env that raises
+  (`AgentLoopError`, naming it, the error and the prompt): both are `UserCodeError`s, which
+  ``rollout.on_user_error`` stops the run on or drops the group for (`asyncrl.usercode`); an
+  engine's error passes through unchanged and fails the group.
 - Validation (``data.val``) runs the same loop on each validation prompt, greedily, on one replica
   (`validate_agent_response`: request ids ``val_{step}_{i}/t{turn}``), scored as in training.
 """
@@ -45,6 +47,7 @@ from asyncrl.rollouter.pool import GroupCalls
 from asyncrl.rollouter.rewards import score
 from asyncrl.rollouter.resumable import generate_resumable
 from asyncrl.turns import to_trajectory
+from asyncrl.usercode import UserCodeError
 from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
 
 if TYPE_CHECKING:
@@ -55,11 +58,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncrl.rollouter")
 
 
-class AgentLoopError(RuntimeError):
-    """The agent loop (or its env) raised while running one response: its group fails."""
+class AgentLoopError(UserCodeError):
+    """The agent loop (or its env) raised while running one response (a user error)."""
 
 
-class SessionCountError(RuntimeError):
+class SessionCountError(UserCodeError):
     """A run of the agent loop returned another number of trajectories than ``rollout.agent.sessions``."""
 
 
@@ -233,13 +236,14 @@ async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int,
     except Exception as exc:
         if exc is llm.engine_error:
             raise
-        raise AgentLoopError(f"{agent.name} raised {type(exc).__name__}: {exc}") from exc
+        raise AgentLoopError.of(exc, agent.name, sample_id, getattr(prompt, "text", None)) from exc
     finally:
         await llm.end_sessions()
     episodes = out if isinstance(out, (list, tuple)) else [out]
     if len(episodes) != agent.sessions:
         raise SessionCountError(f"{sample_id}/{k}: {agent.name} returned {len(episodes)} trajectories, "
-                                f"rollout.agent.sessions={agent.sessions} (the group fails closed)")
+                                f"rollout.agent.sessions={agent.sessions}", where=agent.name, sample_id=sample_id,
+                                prompt=getattr(prompt, "text", None))
     return [(to_trajectory(ep, sample_id=sample_id, index=k * agent.sessions + s, reward=0.0, age=llm.age),
              llm.replica, _reward(r, prompt, ep)) for s, ep in enumerate(episodes)]
 

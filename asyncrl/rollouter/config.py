@@ -102,6 +102,10 @@ class RolloutConfig:
     (reason ``filtered``), and give their staleness budget back so another prompt takes their place."""
     max_filtered_in_a_row: int = 64
     """Groups the filter may drop in a row before the run stops with an error naming it."""
+    on_user_error: str = "stop"
+    """When the user's env, agent loop, reward function or group filter raises (`asyncrl.usercode`):
+    ``stop`` the run at once, naming the prompt, with the traceback (no restart: it would raise
+    again); ``drop`` the group, count it (``user_errors/dropped_groups``) and print the first error."""
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "groups_per_sync", "max_concurrent", "reward_workers"):
@@ -117,6 +121,8 @@ class RolloutConfig:
         if self.group_filter not in ("none", "zero_std") and not (sep and module and name):
             raise ValueError(f"RolloutConfig.group_filter must be none, zero_std or module:function, "
                              f"got {self.group_filter!r}")
+        if self.on_user_error not in ("stop", "drop"):
+            raise ValueError(f"RolloutConfig.on_user_error must be stop or drop, got {self.on_user_error!r}")
         if self.engine_calls not in ("zmq", "ray"):
             raise ValueError(f"RolloutConfig.engine_calls must be zmq or ray, got {self.engine_calls!r}")
         if self.result_batch_s is not None and self.result_batch_s < 0:

@@ -11,7 +11,8 @@ Rollouter judges each finished group before it is sent (`Rollouter._one_group`):
   as generated, before any filter).
 - Only complete groups are judged: a failed group stays failed, and a group with a truncated
   response (partial rollout) is judged once that response ends. A filter that raises, or
-  returns anything but a bool, fails its group with an error naming the filter.
+  returns anything but a bool, is the user's error (`GroupFilterError`, a `UserCodeError`):
+  ``rollout.on_user_error`` stops the run or drops the group (`asyncrl.usercode`).
 - A dropped group is sent all the same, marked (`asyncrl.types.FILTERED_KEY` in its meta): the
   Trainer trains none of it and records it in ``samples.jsonl`` as dropped, reason ``filtered``,
   once its step is durable, like any drop. So exactly once holds across a crash: a drop not yet
@@ -30,12 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncrl.types import FILTERED_KEY, Group
+from asyncrl.usercode import UserCodeError
 
 BUILTIN = ("none", "zero_std")
 
 
-class GroupFilterError(Exception):
-    """A ``module:function`` group filter raised or returned a non-bool (its group fails)."""
+class GroupFilterError(UserCodeError):
+    """A ``module:function`` group filter raised or returned a non-bool (a user error)."""
 
 
 class GroupFilterStalled(RuntimeError):
@@ -95,14 +97,11 @@ class GroupFilter:
 
     def judge(self, group: Group) -> Group:
         """``group`` as it goes on: as it is if kept (or not complete: only complete groups are
-        judged), marked with `FILTERED_KEY` if dropped, failed with the error if the filter failed.
-        Raises `GroupFilterStalled` when this drop is the ``max_in_a_row``-th in a row."""
+        judged), marked with `FILTERED_KEY` if dropped. Raises `GroupFilterError` if the filter
+        failed, `GroupFilterStalled` when this drop is the ``max_in_a_row``-th in a row."""
         if self.fn is None or not group.complete:
             return group
-        try:
-            kept = self.keep(group)
-        except GroupFilterError as e:
-            return dataclasses.replace(group, status="failed", error=str(e))
+        kept = self.keep(group)
         return group if kept else dataclasses.replace(group, meta={**group.meta, FILTERED_KEY: self.spec})
 
     def keep(self, group: Group) -> bool:
@@ -112,11 +111,12 @@ class GroupFilter:
             return True
         try:
             verdict = self.fn(GroupView.of(group))
-        except Exception as e:  # noqa: BLE001 - the user's code: its error goes into the group's
-            raise GroupFilterError(f"rollout.group_filter={self.spec} raised {type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - the user's code
+            raise GroupFilterError.of(e, f"rollout.group_filter={self.spec}", group.sample_id) from e
         if not isinstance(verdict, (bool, np.bool_)):
             raise GroupFilterError(f"rollout.group_filter={self.spec} returned {verdict!r}; it must return "
-                                   "True (keep the group) or False (drop it)")
+                                   "True (keep the group) or False (drop it)", where=f"rollout.group_filter={self.spec}",
+                                   sample_id=group.sample_id)
         self.judged += 1
         if verdict:
             self.in_a_row = 0

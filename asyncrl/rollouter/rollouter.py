@@ -41,6 +41,8 @@ to, deadlines, dead replicas: ``request_timeout_s`` counts no weight-sync pause)
   still sent, with ``status="failed"`` and the error: the Trainer fails closed on it (or drops
   and counts it). An engine whose actor died gets no further requests: the call's unfinished
   requests go again together, same seeds, to a live engine; only when none is left do they fail.
+- The user's code raising (env, loop, reward, filter) is a `UserCodeError`, no fault: ``on_user_error``
+  ``stop`` ends `run` with it, ``drop`` sends its group marked, never trained (`asyncrl.usercode`).
 - Agent loops (`asyncrl.rollouter.agents`, ``rollout.agent``): each response is one run of the
   loop, every turn a request of the group's call; truncated turns resume like responses
   (`asyncrl.rollouter.resumable`) but are never checkpointed (a resume regenerates the conversation).
@@ -73,6 +75,7 @@ from asyncrl.rollouter.rewards import Rewards
 from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.skip import SkipManager, is_replayed
 from asyncrl.types import FILTERED_KEY, GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
+from asyncrl.usercode import USER_ERROR_KEY, UserCodeError, UserErrors
 
 __all__ = ["Prompt", "RolloutConfig", "RolloutState", "RolloutStats", "Rollouter", "encode_prompts", "settle_gc"]
 
@@ -137,6 +140,7 @@ class Rollouter:
         """Groups this run generated or replayed (complete or failed), counted before their send."""
         self._reports: dict[str, dict[int, int]] = {}  # lockstep: a group's trajectories per replica, until kept
         self.rewards = Rewards(reward_fn, cfg.reward_workers)
+        self.user_errors = UserErrors(cfg.on_user_error)
 
     # ------------------------------------------------------------------ control
 
@@ -248,7 +252,7 @@ class Rollouter:
                     if burst >= _ADMIT_BURST:
                         burst = 0
                         await asyncio.sleep(0)
-        except* GroupFilterStalled as eg:  # nothing passes the filter: the run stops, saying so
+        except* (GroupFilterStalled, UserCodeError) as eg:  # the run stops, saying why
             raise eg.exceptions[0] from None
         finally:
             self.rewards.close()
@@ -256,11 +260,16 @@ class Rollouter:
     # ------------------------------------------------------------------ one prompt
 
     async def _one_group(self, sample_id: str, prompt: Prompt) -> None:
+        group = None
         try:
-            # Filtered here, not in generate_group: a group replayed from a dump is judged afresh.
-            group = self.filter.judge(await self.generate_group(sample_id, prompt))
+            try:
+                # Filtered here, not in generate_group: a group replayed from a dump is judged afresh.
+                group = await self.generate_group(sample_id, prompt)
+                group = self.filter.judge(group)
+            except UserCodeError as e:  # stop: raises; drop: the group, marked
+                group = self.user_errors.group(e, sample_id, prompt, group, self._group_size)
             self._finished += 1
-            if FILTERED_KEY in group.meta:  # never trained: its budget goes back now, not at the send
+            if FILTERED_KEY in group.meta or USER_ERROR_KEY in group.meta:  # never trained: its budget goes back now
                 self.given_back.add(sample_id)  # with _finished, before any await: a round (re)opened counts neither
                 async with self._gate:
                     self._gate.notify_all()
@@ -307,8 +316,12 @@ class Rollouter:
             if isinstance(o, tuple):
                 try:
                     o[0].reward = await Rewards.value(o[2])
-                except Exception as exc:
-                    outcomes[k] = exc
+                except Exception as exc:  # noqa: BLE001 - the user's reward function
+                    where = f"the reward function ({getattr(self.reward_fn, '__qualname__', 'reward_fn')})"
+                    outcomes[k] = UserCodeError.of(exc, where, sample_id, prompt.text)
+        user = next((o for o in outcomes if isinstance(o, UserCodeError)), None)
+        if user is not None:  # the user's code, not a fault: on_user_error decides (_one_group)
+            raise user
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
         trajectories = [o[0] for o in outcomes if isinstance(o, tuple)]
         meta = {"prompt": prompt.text, **prompt.meta}
@@ -374,6 +387,7 @@ class Rollouter:
         out = {k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__}
         out.update(time_s=time.monotonic(), waiting_partials=len(self.partials), idle_s=pool.idle_s(),
                    filter_judged=self.filter.judged, filter_dropped=self.filter.dropped,
+                   user_errors=self.user_errors.dropped,
                    timed_out=pool.timed_out, dead_engines=pool.dead_engines, engine_calls=pool.calls,
                    requests_spread=pool.spread())
         counts = getattr(self.agent.loop, "counts", None) if self.agent is not None else None

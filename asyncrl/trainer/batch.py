@@ -6,7 +6,9 @@ model) may reach the loss. `screen_groups` applies the policy: an incomplete gro
 ``on_incomplete="drop"``, is returned as dropped with its reason so the caller counts and acks
 it. Groups older than ``max_version_gap`` are dropped the same way, and so are groups the
 Rollouter's ``rollout.group_filter`` marked (`FILTERED_KEY`; reason ``filtered``, before any other
-check: they are never trained, whatever they hold). `assemble` refuses any
+check: they are never trained, whatever they hold), and so are groups dropped for an error of
+the user's code (`USER_ERROR_KEY`, ``rollout.on_user_error=drop``; reason ``user_error: <the
+error>``). `assemble` refuses any
 incomplete group again (it never returns a partial batch) and builds a right-padded batch:
 
 ==================  ======  =====================================================
@@ -47,6 +49,7 @@ from tensordict import TensorDict
 
 from asyncrl.trainer.algorithm import grpo_advantages
 from asyncrl.types import FILTERED_KEY, Group
+from asyncrl.usercode import USER_ERROR_KEY
 
 BATCH_KEYS: tuple[str, ...] = (
     "input_ids", "attention_mask", "response_mask", "position_ids", "old_logprobs", "versions",
@@ -75,6 +78,8 @@ def oldest_version(group: Group) -> int | None:
 
 FILTERED = "filtered"
 """The drop reason of a group the Rollouter's group filter dropped."""
+USER_ERROR = "user_error"
+"""The start of the drop reason of a group dropped for an error of the user's code."""
 
 
 def screen_groups(
@@ -91,13 +96,18 @@ def screen_groups(
     if on_incomplete not in ("raise", "drop"):
         raise ValueError(f"on_incomplete must be 'raise' or 'drop', got {on_incomplete!r}")
     filtered = {g.sample_id for g in groups if FILTERED_KEY in g.meta}
-    incomplete = {g.sample_id: g.missing() for g in groups if not g.complete and g.sample_id not in filtered}
+    user = {g.sample_id: g.meta[USER_ERROR_KEY] for g in groups if USER_ERROR_KEY in g.meta}
+    incomplete = {g.sample_id: g.missing() for g in groups
+                  if not g.complete and g.sample_id not in filtered and g.sample_id not in user}
     if incomplete and on_incomplete == "raise":
         raise IncompleteGroupError(incomplete)
     kept, dropped = [], []
     for g in groups:
         if g.sample_id in filtered:
             dropped.append((g.sample_id, FILTERED))
+            continue
+        if g.sample_id in user:
+            dropped.append((g.sample_id, f"{USER_ERROR}: {user[g.sample_id]}"))
             continue
         if g.sample_id in incomplete:
             dropped.append((g.sample_id, f"incomplete: {incomplete[g.sample_id]}"))

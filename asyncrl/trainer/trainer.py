@@ -52,7 +52,7 @@ from asyncrl.queue.memory import MemorySource
 from asyncrl.skip.rollout_skip import REPLAY_KEY, is_replayed, rebase_versions
 from asyncrl.sync.base import WeightSyncer
 from asyncrl.trainer import audit, checkpoint
-from asyncrl.trainer.batch import FILTERED, assemble, screen_groups, shard_rows
+from asyncrl.trainer.batch import FILTERED, USER_ERROR, assemble, screen_groups, shard_rows
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.ranks import RankGroup
 from asyncrl.trainer.worker import merge_stats
@@ -366,7 +366,8 @@ def _filter_metrics(trained: int, dropped: list[tuple[str, str]]) -> dict:
     filter dropped, the share it kept, and prompts generated per trained group (every drop counted)."""
     filtered = sum(r == FILTERED for _, r in dropped)
     return {"filter/dropped_groups": float(filtered), "filter/kept_ratio": trained / (trained + filtered),
-            "filter/prompts_per_trained_group": (trained + len(dropped)) / trained}
+            "filter/prompts_per_trained_group": (trained + len(dropped)) / trained,
+            "user_errors/dropped_groups": float(sum(r.startswith(USER_ERROR + ":") for _, r in dropped))}
 
 
 def _step_metrics(per_batch: list[dict], batches: list, dropped: list[tuple[str, str]]) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncrl.agent import AgentLoop, Env, ToolEnv, tool
+from asyncrl.agent import AgentLoop, Env, Step, ToolEnv, tool
 
 
 @tool
@@ -45,11 +45,16 @@ class GatedLookupEnv(ToolEnv):
 
 
 class ExplodingEnv(Env):
+    """Raises in `step` on a prompt that says "explode" (a user's bug on some prompts only)."""
+
     async def reset(self, prompt):
+        self.text = prompt.text
         return [{"role": "user", "content": prompt.text}]
 
     async def step(self, text):
-        raise RuntimeError("env exploded")
+        if "explode" in self.text:
+            raise RuntimeError(f"env exploded on {self.text!r}")
+        return Step(observation=[], done=True)
 
 
 class TwoSessions(AgentLoop):

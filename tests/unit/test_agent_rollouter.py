@@ -140,28 +140,49 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
             assert engine.results[now.request_id].prefill_tokens == len(now.prompt_ids) - kept, (t.sample_id, j)
 
 
-async def test_an_env_that_raises_fails_its_group_with_the_error_named_and_the_run_goes_on(model_path, tok):
+async def test_an_env_that_raises_stops_the_run_naming_the_prompt_or_drops_its_group_and_goes_on(model_path, tok):
+    """A user error (`asyncrl.usercode`): ``rollout.on_user_error=stop`` (the default) ends the run
+    with the error, the prompt and the user's traceback; ``drop`` sends the group marked, never
+    trained, counts it, and the other prompts' groups go on. Sessions are ended either way."""
+    from asyncrl.rollouter.agents import AgentLoopError
+    from asyncrl.usercode import USER_ERROR_KEY
+
     engine = SpyEngine(kind="torch", model_path=str(model_path))
     agent = env_agent(tok, "ExplodingEnv")
-    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
-                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    line = ("rollout.agent.env=tests.unit.agent_envs:ExplodingEnv raised RuntimeError: env exploded on 'explode now' "
+            "(on prompt sample_0_1 'explode now')")
     try:
-        await asyncio.wait_for(r.run(num_groups=2), 120)
+        r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100, max_concurrent=1), [engine], MemorySink(),
+                      prompts(tok, QUESTION, "explode now"), lambda p, ids: 0.0, agent=agent)
+        with pytest.raises(AgentLoopError) as raised:
+            await asyncio.wait_for(r.run(num_groups=4), 120)
+        assert raised.value.line() == line and "in step\n    raise RuntimeError" in raised.value.user_traceback
+        assert [g.sample_id for g in r.producer.groups] == ["sample_0_0"] and r.admitted == 2  # stopped at the 2nd
+        assert len(engine.ended) == 4
+
+        r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100, on_user_error="drop"), [engine],
+                      MemorySink(), prompts(tok, QUESTION, "explode now"), lambda p, ids: 0.0, agent=agent)
+        await asyncio.wait_for(r.run(num_groups=4), 120)
     finally:
         await engine.close()
         agent.close()
-    assert len(r.producer.groups) == 2 and r.failed == 2
-    for g in r.producer.groups:
-        assert g.status == "failed" and not g.complete
-        assert ("AgentLoopError: rollout.agent.env=tests.unit.agent_envs:ExplodingEnv raised RuntimeError: "
-                "env exploded") in g.error
-    assert len(engine.ended) == 4  # the sessions of failed conversations are ended too
+    groups = {g.sample_id: g for g in r.producer.groups}
+    assert sorted(groups) == ["sample_0_0", "sample_0_1", "sample_1_2", "sample_1_3"]
+    for sid in ("sample_0_1", "sample_1_3"):
+        g = groups[sid]
+        assert g.status == "failed" and g.trajectories == [] and g.meta[USER_ERROR_KEY] == g.error
+        assert g.error == line.replace("sample_0_1", sid)
+    assert all(groups[sid].complete for sid in ("sample_0_0", "sample_1_2"))
+    assert r.user_errors.dropped == 2 and r.given_back == {"sample_0_1", "sample_1_3"}
+    assert len(engine.ended) == 4 + 8  # the sessions of failed conversations are ended too
 
 
-async def test_a_multi_output_loop_counts_sessions_and_a_missing_one_fails_its_group_closed(model_path, tok):
+async def test_a_multi_output_loop_counts_sessions_and_a_missing_one_is_a_user_error(model_path, tok):
+    from asyncrl.usercode import USER_ERROR_KEY
+
     engine = SpyEngine(kind="torch", model_path=str(model_path))
     agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:TwoSessions", sessions=2), tok)
-    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+    r = Rollouter(RolloutConfig(n=2, max_tokens=8, groups_per_sync=100, on_user_error="drop"), [engine], MemorySink(),
                   prompts(tok, QUESTION, "drop one"), lambda p, ids: 1.0, agent=agent)
     try:
         await asyncio.wait_for(r.run(num_groups=2), 120)
@@ -171,9 +192,9 @@ async def test_a_multi_output_loop_counts_sessions_and_a_missing_one_fails_its_g
     assert ok.complete and ok.expected == 4 and sorted(t.index for t in ok.trajectories) == [0, 1, 2, 3]
     assert {q.session_id for q in engine.requests if q.request_id.startswith(ok.sample_id + "/")} == {
         f"{ok.sample_id}/{k}{s}" for k in range(2) for s in ("", "/s1")}
-    assert dropped.status == "failed" and not dropped.complete
-    assert (f"SessionCountError: {dropped.sample_id}/0: rollout.agent.loop=tests.unit.agent_envs:TwoSessions "
-            "returned 1 trajectories, rollout.agent.sessions=2") in dropped.error
+    assert dropped.status == "failed" and not dropped.complete and USER_ERROR_KEY in dropped.meta
+    assert dropped.error.startswith(f"{dropped.sample_id}/0: rollout.agent.loop=tests.unit.agent_envs:TwoSessions "
+                                    "returned 1 trajectories, rollout.agent.sessions=2 (on prompt ")
 
 
 async def sync(engine: EngineActor, version: int) -> dict:

@@ -21,6 +21,7 @@ from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
 from asyncrl.rollouter.engines.builtin import TorchEngine
 from asyncrl.trainer.batch import IncompleteGroupError, screen_groups
+from asyncrl.usercode import UserCodeError
 
 
 def _refused(groups) -> IncompleteGroupError:
@@ -29,7 +30,7 @@ def _refused(groups) -> IncompleteGroupError:
     return e.value
 
 
-async def test_a_reward_with_a_type_error_reaches_the_trainer_as_a_programming_error(model_path):
+async def test_a_reward_with_a_type_error_stops_the_rollouter_as_a_user_error_naming_the_prompt(model_path):
     torch.set_num_threads(1)
 
     threads = []
@@ -43,13 +44,18 @@ async def test_a_reward_with_a_type_error_reaches_the_trainer_as_a_programming_e
         producer = MemorySink()
         r = Rollouter(RolloutConfig(n=1, max_tokens=2, groups_per_sync=10), [engine], producer,
                       [Prompt(text="p", prompt_ids=np.array([1, 4, 5]))], reward)
-        await asyncio.wait_for(r.run(num_groups=1), 60)
+        with pytest.raises(UserCodeError) as raised:  # rollout.on_user_error=stop, the default
+            await asyncio.wait_for(r.run(num_groups=1), 60)
     finally:
         await engine.close()
-    (group,) = producer.groups
+    assert producer.groups == []  # nothing sent: the run stops on it
     assert threads and all(t.startswith("asyncrl-reward") for t in threads), threads
-    assert group.status == "failed" and "TypeError: can only concatenate str" in group.error, group.error
-    assert programming_error(_refused([group])) == "TypeError"
+    e = raised.value
+    assert e.line() == ("the reward function (test_a_reward_with_a_type_error_stops_the_rollouter_as_a_user_error_"
+                        "naming_the_prompt.<locals>.reward) raised TypeError: can only concatenate str (not \"int\") "
+                        "to str (on prompt sample_0_0 'p')")
+    assert 'return "1" + len(response_ids)' in e.user_traceback  # the user's own line
+    assert programming_error(e) == "UserCodeError"
 
 
 async def test_an_engine_failure_in_a_group_is_not_a_programming_error():
@@ -215,3 +221,16 @@ async def test_a_replica_that_fails_to_start_again_is_retried_with_backoff_then_
     assert ("asyncrl: engine[1] did not start again (RuntimeError('CUDA out of memory while loading the model')); "
             "left out: engine.max_restarts=2 used") in out
     assert out.count("left out") == 1
+
+
+def test_a_group_dropped_for_a_user_error_is_dropped_by_the_trainer_whatever_on_incomplete_group():
+    from asyncrl.types import Group
+    from asyncrl.usercode import USER_ERROR_KEY
+
+    line = "rollout.agent.env=m:E raised ValueError: no (on prompt sample_0_1 '7*8=')"
+    marked = Group(sample_id="sample_0_1", trajectories=[], expected=2, status="failed", error=line,
+                   meta={USER_ERROR_KEY: line})
+    failed = Group(sample_id="sample_0_2", trajectories=[], expected=2, status="failed", error="0: engine died")
+    assert screen_groups([marked]) == ([], [("sample_0_1", f"user_error: {line}")])
+    with pytest.raises(IncompleteGroupError, match=r"\['sample_0_2'\]"):  # any other failed group still fails closed
+        screen_groups([marked, failed])

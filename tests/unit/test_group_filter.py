@@ -174,22 +174,34 @@ async def test_nothing_passing_the_filter_stops_the_run_with_an_error_naming_it(
     assert programming_error(GroupFilterStalled("x")) == "GroupFilterStalled"  # the launcher does not restart on it
 
 
-async def test_a_filter_that_raises_or_returns_no_verdict_fails_its_group_with_the_error(model_path, user_filters):
+async def test_a_filter_that_raises_or_returns_no_verdict_is_a_user_error(model_path, user_filters):
+    """``rollout.on_user_error``: ``drop`` sends the group marked (never trained) and counts it; ``stop``
+    ends the run with the error naming the filter and the prompt."""
+    from asyncrl.rollouter.filters import GroupFilterError
+    from asyncrl.usercode import USER_ERROR_KEY
+
     engine = TorchEngine(model_path, eos_token_ids=())
     try:
-        for name, error in (("fails_on_1", "rollout.group_filter=user_filters:fails_on_1 raised ValueError: "
-                                           "no verdict for index 1"),
-                            ("returns_none", "rollout.group_filter=user_filters:returns_none returned None; it must "
-                                             "return True (keep the group) or False (drop it)")):
-            producer = MemorySink()
-            cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=100, group_filter=f"{user_filters}:{name}")
-            r = Rollouter(cfg, [engine], producer, make_prompts(), odd_first_token)
+        producer = MemorySink()
+        cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=100, group_filter=f"{user_filters}:fails_on_1",
+                            on_user_error="drop")
+        r = Rollouter(cfg, [engine], producer, make_prompts(), odd_first_token)
+        await asyncio.wait_for(r.run(num_groups=3), 60)
+        line = ("rollout.group_filter=user_filters:fails_on_1 raised ValueError: no verdict for index 1 "
+                "(on prompt sample_0_1 'p1')")
+        (dropped,) = [g for g in producer.groups if g.status == "failed"]
+        assert dropped.sample_id == "sample_0_1" and dropped.meta[USER_ERROR_KEY] == dropped.error == line
+        assert len(dropped.trajectories) == 2 and r.user_errors.dropped == 1 and r.given_back == {"sample_0_1"}
+        assert len(producer.groups) == 3 and not any(FILTERED_KEY in g.meta for g in producer.groups)
+        assert r.stats_now()["user_errors"] == 1
+
+        cfg = RolloutConfig(n=2, max_tokens=2, groups_per_sync=100, group_filter=f"{user_filters}:returns_none")
+        r = Rollouter(cfg, [engine], MemorySink(), make_prompts(), odd_first_token)
+        with pytest.raises(GroupFilterError) as raised:
             await asyncio.wait_for(r.run(num_groups=3), 60)
-            failed = {g.sample_id: g for g in producer.groups if g.status == "failed"}
-            expected = ["sample_0_1"] if name == "fails_on_1" else ["sample_0_0", "sample_0_1", "sample_0_2"]
-            assert sorted(failed) == expected and r.failed == len(expected) and r.given_back == set(expected)
-            assert all(g.error == error and len(g.trajectories) == 2 for g in failed.values())
-            assert not any(FILTERED_KEY in g.meta for g in producer.groups)
+        assert raised.value.line().startswith("rollout.group_filter=user_filters:returns_none returned None; it must "
+                                              "return True (keep the group) or False (drop it) (on prompt sample_0_")
+        assert r.producer.groups == [] and not r._groups
     finally:
         await engine.close()
 
