@@ -66,6 +66,10 @@ class Env(abc.ABC):
 
     tools: tuple[dict, ...] = ()
     """JSON schemas of the tools the chat template shows the model (`ToolEnv` fills it)."""
+    episode_id: str | None = None
+    """The conversation's id, set by the loop before `reset`: ``{sample_id}/{k}`` in a run (response
+    ``k`` of the prompt), the same when the conversation is generated again after a resume; None
+    outside one. A `ToolEnv` builds each call's key from it (``call_key``, docs/agent.md)."""
 
     async def close(self) -> None:
         """Release what the episode held (default: nothing)."""

@@ -127,6 +127,7 @@ class EnvLoop(AgentLoop):
         self.counts["episodes"] += 1
         env = self.make_env()
         try:
+            env.episode_id = getattr(llm, "episode_id", None)  # stable across a resume (call keys)
             opening = await env.reset(prompt)
             ep = _Episode(self.renderer.prompt_ids(opening, getattr(env, "tools", ())))
             return await self._converse(env, ep, llm)

@@ -5,21 +5,36 @@ the final answer: the episode ends (``done``; the task's reward function scores 
 subclass sets a reward). Otherwise every call runs, off the event loop, and the observation is
 one ``role="tool"`` message per call, in order, holding its output or its error:
 
-- sync tools run on the `ToolRunner`'s bounded thread pool, async tools as tasks on the loop;
+- async tools run as tasks on the loop, cancelled at their timeout;
+- sync tools run in worker processes (``sync_tools="process"``, the default: a pebble
+  ``ProcessPool`` of ``sync_workers`` forks of this process); a call past its timeout has its
+  worker killed (and replaced), so a tool that never returns ends only its call. The price: the
+  function and its arguments are pickled (cloudpickle: closures work, a lock or socket does not),
+  and a call runs in another process, so it cannot change this process's state (a global, an
+  attribute of the env) and state kept in the worker is not seen by other calls. A tool that
+  needs to share state in-process: make it ``async``, or ``sync_tools="thread"`` (a thread pool:
+  a call that hangs keeps its thread for good; the pool's size bounds how many can);
 - every call runs under ``tool_timeout_s`` and at most ``max_concurrent`` run at once;
 - a tool that raises, outlives its timeout or returns something that is not text, an unknown
   tool name, malformed JSON, bad arguments: each gives an error observation for that call and
-  the conversation goes on.
+  the conversation goes on. A sync tool that cannot be sent to a worker (does not pickle) is the
+  user's error: the episode ends with it (`asyncrl.usercode`).
 
-A sync tool that hangs keeps its pool thread busy after its timeout (Python cannot stop a
-thread); the pool's size bounds how many can. An async tool that blocks the loop (e.g.
-``time.sleep`` inside ``async def``) cannot be timed out: write it with ``await``.
+An async tool that blocks the loop (e.g. ``time.sleep`` inside ``async def``) cannot be timed
+out: write it with ``await``.
+
+A tool with a ``call_key`` parameter gets the call's key there (`asyncrl.agent.tools.CALL_KEY`):
+``{episode_id}/t{turn}/{i}``, the i-th call of the episode's turn ``turn``; ``episode_id`` is the
+`Env.episode_id` the loop sets (``{sample_id}/{k}`` in a run: the same when the conversation is
+generated again after a resume).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import multiprocessing
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +42,9 @@ from typing import Any
 
 from asyncrl.agent.base import Env, Message, Step
 from asyncrl.agent.parsers import HermesParser, ToolCall, ToolCallParser
-from asyncrl.agent.tools import Tool, ToolCallError, as_text, tool
+from asyncrl.agent.tools import CALL_KEY, Tool, ToolCallError, as_text, tool
+
+SYNC_TOOLS = ("process", "thread")
 
 
 @dataclass(kw_only=True)
@@ -37,17 +54,33 @@ class ToolRunnerConfig:
     tool_timeout_s: float = 30.0
     """Deadline of one call; past it the call's observation is a timeout error."""
     max_concurrent: int = 8
-    """Most calls running at once (also the sync tools' thread-pool size)."""
+    """Most calls running at once (with ``sync_tools="thread"``, also the thread pool's size)."""
+    sync_tools: str = "process"
+    """Where sync tools run: ``process`` (worker processes, a timed-out one killed) or ``thread``."""
+    sync_workers: int = 4
+    """Worker processes for sync tools (``sync_tools="process"``; started at the first sync call)."""
 
     def __post_init__(self) -> None:
         if not self.tool_timeout_s > 0:
             raise ValueError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}")
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
+        if self.sync_tools not in SYNC_TOOLS:
+            raise ValueError(f"sync_tools must be process or thread, got {self.sync_tools!r}")
+        if self.sync_workers < 1:
+            raise ValueError(f"sync_workers must be >= 1, got {self.sync_workers}")
+
+
+def _run_pickled(blob: bytes) -> Any:
+    """In a worker process: the tool call ``blob`` holds (function, args, kwargs), cloudpickled."""
+    import cloudpickle
+
+    fn, args, kwargs = cloudpickle.loads(blob)
+    return fn(*args, **kwargs)
 
 
 class ToolRunner:
-    """Runs tool calls with a deadline and a concurrency bound; owns the sync tools' thread pool.
+    """Runs tool calls with a deadline and a concurrency bound; owns the sync tools' workers.
 
     Share one runner across the episodes of a process (pass it to each `ToolEnv`) so the bound
     holds for all of them; `close` it when done. A runner serves one event loop.
@@ -55,33 +88,93 @@ class ToolRunner:
 
     def __init__(self, config: ToolRunnerConfig | None = None):
         self.config = config or ToolRunnerConfig()
-        self._pool = ThreadPoolExecutor(self.config.max_concurrent, thread_name_prefix="asyncrl-tool")
+        self._threads: ThreadPoolExecutor | None = None
+        self._processes: Any = None  # pebble.ProcessPool, started at the first sync call
         self._slots: asyncio.Semaphore | None = None
+        self._worker_slots: asyncio.Semaphore | None = None
+        self.killed = 0
+        """Sync calls whose worker process was killed at their timeout."""
 
-    async def call(self, t: Tool, arguments: Any) -> str:
+    async def call(self, t: Tool, arguments: Any, call_key: str | None = None) -> str:
         """``t(**arguments)`` as text; `ToolCallError` (the observation's message) on any failure."""
         bound = t.bind(arguments)
+        if t.wants_call_key:
+            bound.arguments[CALL_KEY] = call_key
+        kwargs = bound.kwargs
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.config.max_concurrent)
+            self._worker_slots = asyncio.Semaphore(self.config.sync_workers)
         timeout = self.config.tool_timeout_s
         async with self._slots:
-            if t.is_async:
-                work = t.fn(*bound.args, **bound.kwargs)
-            else:
-                loop = asyncio.get_running_loop()
-                work = loop.run_in_executor(self._pool, functools.partial(t.fn, *bound.args, **bound.kwargs))
             try:
-                async with asyncio.timeout(timeout):  # in this task (wait_for would start one per call)
-                    value = await work
+                if t.is_async:
+                    async with asyncio.timeout(timeout):  # in this task (wait_for would start one per call)
+                        value = await t.fn(*bound.args, **kwargs)
+                elif self.config.sync_tools == "thread":
+                    work = asyncio.get_running_loop().run_in_executor(
+                        self._thread_pool(), functools.partial(t.fn, *bound.args, **kwargs))
+                    async with asyncio.timeout(timeout):
+                        value = await work
+                else:
+                    async with self._worker_slots:  # the deadline counts the call's run, not its wait for a worker
+                        value = await self._in_process(t, bound.args, kwargs, timeout)
             except TimeoutError:
                 raise ToolCallError(f"tool {t.name!r} timed out after {timeout:g} s (tool_timeout_s)") from None
+            except _Unpicklable:
+                raise
             except Exception as e:  # noqa: BLE001 - the tool's failure is the model's observation
                 raise ToolCallError(f"tool {t.name!r} raised {type(e).__name__}: {e}") from None
         return as_text(t.name, value)
 
+    async def _in_process(self, t: Tool, args: tuple, kwargs: dict, timeout: float) -> Any:
+        """One sync call in a worker process; at ``timeout`` the worker is killed (pebble)."""
+        import cloudpickle
+
+        try:
+            blob = cloudpickle.dumps((t.fn, args, kwargs))
+        except Exception as e:  # noqa: BLE001 - reported as the user's error, naming the way out
+            raise _Unpicklable(f"sync tool {t.name!r} cannot run in a worker process: it does not pickle "
+                               f"({type(e).__name__}: {e}); make it async, or use sync_tools='thread' "
+                               "(rollout.agent.sync_tools)") from None
+        future = self._process_pool().schedule(_run_pickled, (blob,), timeout=timeout)
+        try:
+            # pebble's own timeout kills the worker; this one is a backstop should it be late.
+            async with asyncio.timeout(timeout + 5.0):
+                return await asyncio.wrap_future(future)
+        except TimeoutError:
+            self.killed += 1
+            raise
+        finally:
+            future.cancel()  # a call cancelled (or past the backstop): pebble kills its worker
+
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(self.config.max_concurrent, thread_name_prefix="asyncrl-tool")
+        return self._threads
+
+    def _process_pool(self) -> Any:
+        if self._processes is None:
+            from pebble import ProcessPool
+
+            # fork: a worker starts in milliseconds (a killed one is replaced at once) and needs
+            # nothing of this process's __main__; it only unpickles and runs the call.
+            self._processes = ProcessPool(max_workers=self.config.sync_workers,
+                                          context=multiprocessing.get_context("fork"))
+        return self._processes
+
     def close(self) -> None:
-        """Stop the pool; queued sync calls are dropped, running ones finish on their own."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers: threads' queued calls are dropped (running ones finish on their own);
+        worker processes are stopped, a hung one killed, so the process can exit."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.stop()
+            self._processes.join(timeout=5)
+            self._processes = None
+
+
+class _Unpicklable(TypeError):
+    """A sync tool that cannot be sent to a worker process: the user's error, not an observation."""
 
 
 class ToolEnv(Env):
@@ -95,7 +188,7 @@ class ToolEnv(Env):
 
     def __init__(self, tools: Iterable[Any], *, parser: ToolCallParser | None = None,
                  runner: ToolRunner | None = None, tool_timeout_s: float = 30.0, max_concurrent: int = 8,
-                 system: str | None = None):
+                 sync_tools: str = "process", system: str | None = None):
         self._tools: dict[str, Tool] = {}
         for t in map(tool, tools):
             if t.name in self._tools:
@@ -105,8 +198,10 @@ class ToolEnv(Env):
         self.parser = parser or HermesParser()
         self._own_runner = runner is None
         self.runner = runner or ToolRunner(ToolRunnerConfig(tool_timeout_s=tool_timeout_s,
-                                                            max_concurrent=max_concurrent))
+                                                            max_concurrent=max_concurrent, sync_tools=sync_tools))
         self.system = system
+        self._turn = 0
+        """Turns `step` answered: the turn part of each call's key."""
 
     def share_runner(self, runner: ToolRunner) -> None:
         """Run calls on ``runner`` (shared by every episode of a process, so its timeout and bound
@@ -128,17 +223,23 @@ class ToolEnv(Env):
 
     async def step(self, assistant_text: str) -> Step:
         calls = self.parser.parse(assistant_text)
+        turn, self._turn = self._turn, self._turn + 1
         if not calls:
             return Step(observation=[], done=True)
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self._run(c)) for c in calls]
+        if self.episode_id is None:  # a loop that set none (outside a run): unique, not stable
+            self.episode_id = uuid.uuid4().hex
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._run(c, f"{self.episode_id}/t{turn}/{i}")) for i, c in enumerate(calls)]
+        except* _Unpicklable as eg:  # the user's error, raised as itself (not a group of one)
+            raise eg.exceptions[0] from None
         outputs = [t.result() for t in tasks]
         errors = sum(not ok for _, ok in outputs)
         observation = [{"role": "tool", "name": c.name or "", "content": text}
                        for c, (text, _) in zip(calls, outputs)]
         return Step(observation=observation, tool_calls=len(calls), tool_errors=errors)
 
-    async def _run(self, call: ToolCall) -> tuple[str, bool]:
+    async def _run(self, call: ToolCall, key: str) -> tuple[str, bool]:
         """(observation text, succeeded)."""
         if call.error is not None:
             return f"Error: {call.error}", False
@@ -146,7 +247,7 @@ class ToolEnv(Env):
         if t is None:
             return f"Error: unknown tool {call.name!r}; available: {', '.join(self._tools) or 'none'}", False
         try:
-            return await self.runner.call(t, call.arguments), True
+            return await self.runner.call(t, call.arguments, key), True
         except ToolCallError as e:
             return f"Error: {e}", False
 

@@ -6,6 +6,10 @@ function's type hints and its Google-style docstring (``Args:`` describes each p
 A function the schema cannot describe is refused at decoration time with one line naming
 the function and the parameter: a model cannot call well what it was never told about.
 
+A parameter named ``call_key`` is not shown to the model: the `ToolRunner` fills it with the
+call's key, the same when a conversation is generated again after a resume (`CALL_KEY`,
+``docs/agent.md``), so a tool with side effects can run them once per key.
+
 A tool returns text. Plain JSON values (numbers, booleans, lists, dicts, None) are written
 as JSON; anything else (bytes, objects) is an error observation for that call, not for the
 episode (`asyncrl.agent.tool_env`).
@@ -28,6 +32,9 @@ class ToolCallError(Exception):
     """A call cannot run or its output is not text; the message becomes the observation."""
 
 
+CALL_KEY = "call_key"
+"""The parameter through which a tool asks for its call's key (asyncrl fills it, the model never sees it)."""
+
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool,
                "array": list, "object": dict}
 
@@ -44,13 +51,18 @@ class Tool:
     signature: inspect.Signature | None = field(default=None, compare=False, repr=False)
     """``fn``'s signature, taken once (`tool` sets it): ``inspect.signature`` costs more than the
     rest of a call's checks."""
+    wants_call_key: bool = False
+    """``fn`` has a ``call_key`` parameter: each call gets its key there (`CALL_KEY`)."""
 
     def bind(self, arguments: Any) -> inspect.BoundArguments:
         """Check the model's ``arguments`` against the signature and the schema's top-level types."""
         if not isinstance(arguments, dict):
             raise ToolCallError(f"arguments of {self.name!r} must be a JSON object, got {type(arguments).__name__}")
+        if self.wants_call_key and CALL_KEY in arguments:  # asyncrl's to give, never the model's
+            raise ToolCallError(f"bad arguments for {self.name!r}: got an unexpected keyword argument {CALL_KEY!r}")
         try:
-            bound = (self.signature or inspect.signature(self.fn)).bind(**arguments)
+            given = {**arguments, CALL_KEY: None} if self.wants_call_key else arguments  # the runner fills it
+            bound = (self.signature or inspect.signature(self.fn)).bind(**given)
         except TypeError as e:
             raise ToolCallError(f"bad arguments for {self.name!r}: {e}") from None
         props = self.schema["function"]["parameters"].get("properties", {})
@@ -77,12 +89,31 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None):
         return fn
     if not callable(fn):
         raise ToolDefinitionError(f"@tool takes a function, got {type(fn).__name__}")
+    signature = inspect.signature(fn)
     return Tool(name=name or fn.__name__, fn=fn, schema=_schema(fn, name), is_async=inspect.iscoroutinefunction(fn),
-                signature=inspect.signature(fn))
+                signature=signature, wants_call_key=CALL_KEY in signature.parameters)
+
+
+def _shown(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as the model sees it: without its ``call_key`` parameter (a stand-in whose signature
+    and hints lack it; its docstring need not describe it)."""
+    sig = inspect.signature(fn)
+    if CALL_KEY not in sig.parameters:
+        return fn
+
+    def shown(*args, **kwargs):  # never called: get_json_schema reads it
+        raise NotImplementedError
+
+    shown.__name__, shown.__qualname__, shown.__doc__ = fn.__name__, getattr(fn, "__qualname__", fn.__name__), fn.__doc__
+    shown.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != CALL_KEY])
+    shown.__annotations__ = {k: v for k, v in getattr(fn, "__annotations__", {}).items() if k != CALL_KEY}
+    shown.__wrapped__ = fn  # string annotations resolve in fn's module (typing.get_type_hints unwraps)
+    return shown
 
 
 def _schema(fn: Callable[..., Any], name: str | None) -> dict:
     qual = getattr(fn, "__qualname__", repr(fn))
+    fn = _shown(fn)
     for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise ToolDefinitionError(f"@tool {qual}: parameter {p.name!r} is *args/**kwargs; "

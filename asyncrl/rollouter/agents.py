@@ -92,7 +92,8 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     if cfg.env is None:
         return None
     env_class = load_env_class(cfg.env)
-    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=cfg.tool_timeout_s, max_concurrent=cfg.tool_concurrency))
+    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=cfg.tool_timeout_s, max_concurrent=cfg.tool_concurrency,
+                                         sync_tools=cfg.sync_tools, sync_workers=cfg.sync_tool_workers))
     kwargs = dict(cfg.kwargs)
 
     def make_env():
@@ -121,6 +122,8 @@ class RolloutLLM:
     def __init__(self, r: Rollouter, calls: GroupCalls, sample_id: str, k: int, seed: int):
         self.r, self.calls, self.seed = r, calls, seed
         self.base = f"{sample_id}/{k}"
+        self.episode_id = self.base
+        """What an `EnvLoop` gives its env (`Env.episode_id`): the same after a resume (tools' call keys)."""
         self.session_id = self.base
         self.sessions = [self.base]
         self.turns = 0
@@ -185,6 +188,7 @@ class ValidationLLM:
 
     def __init__(self, engine: Any, request_id: str, timeout_s: float):
         self.engine, self.base, self.timeout_s = engine, request_id, timeout_s
+        self.episode_id = request_id
         self.session_id = request_id
         self.sessions = [request_id]
         self.turns = 0

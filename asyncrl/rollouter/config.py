@@ -28,7 +28,13 @@ class AgentConfig:
     tool_timeout_s: float = 30.0
     """Deadline of one tool call of a `ToolEnv`; past it the call's observation is an error."""
     tool_concurrency: int = 8
-    """Most tool calls running at once in the Rollouter process (the sync tools' thread pool)."""
+    """Most tool calls running at once in the Rollouter process."""
+    sync_tools: str = "process"
+    """Where a `ToolEnv`'s sync tools run: ``process`` (worker processes; one past its timeout is
+    killed, so a hung tool ends only its call; tools must pickle and share no state in-process) or
+    ``thread`` (a pool of ``tool_concurrency`` threads; a hung call keeps its thread)."""
+    sync_tool_workers: int = 4
+    """Worker processes for sync tools (``sync_tools=process``), started at the first sync call."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments ``env`` or ``loop`` is built with (e.g. a tool's settings; ``--task
     calculator`` sets the calculator's latency here)."""
@@ -40,7 +46,10 @@ class AgentConfig:
         if self.env is not None and self.loop is not None:
             raise ValueError(f"AgentConfig.env ({self.env!r}) is set and so is rollout.agent.loop ({self.loop!r}): "
                              "set one of them (an Env is driven by asyncrl's EnvLoop; a loop is your own)")
-        for name in ("max_turns", "max_tokens_per_turn", "max_context_tokens", "tool_concurrency", "sessions"):
+        if self.sync_tools not in ("process", "thread"):
+            raise ValueError(f"AgentConfig.sync_tools must be process or thread, got {self.sync_tools!r}")
+        for name in ("max_turns", "max_tokens_per_turn", "max_context_tokens", "tool_concurrency", "sessions",
+                     "sync_tool_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AgentConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.tool_timeout_s > 0:

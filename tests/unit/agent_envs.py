@@ -157,3 +157,21 @@ class GatedThreeTurns(ThreeFixedTurns):
 def exact_answer(data_source, solution_str, ground_truth, extra_info=None):
     """A verl-style reward: 1 when the final answer is the ground truth."""
     return float(solution_str.strip() == ground_truth)
+
+
+class KeyedLookupEnv(ToolEnv):
+    """``lookup`` with the call's key (an async tool, so it can note the keys in this process)."""
+
+    keys: list[str] = []
+
+    def __init__(self):
+        async def keyed_lookup(key: str, call_key: str) -> str:
+            """Look up a key.
+
+            Args:
+                key: the key
+            """
+            type(self).keys.append(call_key)
+            return key.upper()
+
+        super().__init__([tool(keyed_lookup, name="lookup")])

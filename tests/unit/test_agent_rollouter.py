@@ -426,3 +426,34 @@ async def test_validation_runs_the_agent_loop_greedily_and_scores_its_last_turn(
     assert sorted(engine.ended) == ["val_3_0", "val_3_1"]  # each conversation's KV let go
     assert engine.requests == []  # nothing through training's group calls
     assert worker.feed_state()["next_index"] == 0  # validation never moves the training feed
+
+
+async def test_a_conversation_generated_again_after_a_resume_gives_its_tool_calls_the_same_keys(model_path, tok):
+    """``call_key`` (docs/agent.md): ``{sample_id}/{k}/t{turn}/{i}``, from the conversation's place,
+    not from the process; the checkpoint of the first run holds ``sample_0_0`` in flight, as it
+    does when a crash lands during the conversation, and the resumed Rollouter generates it again."""
+    from asyncrl.rollouter.rollouter import RolloutState
+    from asyncrl.types import CommittedSet
+
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = env_agent(tok, "KeyedLookupEnv")
+    cfg = RolloutConfig(n=2, max_tokens=8, groups_per_sync=100, seed=5)
+    keys = agent_envs.KeyedLookupEnv.keys
+    try:
+        first = Rollouter(cfg, [engine], MemorySink(), prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+        await asyncio.wait_for(first.run(num_groups=1), 120)
+        before, keys[:] = sorted(keys), []
+        saved = {**first.snapshot(), "in_flight": ["sample_0_0"]}  # as a checkpoint taken mid-conversation holds it
+        state = RolloutState.resume(saved, CommittedSet(), 0, rows=1)
+        again = Rollouter(cfg, [engine], MemorySink(), prompts(tok, QUESTION), lambda p, ids: 0.0, state=state,
+                          agent=agent)
+        await asyncio.wait_for(again.run(num_groups=1), 120)
+    finally:
+        await engine.close()
+        agent.close()
+    (g,) = again.producer.groups
+    assert g.sample_id == "sample_0_0"
+    calls = sum(t.turns - 1 for t in g.trajectories)  # every turn but the last made one call
+    assert calls >= 2 and len(before) == calls, (before, calls)
+    assert sorted(keys) == before
+    assert set(before) <= {f"sample_0_0/{k}/t{turn}/0" for k in range(2) for turn in range(4)}

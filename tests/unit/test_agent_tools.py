@@ -176,7 +176,7 @@ async def test_unknown_tool_malformed_json_and_bad_arguments():
         await env.close()
 
 
-async def test_sync_tools_run_on_the_bounded_pool_and_calls_are_bounded():
+async def test_sync_tools_on_threads_run_on_the_bounded_pool_and_calls_are_bounded():
     lock = threading.Lock()
     running, peak, threads = 0, 0, set()
 
@@ -196,7 +196,7 @@ async def test_sync_tools_run_on_the_bounded_pool_and_calls_are_bounded():
             running -= 1
         return key
 
-    env = ToolEnv([work], max_concurrent=2)
+    env = ToolEnv([work], max_concurrent=2, sync_tools="thread")  # threads: the tool's state is shared in-process
     try:
         step = await env.step("".join(call("work", key=str(i)) for i in range(6)))
     finally:
