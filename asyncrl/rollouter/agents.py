@@ -15,8 +15,8 @@ Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands eac
   for the next round and resumes from its prompt + partial turn; its later tokens carry the new
   version. A weight sync between turns (during a tool call) simply means the next turn is
   generated on the new weights. Truncated turns are not saved in the checkpoint: a conversation in
-  flight at a crash is generated again from its start (exactly once per prompt; tools with side
-  effects may run twice).
+  flight at a crash is generated again from its start (exactly once per prompt; its tools run
+  again, with the same call keys: ``call_key``, `asyncrl.agent.tool_env`).
 - Reward: the env's (the last `Step.reward`), else the task's reward function on the ids of the
   episode's last model turn (the last run of ``loss_mask`` 1; nothing when there is none).
 - Sessions: every run of the loop must return ``rollout.agent.sessions`` trajectories (default 1);
