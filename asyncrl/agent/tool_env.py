@@ -120,7 +120,7 @@ class ToolRunner:
                         value = await self._in_process(t, bound.args, kwargs, timeout)
             except TimeoutError:
                 raise ToolCallError(f"tool {t.name!r} timed out after {timeout:g} s (tool_timeout_s)") from None
-            except _Unpicklable:
+            except UnpicklableToolError:
                 raise
             except Exception as e:  # noqa: BLE001 - the tool's failure is the model's observation
                 raise ToolCallError(f"tool {t.name!r} raised {type(e).__name__}: {e}") from None
@@ -133,7 +133,7 @@ class ToolRunner:
         try:
             blob = cloudpickle.dumps((t.fn, args, kwargs))
         except Exception as e:  # noqa: BLE001 - reported as the user's error, naming the way out
-            raise _Unpicklable(f"sync tool {t.name!r} cannot run in a worker process: it does not pickle "
+            raise UnpicklableToolError(f"sync tool {t.name!r} cannot run in a worker process: it does not pickle "
                                f"({type(e).__name__}: {e}); make it async, or use sync_tools='thread' "
                                "(rollout.agent.sync_tools)") from None
         future = self._process_pool().schedule(_run_pickled, (blob,), timeout=timeout)
@@ -173,7 +173,7 @@ class ToolRunner:
             self._processes = None
 
 
-class _Unpicklable(TypeError):
+class UnpicklableToolError(TypeError):
     """A sync tool that cannot be sent to a worker process: the user's error, not an observation."""
 
 
@@ -231,7 +231,7 @@ class ToolEnv(Env):
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._run(c, f"{self.episode_id}/t{turn}/{i}")) for i, c in enumerate(calls)]
-        except* _Unpicklable as eg:  # the user's error, raised as itself (not a group of one)
+        except* UnpicklableToolError as eg:  # the user's error, raised as itself (not a group of one)
             raise eg.exceptions[0] from None
         outputs = [t.result() for t in tasks]
         errors = sum(not ok for _, ok in outputs)
