@@ -52,11 +52,8 @@ class UserCodeError(RuntimeError):
 
     def line(self) -> str:
         """One line: what raised, the error, and the prompt (its id and the start of its text)."""
-        text = str(self)
-        if self.sample_id is not None:
-            shown = "" if self.prompt is None else f" {_short(self.prompt)!r}"
-            text += f" (on prompt {self.sample_id}{shown})"
-        return text
+        shown = [x for x in (self.sample_id, None if self.prompt is None else repr(_short(self.prompt))) if x]
+        return f"{self} (on prompt {' '.join(shown)})" if shown else str(self)
 
 
 def _short(text: str, limit: int = 120) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.usercode import UserCodeError
+
 Pending = asyncio.Task | concurrent.futures.Future
 
 
@@ -56,7 +58,12 @@ class Rewards:
 async def score(reward_fn: Callable[[Any, np.ndarray], float | Awaitable[float]], prompt: Any,
                 response_ids: np.ndarray) -> float:
     """One reward, awaited now (validation): a coroutine function awaited, a plain one on a thread
-    so it never blocks the event loop."""
-    if inspect.iscoroutinefunction(reward_fn):
-        return await reward_fn(prompt, response_ids)
-    return await asyncio.to_thread(reward_fn, prompt, response_ids)
+    so it never blocks the event loop. Its error is the user's (`UserCodeError`, naming the prompt):
+    validation has no group to drop, so it stops the run whatever ``rollout.on_user_error``."""
+    try:
+        if inspect.iscoroutinefunction(reward_fn):
+            return await reward_fn(prompt, response_ids)
+        return await asyncio.to_thread(reward_fn, prompt, response_ids)
+    except Exception as e:  # noqa: BLE001 - the user's reward function
+        where = f"the reward function ({getattr(reward_fn, '__qualname__', 'reward_fn')})"
+        raise UserCodeError.of(e, where, None, getattr(prompt, "text", None)) from e

@@ -234,3 +234,17 @@ def test_a_group_dropped_for_a_user_error_is_dropped_by_the_trainer_whatever_on_
     assert screen_groups([marked]) == ([], [("sample_0_1", f"user_error: {line}")])
     with pytest.raises(IncompleteGroupError, match=r"\['sample_0_2'\]"):  # any other failed group still fails closed
         screen_groups([marked, failed])
+
+
+async def test_a_validation_reward_that_raises_is_a_user_error_naming_the_prompt():
+    from asyncrl.rollouter.rewards import score
+
+    def checks(prompt, response_ids):
+        raise ValueError(f"no answer in {len(response_ids)} tokens")
+
+    with pytest.raises(UserCodeError) as raised:
+        await score(checks, Prompt(text="12*3=", prompt_ids=np.array([1, 2])), np.array([5, 6, 7]))
+    assert raised.value.line() == ("the reward function (test_a_validation_reward_that_raises_is_a_user_error_naming_"
+                                   "the_prompt.<locals>.checks) raised ValueError: no answer in 3 tokens (on prompt "
+                                   "'12*3=')")
+    assert programming_error(raised.value) == "UserCodeError"  # the launcher does not restart on it
