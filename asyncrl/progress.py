@@ -128,6 +128,71 @@ def _agent_step_metrics(last: dict, now: dict) -> dict[str, float]:
             "agent/env_step_s_per_turn": (now["agent_env_step_s"] - last.get("agent_env_step_s", 0.0)) / turns}
 
 
+class RunLog:
+    """Where each finished step goes: ``metrics.jsonl``, ``train.log``, the progress view and the
+    metric stream (``report``); `summary` prints the run's last lines."""
+
+    def __init__(self, run_dir: Path, steps: int, report: Callable[[Any], None] | None = None):
+        self.run_dir, self.steps, self.report = run_dir, steps, report
+        self.rows: list[dict] = []
+        self.done_at: list[float] = []  # when each step (and its validation) finished
+        self.view = ProgressView(steps)
+        self._metrics = open(run_dir / "metrics.jsonl", "a")
+        self._log = open(run_dir / "train.log", "a")
+
+    def write(self, result: Any, m: dict) -> None:
+        self._metrics.write(json.dumps(m) + "\n")
+        self._metrics.flush()
+        self._log.write(step_line(m, self.steps) + "\n")
+        self._log.flush()
+        self.view.update(m)
+        self.rows.append(m)
+        self.done_at.append(time.monotonic())
+        if self.report is not None:
+            self.report(result)  # to the metric stream (asyncrl.metrics)
+
+    def close(self) -> None:
+        self.view.close()
+        self._metrics.close()
+        self._log.close()
+
+    def summary(self) -> None:
+        done_at, rows, run_dir = self.done_at, self.rows, self.run_dir
+        if len(done_at) > 1:  # start-up and the first step excluded
+            print(f"asyncrl: steps 2-{len(done_at)} took {(done_at[-1] - done_at[0]) / (len(done_at) - 1):.3f} "
+                  f"s/step", flush=True)
+        if rows:
+            rewards = [r["reward_mean"] for r in rows]
+            k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
+            print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
+                  f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
+                  f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+
+
+def _timing_metrics(m: dict, *, t0: float, last: float, ended: float, n: int) -> float:
+    """Adds the step's wall-clock metrics to ``m``; returns when the step ended."""
+    now = time.monotonic()
+    m["time_s"] = round(now - t0, 2)
+    m["timing_s/step"] = now - ended
+    m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
+    return now
+
+
+async def _next_result(trainer: Any, step_task: asyncio.Future, rollout_task: asyncio.Future) -> Any:
+    """The step's result, or the Rollouter's failure under its own name if it stopped first.
+
+    The step in hand then ends cleanly (abandoned while collecting, or finished), so the Trainer
+    can still be checkpointed.
+    """
+    done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
+    if step_task not in done:
+        trainer.request_stop()
+        await asyncio.gather(step_task, return_exceptions=True)
+        rollout_task.result()  # re-raises the Rollouter's failure, under its own name
+        raise RuntimeError("the Rollouter stopped before training finished")
+    return step_task.result()
+
+
 async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n: int,
                 validate: Callable[[int], Awaitable[dict]] | None = None, val_every: int = 10,
                 report: Callable[[Any], None] | None = None, rollouter: Any = None) -> list[dict]:
@@ -143,79 +208,49 @@ async def train(trainer: Any, steps: int, run_dir: Path, rollout_ref: Any, *, n:
     """
     from asyncrl.trainer.trainer import StepAbandoned
 
-    rows: list[dict] = []
-    done_at: list[float] = []  # when each step (and its validation) finished
     t0 = last = ended = time.monotonic()
     last_stats: dict = {}
     rollout_task = asyncio.wrap_future(rollout_ref.future())
     rollout_task.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen below, under its own name
-    view = ProgressView(steps)
+    log = RunLog(run_dir, steps, report)
     step_task = None
     try:
-        with open(run_dir / "metrics.jsonl", "a") as metrics, open(run_dir / "train.log", "a") as log:
-            while step_task is not None or (trainer.step < steps and not trainer.stopping):
-                if step_task is None:
-                    step_task = asyncio.ensure_future(trainer.train_step())
-                done, _ = await asyncio.wait({step_task, rollout_task}, return_when=asyncio.FIRST_COMPLETED)
-                if step_task not in done:
-                    # The step in hand ends cleanly (abandoned while collecting, or finished), so the
-                    # Trainer can still be checkpointed; then the Rollouter's failure is the run's.
-                    trainer.request_stop()
-                    await asyncio.gather(step_task, return_exceptions=True)
-                    rollout_task.result()  # re-raises the Rollouter's failure, under its own name
-                    raise RuntimeError("the Rollouter stopped before training finished")
-                try:
-                    result = step_task.result()
-                except StepAbandoned:
-                    break
-                finally:
-                    step_task = None
-                m = result.metrics
-                now = time.monotonic()
-                m["time_s"] = round(now - t0, 2)
-                m["timing_s/step"], ended = now - ended, now
-                m["tokens_per_s"] = m["groups"] * n * m["response_length_mean"] / max(now - last, 1e-9)
-                validating = validate is not None and (m["step"] % val_every == 0 or m["step"] == steps)
-                if not validating and trainer.step < steps and not trainer.stopping:
-                    # The next step starts now; this one's bookkeeping (a Ray call to a busy
-                    # Rollouter takes tens of ms) runs beside it instead of between the two.
-                    step_task = asyncio.ensure_future(trainer.train_step())
-                if rollouter is not None:
-                    stats = await rollouter.stats.remote()
-                    m.update(rollouter_step_metrics(last_stats, stats))
-                    last_stats = stats
-                if validating:
-                    m.update(await validate(m["step"]))
-                last = time.monotonic()
-                metrics.write(json.dumps(m) + "\n")
-                metrics.flush()
-                log.write(step_line(m, steps) + "\n")
-                log.flush()
-                view.update(m)
-                rows.append(m)
-                done_at.append(last)
-                if report is not None:
-                    report(result)  # to the metric stream (asyncrl.metrics)
+        while step_task is not None or (trainer.step < steps and not trainer.stopping):
+            if step_task is None:
+                step_task = asyncio.ensure_future(trainer.train_step())
+            try:
+                result = await _next_result(trainer, step_task, rollout_task)
+            except StepAbandoned:
+                break
+            finally:
+                step_task = None
+            m = result.metrics
+            ended = _timing_metrics(m, t0=t0, last=last, ended=ended, n=n)
+            validating = validate is not None and (m["step"] % val_every == 0 or m["step"] == steps)
+            if not validating and trainer.step < steps and not trainer.stopping:
+                # The next step starts now; this one's bookkeeping (a Ray call to a busy
+                # Rollouter takes tens of ms) runs beside it instead of between the two.
+                step_task = asyncio.ensure_future(trainer.train_step())
+            if rollouter is not None:
+                stats = await rollouter.stats.remote()
+                m.update(rollouter_step_metrics(last_stats, stats))
+                last_stats = stats
+            if validating:
+                m.update(await validate(m["step"]))
+            last = time.monotonic()
+            log.write(result, m)
     except Exception as e:
-        view.close()
+        log.close()
         if step_task is not None:  # a step started beside the failed bookkeeping ends first
             trainer.request_stop()
             await asyncio.gather(step_task, return_exceptions=True)
         await checkpoint_after_failure(trainer, e, run_dir)
         raise
     finally:
-        view.close()
+        log.close()
     await trainer.finish()
-    if len(done_at) > 1:  # start-up and the first step excluded
-        print(f"asyncrl: steps 2-{len(done_at)} took {(done_at[-1] - done_at[0]) / (len(done_at) - 1):.3f} s/step",
-              flush=True)
-    if rows:
-        rewards = [r["reward_mean"] for r in rows]
-        k = max(1, len(rewards) // 5)  # the first and last 20% of the steps
-        print(f"asyncrl: mean reward of the first {k} steps {float(np.mean(rewards[:k])):.3f} -> last {k} steps "
-              f"{float(np.mean(rewards[-k:])):.3f}; metrics in {run_dir / 'metrics.jsonl'}, log in "
-              f"{run_dir / 'train.log'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
-    return rows
+    log.summary()
+    return log.rows
 
 
 def newest_checkpoint(run_dir: Path) -> str:

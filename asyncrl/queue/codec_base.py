@@ -1,6 +1,7 @@
-"""What both codecs of the sample stream share: the error, the format version, frame checks.
+"""What the sample stream's codecs share: the error, the format version, frame checks, the header's
+extension codes and record fields, and the torch dtypes a tensor may have.
 
-`asyncrl.queue.codec` (generic ``pack``/``unpack``) and `asyncrl.queue.group_codec` (the
+`asyncrl.queue.codec` (generic ``pack``; ``unpack`` in `asyncrl.queue.codec_unpack`) and `asyncrl.queue.group_codec` (the
 stream's group batches) both build on these, so a frame is checked the same way on either path.
 """
 
@@ -51,3 +52,43 @@ def _build(cls: type, **kwargs: Any) -> Any:
     except (TypeError, ValueError) as e:
         raise CodecError(f"invalid {cls.__name__}: {e}") from e
 
+
+_MAX_NDIM = 32
+
+# msgpack extension codes used in the header.
+_EXT_NDARRAY = 1
+_EXT_TENSOR = 2
+_EXT_NPSCALAR = 3
+_EXT_TRAJECTORY = 4
+_EXT_GROUP = 5
+
+_TRAJECTORY_FIELDS = (
+    "sample_id", "index", "prompt_ids", "response_ids", "logprobs", "versions",
+    "finish_reason", "reward", "age", "loss_mask", "turns",
+)
+_PLAIN_FIELDS = 9  # a record without loss_mask and turns (as before they existed) still decodes
+
+
+# --------------------------------------------------------------------------------------
+# torch is optional at import time: the codec is used by processes that never touch it.
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter")
+
+
+_TORCH_DTYPES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+)
+
+
+def _torch_dtype(name: str):
+    if name not in _TORCH_DTYPES:
+        raise CodecError(f"unsupported torch dtype {name!r} in header (supported: {', '.join(_TORCH_DTYPES)})")
+    return getattr(_torch(), name)
