@@ -227,10 +227,12 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
     from asyncrl.models.tiny import build_tiny_model
     from asyncrl.rollouter.aggregator import AggregatorActor
     from asyncrl.rollouter.partial import PartialRolloutConfig
+    from tests.unit.inprocess import CheckpointWhileTruncated, RecordingEngine, resume_from_checkpoint
     from tests.unit.test_partial_rollout import run_with_syncs
 
     path = build_tiny_model(tmp_path / "m")
     engines = [EngineActor(kind="torch", model_path=path, eos_token_ids=(), seed=0) for _ in range(2)]
+    recordings = [RecordingEngine(e) for e in engines]
     snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
     # The synchronous workflow: a round keeps 4 prompts in flight and ends at the step's 2 groups,
     # so the long second turns are stopped mid-turn and resume in the next round.
@@ -239,16 +241,21 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
     agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
     prompts = [Prompt(text="long" if i % 4 == 0 else "short", prompt_ids=np.array([1, 4 + i % 20, 5]))
                for i in range(40)]
-    r = Rollouter(RolloutConfig(n=2, max_tokens=3, groups_per_sync=2, staleness_threshold=0.0, max_concurrent=4),
-                  engines, MemorySink(), prompts, lambda p, ids: 0.0, partial=partial, aggregator=aggregator, agent=agent)
+    cfg = RolloutConfig(n=2, max_tokens=3, groups_per_sync=2, staleness_threshold=0.0, max_concurrent=4)
+    r = Rollouter(cfg, recordings, MemorySink(), prompts, lambda p, ids: 0.0, partial=partial, aggregator=aggregator,
+                  agent=agent)
+    check = CheckpointWhileTruncated(recordings)
     try:
-        await run_with_syncs(r, engines, r.producer, 8, snapshots)
+        await run_with_syncs(r, engines, r.producer, 8, snapshots, at_pause=check)
+        # A checkpoint taken while a truncated turn waited: its conversation is generated again from turn 0.
+        again = await resume_from_checkpoint(check, cfg, engines[0], prompts, agent)
     finally:
         for e in engines:
             await e.close()
     assert all(g.complete for g in r.producer.groups) and len(r.producer.groups) == 8
     assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
-    assert not r.snapshot()["partials"]  # a conversation's truncated turn is never checkpointed
+    for t in (t for g in again for t in g.trajectories if g.sample_id in check.truncated and t.prompt_ids[1] % 4 == 0):
+        assert len(t.response_ids) == 3 + 2 + 48 and t.turns == 2  # the long turn whole, in one go
     resumed = [t for g in r.producer.groups for t in g.trajectories if t.age >= 1]
     # The long second turns are truncated mid-turn (a short one in flight when a round ends may be too).
     long = [t for t in resumed if t.prompt_ids[1] in (4, 8, 12, 16, 20)]
