@@ -44,12 +44,17 @@ class GatedLookupEnv(ToolEnv):
         super().__init__([tool(gated_lookup, name="lookup")])
 
 
-class ExplodingEnv(Env):
+class ExplodingEnv(LookupEnv):
+    """`LookupEnv` that raises in its step on prompts that say "explode" (a user's bug on some rows)."""
+
     async def reset(self, prompt):
-        return [{"role": "user", "content": prompt.text}]
+        self.explodes = "explode" in prompt.text
+        return await super().reset(prompt)
 
     async def step(self, text):
-        raise RuntimeError("env exploded")
+        if self.explodes:
+            raise RuntimeError("env exploded")
+        return await super().step(text)
 
 
 class TwoSessions(AgentLoop):
