@@ -157,3 +157,28 @@ class GatedThreeTurns(ThreeFixedTurns):
 def exact_answer(data_source, solution_str, ground_truth, extra_info=None):
     """A verl-style reward: 1 when the final answer is the ground truth."""
     return float(solution_str.strip() == ground_truth)
+
+
+class HangingLookupEnv(ToolEnv):
+    """``lookup`` as an async tool that never returns (it ends only by ``tool_timeout_s``), counting
+    the calls running at once (``running``, the most seen in ``most``)."""
+
+    running = 0
+    most = 0
+
+    def __init__(self):
+        async def hanging_lookup(key: str) -> str:
+            """Look up a key.
+
+            Args:
+                key: the key
+            """
+            cls = type(self)
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cls.running -= 1
+
+        super().__init__([tool(hanging_lookup, name="lookup")])

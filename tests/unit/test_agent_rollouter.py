@@ -163,6 +163,30 @@ async def test_an_env_that_raises_fails_its_group_with_the_error_named_and_the_r
     assert len(engine.ended) == 6  # the sessions of failed conversations are ended too
 
 
+async def test_tool_timeout_and_concurrency_from_the_config_bound_the_rollouters_tool_calls(model_path, tok):
+    """``rollout.agent.tool_timeout_s`` ends each call of a tool that never returns, as an observation
+    the conversation goes on after; ``tool_concurrency`` bounds the calls running at once over all
+    the group's conversations (4 ask at once, 2 run)."""
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = env_agent(tok, "HangingLookupEnv", tool_timeout_s=0.3, tool_concurrency=2)
+    agent_envs.HangingLookupEnv.running = agent_envs.HangingLookupEnv.most = 0
+    r = Rollouter(RolloutConfig(n=4, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=1), 120)
+    finally:
+        await engine.close()
+        agent.close()
+    (g,) = r.producer.groups
+    assert g.complete and agent_envs.HangingLookupEnv.most == 2 and agent_envs.HangingLookupEnv.running == 0
+    stats = r.stats_now()
+    assert stats["agent_tool_calls"] == stats["agent_tool_errors"] >= 4
+    for t in g.trajectories:
+        assert t.turns >= 2  # the model wrote on after the timed-out call
+        first = spans(t.loss_mask, 0)[0]
+        assert "timed out after 0.3 s (tool_timeout_s)" in tok.decode(t.response_ids[slice(*first)])
+
+
 async def test_a_multi_output_loop_counts_sessions_and_a_missing_one_fails_its_group_closed(model_path, tok):
     engine = SpyEngine(kind="torch", model_path=str(model_path))
     agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:TwoSessions", sessions=2), tok)
