@@ -120,7 +120,7 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
     assert stats["agent_episodes"] == len(trajectories) and stats["agent_turns"] == sum(t.turns for t in trajectories)
     assert stats["agent_tool_calls"] == sum(t.turns - 1 for t in trajectories) and stats["agent_tool_errors"] == 0
     assert stats["agent_env_step_s"] > 0
-    values = await RolloutReporter([], n=3).poll(r, None)
+    values = await RolloutReporter([engine], n=3).poll(r, None)  # the engine's own stats, as a run polls them
     assert values["agent/tool_calls"] == stats["agent_tool_calls"] and values["agent/turns"] == stats["agent_turns"]
     # A step's share: the tool calls per turn the envs answered between two readings.
     from asyncrl.progress import rollouter_step_metrics
@@ -133,11 +133,19 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
     assert step["agent/tool_errors_per_call"] == 0 and step["agent/env_step_s_per_turn"] > 0
     # Turns after the first prefill only their new tokens: the engine kept the session's KV (all but
     # the last sampled token of the turn before, which was never fed), on unchanged weights.
+    reused = 0
     for t in trajectories:
         for j in range(1, t.turns):
             before, now = by_id[f"{t.sample_id}/{t.index}/t{j - 1}"], by_id[f"{t.sample_id}/{t.index}/t{j}"]
             kept = len(before.prompt_ids) + len(engine.results[before.request_id].response_ids) - 1
             assert engine.results[now.request_id].prefill_tokens == len(now.prompt_ids) - kept, (t.sample_id, j)
+            reused += kept
+    # The engine's session_* counters, as the reporter reads them: every later turn a hit on its
+    # conversation's kept KV, every session ended (none live, none left unused).
+    later = sum(t.turns - 1 for t in trajectories)
+    assert (values["engine/session_hits"], values["engine/session_tokens_reused"]) == (later, reused)
+    assert values["engine/session_live"] == values["engine/session_misses"] == 0
+    assert values["engine/session_kept"] >= later
 
 
 async def test_an_env_that_raises_fails_its_group_with_the_error_named_and_the_run_goes_on(model_path, tok):
