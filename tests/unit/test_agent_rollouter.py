@@ -166,30 +166,6 @@ async def test_an_env_that_raises_fails_its_group_with_the_error_named_and_the_r
     assert len(engine.ended) == 4  # the sessions of failed conversations are ended too
 
 
-async def test_tool_timeout_and_concurrency_from_the_config_bound_the_rollouters_tool_calls(model_path, tok):
-    """``rollout.agent.tool_timeout_s`` ends each call of a tool that never returns, as an observation
-    the conversation goes on after; ``tool_concurrency`` bounds the calls running at once over all
-    the group's conversations (4 ask at once, 2 run)."""
-    engine = SpyEngine(kind="torch", model_path=str(model_path))
-    agent = env_agent(tok, "HangingLookupEnv", tool_timeout_s=0.3, tool_concurrency=2)
-    agent_envs.HangingLookupEnv.running = agent_envs.HangingLookupEnv.most = 0
-    r = Rollouter(RolloutConfig(n=4, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
-                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
-    try:
-        await asyncio.wait_for(r.run(num_groups=1), 120)
-    finally:
-        await engine.close()
-        agent.close()
-    (g,) = r.producer.groups
-    assert g.complete and agent_envs.HangingLookupEnv.most == 2 and agent_envs.HangingLookupEnv.running == 0
-    stats = r.stats_now()
-    assert stats["agent_tool_calls"] == stats["agent_tool_errors"] >= 4
-    for t in g.trajectories:
-        assert t.turns >= 2  # the model wrote on after the timed-out call
-        first = spans(t.loss_mask, 0)[0]
-        assert "timed out after 0.3 s (tool_timeout_s)" in tok.decode(t.response_ids[slice(*first)])
-
-
 async def test_a_multi_output_loop_counts_sessions_and_a_missing_one_fails_its_group_closed(model_path, tok):
     engine = SpyEngine(kind="torch", model_path=str(model_path))
     agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:TwoSessions", sessions=2), tok)
@@ -246,6 +222,72 @@ async def test_a_weight_sync_during_a_tool_call_gives_the_next_turn_the_new_vers
     for version, (a, b) in zip([0] + [1] * (len(turns) - 1), turns):
         model.load_state_dict(weights[version], strict=False)
         np.testing.assert_allclose(t.logprobs[a:b], recompute(model, t)[a:b], atol=1e-4, rtol=0)
+
+
+async def test_tool_timeout_and_concurrency_from_the_config_bound_the_rollouters_tool_calls(model_path, tok):
+    """``rollout.agent.tool_timeout_s`` ends each call of a tool that never returns, as an observation
+    the conversation goes on after; ``tool_concurrency`` bounds the calls running at once over all
+    the group's conversations (4 ask at once, 2 run)."""
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = env_agent(tok, "HangingLookupEnv", tool_timeout_s=0.3, tool_concurrency=2)
+    agent_envs.HangingLookupEnv.running = agent_envs.HangingLookupEnv.most = 0
+    r = Rollouter(RolloutConfig(n=4, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=1), 120)
+    finally:
+        await engine.close()
+        agent.close()
+    (g,) = r.producer.groups
+    assert g.complete and agent_envs.HangingLookupEnv.most == 2 and agent_envs.HangingLookupEnv.running == 0
+    stats = r.stats_now()
+    assert stats["agent_tool_calls"] == stats["agent_tool_errors"] >= 4
+    for t in g.trajectories:
+        assert t.turns >= 2  # the model wrote on after the timed-out call
+        first = spans(t.loss_mask, 0)[0]
+        assert "timed out after 0.3 s (tool_timeout_s)" in tok.decode(t.response_ids[slice(*first)])
+
+
+async def test_a_weight_sync_mid_turn_keeps_the_turn_and_its_later_tokens_carry_the_new_version(tmp_path):
+    """A sync (pause keep) lands while the long second turn of a conversation is generating: one
+    request, kept through the sync, whose first tokens carry version 0 and the rest version 1; no
+    token generated twice, each behaviour log-prob a recompute under its own version's weights."""
+    from asyncrl.models.tiny import build_tiny_model
+    from tests.unit.inprocess import RecordingEngine
+
+    path = build_tiny_model(tmp_path / "m")
+    engine = EngineActor(kind="torch", model_path=path, eos_token_ids=(), seed=0)
+    weights = {0: {k: v.clone() for k, v in engine.engine.model.state_dict().items()}}
+    recording = RecordingEngine(engine)
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
+    r = Rollouter(RolloutConfig(n=1, max_tokens=3, groups_per_sync=100), [recording], MemorySink(),
+                  [Prompt(text="long", prompt_ids=np.array([1, 4, 5]))], lambda p, ids: 0.0, agent=agent)
+    turn = "sample_0_0/0/t1"
+    try:
+        task = asyncio.create_task(r.run(num_groups=1))
+        async with asyncio.timeout(120):
+            # Until the second turn runs with a few tokens (the engine hands back after each step
+            # while a caller waits, so it cannot run on to its end meanwhile).
+            while (before := await engine.wait_for_tokens(turn, 3)) < 3:
+                assert turn not in recording.finished, "the second turn ended before the sync"
+                await asyncio.sleep(0.001)
+        await r.on_pause()
+        weights[1] = await sync(engine, 1)
+        await r.on_sync(1)
+        await asyncio.wait_for(task, 120)
+    finally:
+        await engine.close()
+    (t,) = r.producer.groups[0].trajectories
+    assert [q.request_id for q in recording.requests] == ["sample_0_0/0/t0", turn]  # kept, never sent again
+    assert len(t.response_ids) == 3 + 2 + 48 and t.finish_reason == "length"  # no token twice, none lost
+    second = t.versions[5:].tolist()
+    k = second.count(0)
+    assert 3 <= before <= k < 48 and second == [0] * k + [1] * (48 - k), second
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for v in (0, 1):
+        model.load_state_dict(weights[v], strict=False)
+        at = (t.versions == v) & (t.loss_mask == 1)
+        np.testing.assert_allclose(t.logprobs[at], recompute(model, t)[at], atol=1e-4, rtol=0)
 
 
 def test_agent_config_errors_name_the_field():
@@ -444,45 +486,3 @@ async def test_validation_runs_the_agent_loop_greedily_and_scores_its_last_turn(
     assert sorted(engine.ended) == ["val_3_0", "val_3_1"]  # each conversation's KV let go
     assert engine.requests == []  # nothing through training's group calls
     assert worker.feed_state()["next_index"] == 0  # validation never moves the training feed
-
-
-async def test_a_weight_sync_mid_turn_keeps_the_turn_and_its_later_tokens_carry_the_new_version(tmp_path):
-    """A sync (pause keep) lands while the long second turn of a conversation is generating: one
-    request, kept through the sync, whose first tokens carry version 0 and the rest version 1; no
-    token generated twice, each behaviour log-prob a recompute under its own version's weights."""
-    from asyncrl.models.tiny import build_tiny_model
-    from tests.unit.inprocess import RecordingEngine
-
-    path = build_tiny_model(tmp_path / "m")
-    engine = EngineActor(kind="torch", model_path=path, eos_token_ids=(), seed=0)
-    weights = {0: {k: v.clone() for k, v in engine.engine.model.state_dict().items()}}
-    recording = RecordingEngine(engine)
-    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
-    r = Rollouter(RolloutConfig(n=1, max_tokens=3, groups_per_sync=100), [recording], MemorySink(),
-                  [Prompt(text="long", prompt_ids=np.array([1, 4, 5]))], lambda p, ids: 0.0, agent=agent)
-    turn = "sample_0_0/0/t1"
-    try:
-        task = asyncio.create_task(r.run(num_groups=1))
-        async with asyncio.timeout(120):
-            # Until the second turn runs with a few tokens (the engine hands back after each step
-            # while a caller waits, so it cannot run on to its end meanwhile).
-            while (before := await engine.wait_for_tokens(turn, 3)) < 3:
-                assert turn not in recording.finished, "the second turn ended before the sync"
-                await asyncio.sleep(0.001)
-        await r.on_pause()
-        weights[1] = await sync(engine, 1)
-        await r.on_sync(1)
-        await asyncio.wait_for(task, 120)
-    finally:
-        await engine.close()
-    (t,) = r.producer.groups[0].trajectories
-    assert [q.request_id for q in recording.requests] == ["sample_0_0/0/t0", turn]  # kept, never sent again
-    assert len(t.response_ids) == 3 + 2 + 48 and t.finish_reason == "length"  # no token twice, none lost
-    second = t.versions[5:].tolist()
-    k = second.count(0)
-    assert 3 <= before <= k < 48 and second == [0] * k + [1] * (48 - k), second
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for v in (0, 1):
-        model.load_state_dict(weights[v], strict=False)
-        at = (t.versions == v) & (t.loss_mask == 1)
-        np.testing.assert_allclose(t.logprobs[at], recompute(model, t)[at], atol=1e-4, rtol=0)
