@@ -131,7 +131,6 @@ class HangingLookupEnv(ToolEnv):
         super().__init__([tool(hanging_lookup, name="lookup")])
 
 
-
 class ThreeFixedTurns(AgentLoop):
     """Three 6-token turns around a fixed 4-token observation, whatever the model writes (a random
     model's conversation on vLLM: only the turns' tokens, log-probs and prefix-cache hits matter)."""
@@ -178,4 +177,3 @@ class GatedThreeTurns(ThreeFixedTurns):
 def exact_answer(data_source, solution_str, ground_truth, extra_info=None):
     """A verl-style reward: 1 when the final answer is the ground truth."""
     return float(solution_str.strip() == ground_truth)
-
