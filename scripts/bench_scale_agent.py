@@ -15,7 +15,8 @@ admitted group was sent. Measured:
 
 - ``loop_lag_p99_ms``: a timer task sleeps 10 ms again and again and records how late it wakes,
   in the window below (the Rollouter's loop, which here also runs the replicas' schedulers: an
-  upper bound); ``run_lag_max_ms`` over the whole run (the start's admission burst included);
+  upper bound; ``loop_lag_ticks``: how many wake-ups it saw there, 0 when the window had none and
+  the whole run's stand in); ``run_lag_max_ms`` over the whole run (the start's admission burst included);
 - ``turn_req_s``, ``tool_calls_per_s``: engine requests and tool calls a second while the
   concurrency was full (from the first moment it was, until the feed admitted its last group);
 - ``lost`` / ``duplicated``: admitted conversations (prompt, k) that ended in no sent group / in
@@ -311,7 +312,7 @@ async def agent_run(args: argparse.Namespace) -> dict:
         "agent_conversations": args.agent_conversations, "conversations_admitted": len(admitted) * n,
         "conversations_sent": len(turns), "loop_lag_p50_ms": 1e3 * float(np.percentile(window_lags, 50)),
         "loop_lag_p99_ms": 1e3 * float(np.percentile(window_lags, 99)), "loop_lag_max_ms": 1e3 * max(window_lags),
-        "run_lag_max_ms": 1e3 * max(lags), "live_conversations_mean": float(np.mean(live[lag0:lag1] or [0])),
+        "run_lag_max_ms": 1e3 * max(lags), "loop_lag_ticks": lag1 - lag0, "live_conversations_mean": float(np.mean(live[lag0:lag1] or [0])),
         "turn_req_s": (r1 - r0) / window, "cpu_ms_per_turn": 1e3 * (cpu1 - cpu0) / max(r1 - r0, 1), "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
         "mean_turns": float(np.mean(turns)) if turns else 0.0,
         **check_delivery(admitted, sink.sent, n, args.agent_turns),
@@ -326,7 +327,7 @@ async def agent_run(args: argparse.Namespace) -> dict:
 
 SUMMED = ("lost", "duplicated", "bad_turns", "failed", "gc_garbage")
 """Counts over every run; the other figures are the runs' medians (see `combine`)."""
-PER_RUN = ("loop_lag_p50_ms", "loop_lag_p99_ms", "turn_req_s", "cpu_ms_per_turn", "gc_pause_max_ms", "load_avg_1m")
+PER_RUN = ("loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms", "run_lag_max_ms", "loop_lag_ticks", "turn_req_s", "cpu_ms_per_turn", "gc_pause_max_ms", "load_avg_1m")
 
 
 def combine(results: list[dict]) -> dict:

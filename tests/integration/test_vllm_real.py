@@ -604,6 +604,7 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
     from asyncrl.rollouter.config import AgentConfig
     from asyncrl.rollouter.partial import PartialRolloutConfig
     from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, RolloutState
+    from tests.unit.inprocess import CheckpointWhileTruncated, RecordingEngine, resume_from_checkpoint
 
     v0, groups, per_step = served.engine.version, 6, 2
     weights = {v0: _weights(served.trainer)}
@@ -614,8 +615,10 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
                for i in range(groups)]
     # The engine serves version v0 (earlier tests synced it): the Rollouter starts as a run resumed
     # at step v0 does, so that its rounds are the engine's versions.
-    r = Rollouter(RolloutConfig(n=2, max_tokens=3, groups_per_sync=per_step, staleness_threshold=0.0, max_concurrent=4),
-                  [served.actor], MemorySink(), prompts, lambda p, ids: 0.0, state=RolloutState(done=v0 * per_step),
+    cfg = RolloutConfig(n=2, max_tokens=3, groups_per_sync=per_step, staleness_threshold=0.0, max_concurrent=4)
+    recording = RecordingEngine(served.actor)
+    check = CheckpointWhileTruncated([recording])
+    r = Rollouter(cfg, [recording], MemorySink(), prompts, lambda p, ids: 0.0, state=RolloutState(done=v0 * per_step),
                   partial=partial, aggregator=aggregator, agent=agent)
     await r.on_sync(v0)
     task = asyncio.create_task(r.run(num_groups=groups))
@@ -627,13 +630,18 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
             if task.done():
                 break
             await r.on_pause()
+            check(r)  # a checkpoint while a truncated turn waits (the first time one does)
             await served.sync(_perturb, clear_cache=True)  # a turn still running re-prefills on the new weights
             weights[served.engine.version] = _weights(served.trainer)
             await r.on_sync(served.engine.version)
         await task
     assert all(g.complete for g in r.producer.groups) and len(r.producer.groups) == groups
     assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
-    assert not r.snapshot()["partials"]  # a conversation's truncated turn is never checkpointed
+    # The checkpoint saved no parts of the waiting turns; resumed from it, each conversation in flight
+    # is generated again from its first turn (the long turn whole).
+    again = await resume_from_checkpoint(check, cfg, served.actor, prompts, agent)
+    for t in (t for g in again for t in g.trajectories if g.sample_id in check.truncated and t.prompt_ids[1] in (4, 8)):
+        assert len(t.response_ids) == 3 + 2 + 48 and t.turns == 2
     trajectories = [t for g in r.producer.groups for t in g.trajectories]
     resumed = [t for t in trajectories if t.age >= 1]
     long = [t for t in resumed if t.prompt_ids[1] in (4, 8)]

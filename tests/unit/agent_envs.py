@@ -111,6 +111,31 @@ class LongSecondTurn(AgentLoop):
             finish_reason=second.finish_reason, turns=2, reward=1.0)
 
 
+class HangingLookupEnv(ToolEnv):
+    """``lookup`` as an async tool that never returns (it ends only by ``tool_timeout_s``), counting
+    the calls running at once (``running``, the most seen in ``most``)."""
+
+    running = 0
+    most = 0
+
+    def __init__(self):
+        async def hanging_lookup(key: str) -> str:
+            """Look up a key.
+
+            Args:
+                key: the key
+            """
+            cls = type(self)
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cls.running -= 1
+
+        super().__init__([tool(hanging_lookup, name="lookup")])
+
+
 class ThreeFixedTurns(AgentLoop):
     """Three 6-token turns around a fixed 4-token observation, whatever the model writes (a random
     model's conversation on vLLM: only the turns' tokens, log-probs and prefix-cache hits matter)."""

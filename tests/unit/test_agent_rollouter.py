@@ -120,7 +120,7 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
     assert stats["agent_episodes"] == len(trajectories) and stats["agent_turns"] == sum(t.turns for t in trajectories)
     assert stats["agent_tool_calls"] == sum(t.turns - 1 for t in trajectories) and stats["agent_tool_errors"] == 0
     assert stats["agent_env_step_s"] > 0
-    values = await RolloutReporter([], n=3).poll(r, None)
+    values = await RolloutReporter([engine], n=3).poll(r, None)  # the engine's own stats, as a run polls them
     assert values["agent/tool_calls"] == stats["agent_tool_calls"] and values["agent/turns"] == stats["agent_turns"]
     # A step's share: the tool calls per turn the envs answered between two readings.
     from asyncrl.progress import rollouter_step_metrics
@@ -133,11 +133,19 @@ async def test_a_tool_env_through_the_rollouter(model_path, ref, tok):
     assert step["agent/tool_errors_per_call"] == 0 and step["agent/env_step_s_per_turn"] > 0
     # Turns after the first prefill only their new tokens: the engine kept the session's KV (all but
     # the last sampled token of the turn before, which was never fed), on unchanged weights.
+    reused = 0
     for t in trajectories:
         for j in range(1, t.turns):
             before, now = by_id[f"{t.sample_id}/{t.index}/t{j - 1}"], by_id[f"{t.sample_id}/{t.index}/t{j}"]
             kept = len(before.prompt_ids) + len(engine.results[before.request_id].response_ids) - 1
             assert engine.results[now.request_id].prefill_tokens == len(now.prompt_ids) - kept, (t.sample_id, j)
+            reused += kept
+    # The engine's session_* counters, as the reporter reads them: every later turn a hit on its
+    # conversation's kept KV, every session ended (none live, none left unused).
+    later = sum(t.turns - 1 for t in trajectories)
+    assert (values["engine/session_hits"], values["engine/session_tokens_reused"]) == (later, reused)
+    assert values["engine/session_live"] == values["engine/session_misses"] == 0
+    assert values["engine/session_kept"] >= later
 
 
 async def test_an_env_that_raises_stops_the_run_naming_the_prompt_or_drops_its_group_and_goes_on(model_path, tok):
@@ -237,6 +245,72 @@ async def test_a_weight_sync_during_a_tool_call_gives_the_next_turn_the_new_vers
         np.testing.assert_allclose(t.logprobs[a:b], recompute(model, t)[a:b], atol=1e-4, rtol=0)
 
 
+async def test_tool_timeout_and_concurrency_from_the_config_bound_the_rollouters_tool_calls(model_path, tok):
+    """``rollout.agent.tool_timeout_s`` ends each call of a tool that never returns, as an observation
+    the conversation goes on after; ``tool_concurrency`` bounds the calls running at once over all
+    the group's conversations (4 ask at once, 2 run)."""
+    engine = SpyEngine(kind="torch", model_path=str(model_path))
+    agent = env_agent(tok, "HangingLookupEnv", tool_timeout_s=0.3, tool_concurrency=2)
+    agent_envs.HangingLookupEnv.running = agent_envs.HangingLookupEnv.most = 0
+    r = Rollouter(RolloutConfig(n=4, max_tokens=8, groups_per_sync=100), [engine], MemorySink(),
+                  prompts(tok, QUESTION), lambda p, ids: 0.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=1), 120)
+    finally:
+        await engine.close()
+        agent.close()
+    (g,) = r.producer.groups
+    assert g.complete and agent_envs.HangingLookupEnv.most == 2 and agent_envs.HangingLookupEnv.running == 0
+    stats = r.stats_now()
+    assert stats["agent_tool_calls"] == stats["agent_tool_errors"] >= 4
+    for t in g.trajectories:
+        assert t.turns >= 2  # the model wrote on after the timed-out call
+        first = spans(t.loss_mask, 0)[0]
+        assert "timed out after 0.3 s (tool_timeout_s)" in tok.decode(t.response_ids[slice(*first)])
+
+
+async def test_a_weight_sync_mid_turn_keeps_the_turn_and_its_later_tokens_carry_the_new_version(tmp_path):
+    """A sync (pause keep) lands while the long second turn of a conversation is generating: one
+    request, kept through the sync, whose first tokens carry version 0 and the rest version 1; no
+    token generated twice, each behaviour log-prob a recompute under its own version's weights."""
+    from asyncrl.models.tiny import build_tiny_model
+    from tests.unit.inprocess import RecordingEngine
+
+    path = build_tiny_model(tmp_path / "m")
+    engine = EngineActor(kind="torch", model_path=path, eos_token_ids=(), seed=0)
+    weights = {0: {k: v.clone() for k, v in engine.engine.model.state_dict().items()}}
+    recording = RecordingEngine(engine)
+    agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
+    r = Rollouter(RolloutConfig(n=1, max_tokens=3, groups_per_sync=100), [recording], MemorySink(),
+                  [Prompt(text="long", prompt_ids=np.array([1, 4, 5]))], lambda p, ids: 0.0, agent=agent)
+    turn = "sample_0_0/0/t1"
+    try:
+        task = asyncio.create_task(r.run(num_groups=1))
+        async with asyncio.timeout(120):
+            # Until the second turn runs with a few tokens (the engine hands back after each step
+            # while a caller waits, so it cannot run on to its end meanwhile).
+            while (before := await engine.wait_for_tokens(turn, 3)) < 3:
+                assert turn not in recording.finished, "the second turn ended before the sync"
+                await asyncio.sleep(0.001)
+        await r.on_pause()
+        weights[1] = await sync(engine, 1)
+        await r.on_sync(1)
+        await asyncio.wait_for(task, 120)
+    finally:
+        await engine.close()
+    (t,) = r.producer.groups[0].trajectories
+    assert [q.request_id for q in recording.requests] == ["sample_0_0/0/t0", turn]  # kept, never sent again
+    assert len(t.response_ids) == 3 + 2 + 48 and t.finish_reason == "length"  # no token twice, none lost
+    second = t.versions[5:].tolist()
+    k = second.count(0)
+    assert 3 <= before <= k < 48 and second == [0] * k + [1] * (48 - k), second
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for v in (0, 1):
+        model.load_state_dict(weights[v], strict=False)
+        at = (t.versions == v) & (t.loss_mask == 1)
+        np.testing.assert_allclose(t.logprobs[at], recompute(model, t)[at], atol=1e-4, rtol=0)
+
+
 def test_agent_config_errors_name_the_field():
     with pytest.raises(ValueError, match="set one of them"):
         AgentConfig(env="a:B", loop="c:D")
@@ -248,10 +322,12 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
     from asyncrl.models.tiny import build_tiny_model
     from asyncrl.rollouter.aggregator import AggregatorActor
     from asyncrl.rollouter.partial import PartialRolloutConfig
+    from tests.unit.inprocess import CheckpointWhileTruncated, RecordingEngine, resume_from_checkpoint
     from tests.unit.test_partial_rollout import run_with_syncs
 
     path = build_tiny_model(tmp_path / "m")
     engines = [EngineActor(kind="torch", model_path=path, eos_token_ids=(), seed=0) for _ in range(2)]
+    recordings = [RecordingEngine(e) for e in engines]
     snapshots = {0: {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}}
     # The synchronous workflow: a round keeps 4 prompts in flight and ends at the step's 2 groups,
     # so the long second turns are stopped mid-turn and resume in the next round.
@@ -260,16 +336,21 @@ async def test_partial_rollout_truncates_a_turn_and_the_conversation_resumes_nex
     agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:LongSecondTurn"), None)
     prompts = [Prompt(text="long" if i % 4 == 0 else "short", prompt_ids=np.array([1, 4 + i % 20, 5]))
                for i in range(40)]
-    r = Rollouter(RolloutConfig(n=2, max_tokens=3, groups_per_sync=2, staleness_threshold=0.0, max_concurrent=4),
-                  engines, MemorySink(), prompts, lambda p, ids: 0.0, partial=partial, aggregator=aggregator, agent=agent)
+    cfg = RolloutConfig(n=2, max_tokens=3, groups_per_sync=2, staleness_threshold=0.0, max_concurrent=4)
+    r = Rollouter(cfg, recordings, MemorySink(), prompts, lambda p, ids: 0.0, partial=partial, aggregator=aggregator,
+                  agent=agent)
+    check = CheckpointWhileTruncated(recordings)
     try:
-        await run_with_syncs(r, engines, r.producer, 8, snapshots)
+        await run_with_syncs(r, engines, r.producer, 8, snapshots, at_pause=check)
+        # A checkpoint taken while a truncated turn waited: its conversation is generated again from turn 0.
+        again = await resume_from_checkpoint(check, cfg, engines[0], prompts, agent)
     finally:
         for e in engines:
             await e.close()
     assert all(g.complete for g in r.producer.groups) and len(r.producer.groups) == 8
     assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
-    assert not r.snapshot()["partials"]  # a conversation's truncated turn is never checkpointed
+    for t in (t for g in again for t in g.trajectories if g.sample_id in check.truncated and t.prompt_ids[1] % 4 == 0):
+        assert len(t.response_ids) == 3 + 2 + 48 and t.turns == 2  # the long turn whole, in one go
     resumed = [t for g in r.producer.groups for t in g.trajectories if t.age >= 1]
     # The long second turns are truncated mid-turn (a short one in flight when a round ends may be too).
     long = [t for t in resumed if t.prompt_ids[1] in (4, 8, 12, 16, 20)]

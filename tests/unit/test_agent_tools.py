@@ -105,13 +105,18 @@ async def test_tool_env_answers_every_call_in_order():
         await env.close()
 
 
+RELEASE = threading.Event()
+"""What the slow tools wait for: set only after the step returned (so a step that returned was ended
+by its deadline, however loaded the machine)."""
+
+
 def _slow_sync(key: str) -> str:
     """Sleep.
 
     Args:
         key: k
     """
-    time.sleep(1.0)
+    RELEASE.wait(60)
     return key
 
 
@@ -121,7 +126,7 @@ async def _slow_async(key: str) -> str:
     Args:
         key: k
     """
-    await asyncio.sleep(30)
+    await asyncio.Event().wait()  # never set: only the deadline ends it
     return key
 
 
@@ -151,13 +156,14 @@ async def _returns_bytes(key: str) -> str:
 ])
 async def test_a_failing_call_is_an_error_observation(fn, error):
     env = ToolEnv([tool(fn, name="f"), add], tool_timeout_s=0.2)
+    RELEASE.clear()
     try:
-        t0 = time.monotonic()
-        step = await env.step(call("f", key="x") + call("add", a=1))
-        assert time.monotonic() - t0 < 0.9  # the deadline held, not the tool's own sleep
+        # The slow tools end only once RELEASE is set, after this returns: the deadline ended them.
+        step = await asyncio.wait_for(env.step(call("f", key="x") + call("add", a=1)), 30)
         assert [m["content"] for m in step.observation] == [error, "2"]
         assert (step.done, step.tool_calls, step.tool_errors) == (False, 2, 1)
     finally:
+        RELEASE.set()
         await env.close()
 
 

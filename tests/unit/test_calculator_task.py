@@ -182,6 +182,11 @@ async def test_the_shipped_policy_learns_to_call_the_tool_in_process(tmp_path, c
     # Turns per conversation are 1 + tool calls (each call is answered, then the model answers).
     assert np.mean(turns[-3:]) >= np.mean(turns[:3]) + 0.15, turns
     assert np.mean(rewards[-3:]) >= np.mean(rewards[:3]) + 0.1, rewards
+    # On-policy (staleness 0, one update a step): each step's multi-turn behaviour log-probs are the
+    # trainer's own recompute of the same tokens before its update, so every importance ratio is 1.
+    assert max(turns) > 1
+    for r in results:
+        assert abs(r.metrics["is_ratio_max"] - 1) < 1e-3 and abs(r.metrics["is_ratio_min"] - 1) < 1e-3, r.metrics
     stats = rollouter.stats_now()
     assert stats["agent_tool_calls"] > 0 and stats["agent_tool_errors"] <= 0.15 * stats["agent_tool_calls"]
     agent.close()

@@ -56,8 +56,9 @@ async def sync_engines(engines, version: int, snapshots: dict) -> None:
     snapshots[version] = {k: v.clone() for k, v in engines[0].engine.model.state_dict().items()}
 
 
-async def run_with_syncs(r: Rollouter, engines, producer, num_groups: int, snapshots: dict):
-    """Run the Rollouter; sync like a Trainer does: once ``groups_per_sync`` more complete groups arrived."""
+async def run_with_syncs(r: Rollouter, engines, producer, num_groups: int, snapshots: dict, at_pause=None):
+    """Run the Rollouter; sync like a Trainer does: once ``groups_per_sync`` more complete groups arrived
+    (``at_pause(r)``: called at each sync once the Rollouter paused, before the weights change)."""
     task = asyncio.create_task(r.run(num_groups=num_groups))
     version = 0
     async with asyncio.timeout(240):
@@ -69,6 +70,8 @@ async def run_with_syncs(r: Rollouter, engines, producer, num_groups: int, snaps
                 break
             version += 1
             await r.on_pause()
+            if at_pause is not None:
+                at_pause(r)
             await sync_engines(engines, version, snapshots)
             await r.on_sync(version)
         await task
