@@ -89,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="python -m asyncrl.launch", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other setting: key.path=value, e.g. trainer.optim.lr=1e-6 "
-                                       "skip.async_rollout.steps=[3,4] (see --print-config for every key).")
+                                       "skip.async_rollout.steps=[3,4] (--help-config: every key with its default and meaning; "
+                                       "--print-config: a run's resolved values).")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides, applied last")
     p.add_argument("--config", action="append", default=[], metavar="run.yaml",
                    help="YAML file of settings (repeatable; later files win, overrides win over files)")
