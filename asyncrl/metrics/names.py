@@ -1,4 +1,4 @@
-"""Every metric name the run emits: who emits it and what it means (the README's table).
+"""Every metric name the run emits: who emits it and what it means (the table in docs/metrics.md).
 
 ``{i}`` stands for an engine replica's index, ``{k}`` for a histogram bucket. Names follow
 verl's fully-async trainer where verl has one, so dashboards carry over.

@@ -8,7 +8,7 @@ concurrent samples resolve their steps independently and nothing mutable is shar
 A replayed group is marked (`REPLAY_KEY` in ``Group.meta``) and carries the ``sample_id`` of
 the call it stands in for: under ``repeat`` a dump of another step answers, and the Trainer
 de-duplicates by ``sample_id``. What the Trainer then does with a replayed group's versions
-and behaviour log-probs: `rebase_versions` and the README's SkipManager section.
+and behaviour log-probs: `rebase_versions` and docs/skip.md.
 Failed or incomplete groups are never dumped (a transient engine error must not be replayed).
 """
 

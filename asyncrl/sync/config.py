@@ -26,9 +26,8 @@ class WeightSyncConfig:
     trainer's own dtype."""
     bucket_mb: float = 4.0
     """Size of one packed bucket in MiB (a larger tensor travels alone, from its own memory,
-    and lands straight in an engine parameter that has the ``weight_views`` hook). 4 beat 16
-    and 1 on the 2-core CPU bench (500 MB, hidden 1024): 96% of the bytes go unpacked, in
-    71 buckets; 16 packs half the model (two copies per byte), 1 sends 111 buckets."""
+    and lands straight in an engine parameter that has the ``weight_views`` hook); the choice
+    of 4 is measured in docs/benchmarks.md (bench_sync)."""
     backend: str = "auto"
     """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is available)."""
     master_addr: str = "127.0.0.1"

@@ -35,9 +35,10 @@ STEPS = 20  # a checkpoint at step 10 (trainer.checkpoint_every defaults to min(
 
 
 def agent_section(readme: str) -> str:
-    """The README's "Agent loops" section: from its heading to the next heading of its level or above."""
-    start = re.search(r"^(#+) Agent loops\b.*$", readme, re.M)
-    assert start, "README.md has no 'Agent loops' section"
+    """The README's agent-loop section ("Train your env or agent loop"): from its heading to the next
+    heading of its level or above."""
+    start = re.search(r"^(#+) .*\bagent loop\b.*$", readme, re.M | re.I)
+    assert start, "README.md has no agent-loop section"
     level = len(start.group(1))
     end = re.compile(rf"^#{{1,{level}}} ", re.M).search(readme, start.end())
     return readme[start.end():end.start() if end else len(readme)]

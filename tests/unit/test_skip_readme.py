@@ -1,4 +1,4 @@
-"""The README's custom-role example runs as written: first run computes and dumps, a second
+"""The custom-role example of docs/skip.md runs as written: first run computes and dumps, a second
 run (a fresh process would do the same) replays the listed steps."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 from asyncrl.skip import SkipManager
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "skip.md"
 
 
 def custom_role_example() -> str:
-    section = README.read_text().split("### A custom role", 1)[1]
+    section = README.read_text().split("## A custom role", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

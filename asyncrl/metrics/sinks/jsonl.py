@@ -1,4 +1,4 @@
-"""JSONL sink: ``<run_dir>/events.jsonl``, one event per line (the README's schema).
+"""JSONL sink: ``<run_dir>/events.jsonl``, one event per line (the schema in docs/metrics.md).
 
 (``metrics.jsonl`` beside it is the launcher's one row per train step.)
 """
