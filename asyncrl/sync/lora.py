@@ -9,10 +9,11 @@ a `LoraMerger` wrapped around its engine instead of the engine itself:
 - at construction it reads the base weight of every adapted module from the model directory's
   safetensors files (the same bytes the engine loaded at start) and keeps them;
 - `load_weights` keeps the received A and B (copies: they arrive as views of reused buffers);
-- `finish_weight_update` computes ``W = W_base + scale * B @ A`` for every module in fp32 and
-  hands the results to the engine's own ``load_weights`` (the built-in engine copies them in
-  place; in a vLLM worker they go through the same ``reload_weights`` as a full sync), then the
-  engine's ``finish_weight_update``.
+- `finish_weight_update` computes ``W = W_base + scale * B @ A`` for every module: into the
+  built-in engine's parameters directly (its ``weight_views`` hook, engine paused: one ``addmm``
+  per module reads the kept base and writes the parameter), or, in a vLLM worker, as tensors
+  handed to the same staged ``reload_weights`` as a full sync; then the engine's
+  ``finish_weight_update``.
 
 Exact, no drift: every sync starts again from the kept base, never from the weights the
 previous sync merged (merging ``B @ A`` in place would add each step's rounding error to the
@@ -28,6 +29,7 @@ vLLM: about the blocks' weights with the default all-linear targets) in each eng
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
@@ -78,6 +80,7 @@ class LoraMerger:
             raise ValueError(f"LoRA sync: the engine's model directory {model_dir} has no base weight {missing[0]} "
                              "(the trainer and the engines must load the same model)")
         self.received: dict[str, torch.Tensor] = {}
+        self.siblings = siblings
 
     def param_meta(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """The adapters this engine takes: ``<module>.lora_A`` [r, in] and ``<module>.lora_B`` [out, r]."""
@@ -104,8 +107,31 @@ class LoraMerger:
             out[f"{m}.weight"] = base.float() + self.scale * (b @ a)
         return list(out.items())
 
+    @torch.no_grad()
+    def _merge_into(self, views: dict[str, torch.Tensor]) -> None:
+        """``W = W_base + scale * B @ A`` written straight into the engine's parameters (one pass,
+        no temporary: ``addmm`` reads the kept base and writes the parameter)."""
+        for m in self.modules:
+            name = f"{m}.weight"
+            base, dst = self.base[name], views[name]
+            a, b = self.received[f"{m}.lora_A"].to(base.dtype), self.received[f"{m}.lora_B"].to(base.dtype)
+            if dst.dtype == base.dtype and dst.is_contiguous():
+                torch.addmm(base, b, a, alpha=self.scale, out=dst)
+            else:
+                dst.copy_(torch.addmm(base, b, a, alpha=self.scale))
+
     async def finish_weight_update(self, version: int) -> None:
-        """Merge onto the kept base, load through the engine's own path, make it live as ``version``."""
-        weights, self.received = self.merged(), {}
-        await self.engine.load_weights(weights)
+        """Merge onto the kept base, load through the engine's own path, make it live as ``version``.
+
+        An engine with the ``weight_views`` hook (the built-in one, paused) gets the merge written
+        into its parameters directly; any other (a vLLM worker) gets the merged weights through its
+        ``load_weights``."""
+        hook = getattr(self.engine, "weight_views", None)
+        if hook is not None and not self.siblings:
+            views = hook()
+            await asyncio.to_thread(self._merge_into, views)
+            self.received = {}
+        else:
+            weights, self.received = self.merged(), {}
+            await self.engine.load_weights(weights)
         await self.engine.finish_weight_update(version)
