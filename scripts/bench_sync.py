@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="print the JSON summary of the largest size last")
     p.add_argument("--lora", type=int, nargs="+", default=None, metavar="RANK",
                    help="LoRA ranks: adapter-only sync side by side with full sync on the largest size (see lora_bench)")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                   help="trainer.lora.target_modules for --lora (default: every linear layer of the blocks)")
     return p.parse_args(argv)
 
 

@@ -2,7 +2,7 @@
 
 Per LoRA rank, on bench_sync's Qwen2-shaped model (the largest ``--sizes-mb``, 500 MB of fp32 by
 default): two trainer ranks (`TrainerWorker`, 1-rank FSDP2 each), one full and one with
-``trainer.lora.rank=RANK`` (default target modules: every linear layer of the blocks), each with
+``trainer.lora.rank=RANK`` (target modules: ``--lora-targets``, default every linear layer of the blocks), each with
 two `TorchEngine` actors and a `WeightSyncCoordinator` of its own. After a first sync of each
 (group, metadata, buffers), ``--repeats`` rounds of one full sync then one LoRA sync, interleaved,
 and one optimizer step of each trainer on the same random batch with its peak RSS growth
@@ -81,13 +81,14 @@ def _batch(vocab: int):
 class Side:
     """One trainer rank, its two engines and its coordinator."""
 
-    def __init__(self, path: Path, lora_rank: int):
+    def __init__(self, path: Path, lora_rank: int, targets: list[str] | None = None):
         from asyncrl.rollouter.actor import remote_engine_actor
         from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
         from asyncrl.trainer.config import LoraConfig, TrainerConfig, WorkerConfig
         from asyncrl.trainer.ranks import RankGroup
 
-        worker = WorkerConfig(model_path=str(path), device="cpu", micro_batch_size=4, lora=LoraConfig(rank=lora_rank))
+        worker = WorkerConfig(model_path=str(path), device="cpu", micro_batch_size=4,
+                              lora=LoraConfig(rank=lora_rank, target_modules=targets))
         self.trainer = RankGroup.start_ray(TrainerConfig(worker=worker, world_size=1, cpus_per_rank=0.25))
         cls = remote_engine_actor(num_cpus=0.25)
         self.engines = [cls.remote(kind="torch", model_path=str(path), eos_token_ids=(), num_threads=1)
@@ -110,8 +111,8 @@ class Side:
         self.trainer.close()
 
 
-async def bench_rank(path: Path, rank: int, repeats: int, vocab: int) -> dict:
-    full, lora = Side(path, 0), Side(path, rank)
+async def bench_rank(path: Path, rank: int, repeats: int, vocab: int, targets: list[str] | None) -> dict:
+    full, lora = Side(path, 0), Side(path, rank, targets if rank else None)
     try:
         await asyncio.gather(*[h.ready.remote() for h in full.engines + lora.engines])
         await full.sync()
@@ -126,7 +127,8 @@ async def bench_rank(path: Path, rank: int, repeats: int, vocab: int) -> dict:
         steps = {name: await side.rank0.__ray_call__.remote(_step, batch, denom)
                  for name, side in (("full", full), ("lora", lora))}
         med = statistics.median
-        row = {"lora_rank": rank, "bytes_full": await full.nbytes(), "bytes_lora": await lora.nbytes(),
+        row = {"lora_rank": rank, "targets": targets or "all linear",
+               "bytes_full": await full.nbytes(), "bytes_lora": await lora.nbytes(),
                "sync_s_full": med(times["full"]), "sync_s_lora": med(times["lora"]),
                "step_peak_mb_full": steps["full"]["peak_extra_mb"], "step_peak_mb_lora": steps["lora"]["peak_extra_mb"],
                "rss_after_step_mb_full": steps["full"]["rss_after_mb"],
@@ -149,7 +151,7 @@ def run_lora(args, size_mb: float, model_overrides) -> int:
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         for rank in args.lora:
             t0 = time.perf_counter()
-            row = asyncio.run(bench_rank(path, rank, args.repeats, vocab))
+            row = asyncio.run(bench_rank(path, rank, args.repeats, vocab, args.lora_targets))
             rows.append(row)
             print(f"rank {rank:3d}: bytes {row['bytes_full'] / 1e6:.1f} MB -> {row['bytes_lora'] / 1e6:.2f} MB "
                   f"({row['bytes_ratio']:.0f}x fewer), sync {row['sync_s_full'] * 1e3:.0f} -> "

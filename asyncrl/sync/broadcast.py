@@ -84,9 +84,9 @@ from asyncrl.sync.base import GroupInit, JoinThread, ReceiverInit, SenderInit, f
 from asyncrl.sync.buckets import NUM_BUFFERS, BucketBuffers, BucketLayout, model_param_metas, pack, plan_buckets, unpack
 from asyncrl.sync.group import WeightSyncGroup
 from asyncrl.sync.lora import LoraMerger
+from asyncrl.sync.wire import HEADER_LEN, MAGIC, WeightSyncError, dtype_name
 from asyncrl.trainer.lora import adapter_params, is_lora
 from asyncrl.trainer.lora import spec as lora_spec
-from asyncrl.sync.wire import HEADER_LEN, MAGIC, WeightSyncError, dtype_name
 
 
 def _abandon(group: WeightSyncGroup, inflight: list) -> None:

@@ -45,7 +45,7 @@ def read_checkpoint_tensors(model_dir: str | Path, names: set[str]) -> dict[str,
     out: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
+            for key in fh.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 if key in names:
                     out[key] = fh.get_tensor(key).clone()
     return out
@@ -87,7 +87,8 @@ class LoraMerger:
         out = []
         for m in self.modules:
             rows, cols = self.base[f"{m}.weight"].shape
-            out += [(f"{m}.lora_A", torch.float32, (self.rank, cols)), (f"{m}.lora_B", torch.float32, (rows, self.rank))]
+            out += [(f"{m}.lora_A", torch.float32, (self.rank, cols)),
+                    (f"{m}.lora_B", torch.float32, (rows, self.rank))]
         return out
 
     async def load_weights(self, named_tensors) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from learn_sync import learn  # noqa: E402
+from learn_sync import learn
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=32"]
@@ -42,7 +42,7 @@ def test_lora_sync_mode_is_exact_on_the_builtin_engine_and_after_a_resume(tmp_pa
     assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys[:5]
     # resumed: the engines start from the base model and get the checkpoint's adapters first
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--resume", str(run_dir), "--steps", "5"],
-                         cwd=ROOT, capture_output=True, text=True)
+                         cwd=ROOT, capture_output=True, text=True, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert_exact(resumed, range(1, 6))

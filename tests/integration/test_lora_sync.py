@@ -25,7 +25,7 @@ def _lora_model(model_path, **kw):
 
 def _sync(model, engine, updates):
     """Send once per ``updates`` entry (a function changing the adapters); engine snapshots per sync."""
-    group = dict(master_addr="127.0.0.1", world_size=2, timeout_s=20.0)
+    group = {"master_addr": "127.0.0.1", "world_size": 2, "timeout_s": 20.0}
     sender = BroadcastSender(model, rank=0, bucket_mb=0.01, **group)
     init = sender.connect()[0]
     snaps, errors = [], []
