@@ -70,12 +70,14 @@ class LoraMerger:
         self.rank = int(spec["rank"])
         self.scale = float(spec["scale"])
         self.modules = list(spec["modules"])
-        wanted = {f"{m}.weight" for m in self.modules}
+        self.full = list(spec.get("full", ()))
+        """Weights the trainer trains in full (``train_norms``): loaded as they arrive."""
+        wanted = {f"{m}.weight" for m in self.modules} | set(self.full)
         if siblings:
             parents = tuple(m.rsplit(".", 1)[0] + "." for m in self.modules)
             wanted |= {n for n in checkpoint_names(model_dir) if n.startswith(parents)}
         self.base = read_checkpoint_tensors(model_dir, wanted)
-        missing = sorted(f"{m}.weight" for m in self.modules if f"{m}.weight" not in self.base)
+        missing = sorted(n for n in [f"{m}.weight" for m in self.modules] + self.full if n not in self.base)
         if missing:
             raise ValueError(f"LoRA sync: the engine's model directory {model_dir} has no base weight {missing[0]} "
                              "(the trainer and the engines must load the same model)")
@@ -89,7 +91,7 @@ class LoraMerger:
             rows, cols = self.base[f"{m}.weight"].shape
             out += [(f"{m}.lora_A", torch.float32, (self.rank, cols)),
                     (f"{m}.lora_B", torch.float32, (rows, self.rank))]
-        return out
+        return out + [(n, torch.float32, tuple(self.base[n].shape)) for n in self.full]
 
     async def load_weights(self, named_tensors) -> None:
         # views into the receiver's reused bucket buffers: copy them out
@@ -98,20 +100,26 @@ class LoraMerger:
     @torch.no_grad()
     def merged(self) -> list[tuple[str, torch.Tensor]]:
         """Checkpoint-named weights to load: base + scale * B @ A per module (plus unchanged siblings)."""
-        missing = [m for m in self.modules if f"{m}.lora_A" not in self.received or f"{m}.lora_B" not in self.received]
-        if missing:
-            raise ValueError(f"LoRA sync: no adapters received for {missing[0]} ({len(missing)} modules)")
+        self._check_received()
         out = {name: t for name, t in self.base.items()}
+        out.update((n, self.received[n]) for n in self.full)
         for m in self.modules:
             base = self.base[f"{m}.weight"]
             a, b = self.received[f"{m}.lora_A"].float(), self.received[f"{m}.lora_B"].float()
             out[f"{m}.weight"] = base.float() + self.scale * (b @ a)
         return list(out.items())
 
+    def _check_received(self) -> None:
+        missing = [m for m in self.modules if f"{m}.lora_A" not in self.received or f"{m}.lora_B" not in self.received]
+        missing += [n for n in self.full if n not in self.received]
+        if missing:
+            raise ValueError(f"LoRA sync: nothing received for {missing[0]} ({len(missing)} missing)")
+
     @torch.no_grad()
     def _merge_into(self, views: dict[str, torch.Tensor]) -> None:
         """``W = W_base + scale * B @ A`` written straight into the engine's parameters (one pass,
         no temporary: ``addmm`` reads the kept base and writes the parameter)."""
+        self._check_received()
         for m in self.modules:
             name = f"{m}.weight"
             base, dst = self.base[name], views[name]
@@ -120,6 +128,8 @@ class LoraMerger:
                 torch.addmm(base, b, a, alpha=self.scale, out=dst)
             else:
                 dst.copy_(torch.addmm(base, b, a, alpha=self.scale))
+        for n in self.full:
+            views[n].copy_(self.received[n])
 
     async def finish_weight_update(self, version: int) -> None:
         """Merge onto the kept base, load through the engine's own path, make it live as ``version``.

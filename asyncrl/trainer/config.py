@@ -96,6 +96,9 @@ class LoraConfig:
     target_modules: list[str] | None = None
     """Leaf names of the linear layers to adapt (e.g. ``[q_proj, v_proj]``); None: every linear layer
     of the decoder blocks."""
+    train_norms: bool = False
+    """Also train the normalization layers' weights in full (a few KB; they travel in full beside the
+    adapters): lets a small model sharpen its output, which adapters on the blocks' linears alone barely do."""
     dropout: float = 0.0
     """Dropout on the adapters' input in the training forward; > 0 makes the trainer's log-probs differ
     from the engines' (``is_ratio`` leaves 1), so leave it 0 for exact on-policy runs."""

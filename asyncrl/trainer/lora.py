@@ -68,7 +68,12 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=target_names(model, cfg), bias="none")
-    return get_peft_model(model, peft_cfg)
+    model = get_peft_model(model, peft_cfg)
+    if cfg.train_norms:
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                module.weight.requires_grad_(True)
+    return model
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -83,20 +88,26 @@ def adapter_name(peft_name: str) -> str | None:
 
 
 def adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The adapter parameters of a LoRA model by their wire names (`adapter_name`), in model order."""
+    """What a LoRA sync carries, by wire name, in model order: the adapters (`adapter_name`) and
+    any other trainable parameter (``train_norms``) under its checkpoint name."""
     out = {}
     for name, p in model.named_parameters():
         wire = adapter_name(name)
         if wire is not None:
             out[wire] = p
+        elif p.requires_grad:
+            out[name.removeprefix(_PEFT_PREFIX)] = p
     return out
 
 
 def spec(model: torch.nn.Module) -> dict:
-    """What an engine needs to merge the adapters: rank, scale (alpha / rank) and the adapted modules."""
+    """What an engine needs to merge the adapters: rank, scale (alpha / rank), the adapted modules,
+    and the weights trained in full (``full``: checkpoint names, loaded as they come)."""
     cfg = model.peft_config["default"]
-    modules = sorted({n.rsplit(".", 1)[0] for n in adapter_params(model)})
-    return {"rank": int(cfg.r), "scale": float(cfg.lora_alpha) / float(cfg.r), "modules": modules}
+    names = list(adapter_params(model))
+    modules = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith((".lora_A", ".lora_B"))})
+    full = [n for n in names if not n.endswith((".lora_A", ".lora_B"))]
+    return {"rank": int(cfg.r), "scale": float(cfg.lora_alpha) / float(cfg.r), "modules": modules, "full": full}
 
 
 def set_dropout(model: torch.nn.Module, active: bool) -> None:

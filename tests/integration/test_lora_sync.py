@@ -75,8 +75,9 @@ def _zero(model):
         p.zero_()
 
 
-def test_only_adapters_travel_and_the_engine_merges_them_exactly_without_drift(model_path):
-    model = _lora_model(model_path, target_modules=["q_proj", "v_proj", "down_proj"])
+@pytest.mark.parametrize("train_norms", [False, True], ids=["adapters", "adapters+norms"])
+def test_only_adapters_travel_and_the_engine_merges_them_exactly_without_drift(model_path, train_norms):
+    model = _lora_model(model_path, target_modules=["q_proj", "v_proj", "down_proj"], train_norms=train_norms)
     base = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(model_path).named_parameters()}
     expected = []
 
@@ -90,10 +91,11 @@ def test_only_adapters_travel_and_the_engine_merges_them_exactly_without_drift(m
     init, sent, snaps = _sync(model, TorchEngine(model_path), [record(_noise(1)), record(_noise(2)), record(_zero)])
     spec = init.options["lora"]
     assert spec["rank"] == 4 and spec["scale"] == 2.0 and len(spec["modules"]) == 2 * 3  # 2 layers x 3 targets
+    assert len(spec["full"]) == (2 * 2 + 1 if train_norms else 0)  # 2 norms per layer + the final one
     adapter_bytes = sum(p.nbytes for p in lora.adapter_params(model).values())
     assert sent == [adapter_bytes] * 3
     assert adapter_bytes * 10 < sum(p.nbytes for p in base.values())
-    adapted = {f"{m}.weight" for m in spec["modules"]}
+    adapted = {f"{m}.weight" for m in spec["modules"]} | set(spec["full"])
     for snap, want in zip(snaps[:2], expected[:2]):
         for name, t in snap.items():
             if name in adapted:
@@ -103,7 +105,7 @@ def test_only_adapters_travel_and_the_engine_merges_them_exactly_without_drift(m
                 assert torch.equal(t, base[name]), name
     # zero adapters after two merges: the base comes back bitwise (each sync merges onto the kept base)
     for name, t in snaps[2].items():
-        assert torch.equal(t, base[name]), name
+        assert torch.equal(t, base[name] if name not in spec["full"] else expected[2][name]), name
 
 
 def test_default_targets_are_every_linear_layer_of_the_blocks_and_bad_names_are_refused(model_path):
