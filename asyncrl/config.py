@@ -668,6 +668,12 @@ def check(cfg: RunConfig, given: DictConfig | None = None) -> None:
         raise ConfigError(f"{named('weight_sync.method')}=vllm (vLLM's NCCL transfer engine) needs engine.kind=vllm "
                           f"on GPUs, got engine.kind={cfg.engine_kind} with {named('placement.rollouter_gpus')}="
                           f"{p.rollouter_gpus}: leave it unset (broadcast serves every engine)")
+    if t.lora.enabled and importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"trainer.lora.rank={t.lora.rank} needs peft installed: pip install 'asyncrl[lora]'")
+    if t.lora.enabled and (cfg.weight_sync.method != "broadcast" or cfg.engine_kind not in ("torch", "vllm")):
+        raise ConfigError(f"trainer.lora.rank={t.lora.rank} syncs adapters with {named('weight_sync.method')}=broadcast "
+                          f"into a torch or vllm engine, got method={cfg.weight_sync.method}, "
+                          f"engine.kind={cfg.engine_kind}: set those, or trainer.lora.rank=0")
     if cfg.weight_sync.workers_per_engine != cfg.workers_per_engine:
         raise ConfigError(f"weight_sync.workers_per_engine={cfg.weight_sync.workers_per_engine} contradicts the "
                           f"engines: engine.kind={cfg.engine_kind} with engine.tensor_parallel_size="

@@ -239,13 +239,21 @@ def _usage_error(e: Exception) -> int:
 
 
 def preflight(cfg) -> None:
-    """What can be checked without Ray: the model directory, every dataset row, the reward, the
+    """What can be checked without Ray: the model directory, LoRA's target modules, every dataset row, the reward, the
     group filter, the agent loop (``rollout.agent``: it imports, has its methods, builds; a
     `ToolEnv`'s chat template)."""
     from asyncrl import data
 
     if cfg.model.path is not None:
         data.check_model_dir(cfg.model.path)
+    if cfg.trainer.lora.enabled:
+        from asyncrl.config import ConfigError
+        from asyncrl.trainer.lora import check_targets
+
+        try:
+            check_targets(cfg.model_path, cfg.trainer.lora)  # the model built on the meta device: no weights read
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     sets = {name: data.read_rows(path) for name, path in (("train", cfg.data.train), ("val", cfg.data.val)) if path}
     if cfg.data.reward is not None:
         data.load_reward(cfg.data.reward)

@@ -22,6 +22,8 @@ wire wait / load) and, from the per-bucket timelines both sides keep, the overla
 packs ran while the previous bucket was still on the wire, how many engine loads ran while the
 next receive was posted, and how long each engine had no receive posted (its wire idle).
 Run: ``python scripts/bench_sync.py [--json] [--sizes-mb 50 500] [--bucket-mb 4] [--repeats 5]``.
+With ``--lora RANK [RANK ...]`` it compares instead adapter-only (LoRA) syncs with full syncs on the
+largest size (``scripts/lora_bench.py``: bytes, sync time and the trainer's peak memory per rank).
 With ``--json`` the last line is the last size run (500 MB by default):
 ``{"sync_gb_s", "raw_gb_s", "vs_raw", "vs_raw_median", "vs_raw_min", "vs_raw_max",
 "pause_resume_ms", "peak_extra_mb_rank0", "tracked_extra_mb_rank0", "loadavg"}``; ``vs_raw`` =
@@ -50,6 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--repeats", "--reps", dest="repeats", type=int, default=5,
                    help="interleaved raw/sync repetitions per size (medians and spread reported)")
     p.add_argument("--json", action="store_true", help="print the JSON summary of the largest size last")
+    p.add_argument("--lora", type=int, nargs="+", default=None, metavar="RANK",
+                   help="LoRA ranks: adapter-only sync side by side with full sync on the largest size (see lora_bench)")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                   help="trainer.lora.target_modules for --lora (default: every linear layer of the blocks)")
     return p.parse_args(argv)
 
 
@@ -217,6 +223,13 @@ def main(argv=None) -> int:
     from asyncrl.placement import start_local_ray
 
     start_local_ray(num_cpus=4, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    if args.lora:
+        from lora_bench import run_lora
+
+        try:
+            return run_lora(args, max(args.sizes_mb), model_overrides)
+        finally:
+            ray.shutdown()
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:

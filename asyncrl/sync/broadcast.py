@@ -32,6 +32,11 @@ instead of waiting out the timeout, but keeps gathering to the end so the other 
 ranks never hang in a collective; then it raises `WeightSyncError`.
 Leaves out: streams/events for GPU overlap beyond what the backend's async work gives.
 
+LoRA (``trainer.lora.rank`` > 0): the sender carries only the adapters, in the same buckets
+and protocol, and tells the receivers their spec in ``ReceiverInit.options["lora"]``; a
+receiver then loads into a `asyncrl.sync.lora.LoraMerger` around its engine, which merges them
+onto its kept copy of the base weights when the sync completes.
+
 Receiver. `connect` joins the weight-sync group as rank ``rank_offset``; `receive` takes one sync off
 the group (header, metadata when it changed, then the buckets; see the sender above).
 
@@ -78,7 +83,10 @@ import torch
 from asyncrl.sync.base import GroupInit, JoinThread, ReceiverInit, SenderInit, full_tensor, local_tensor, node_address
 from asyncrl.sync.buckets import NUM_BUFFERS, BucketBuffers, BucketLayout, model_param_metas, pack, plan_buckets, unpack
 from asyncrl.sync.group import WeightSyncGroup
+from asyncrl.sync.lora import LoraMerger
 from asyncrl.sync.wire import HEADER_LEN, MAGIC, WeightSyncError, dtype_name
+from asyncrl.trainer.lora import adapter_params, is_lora
+from asyncrl.trainer.lora import spec as lora_spec
 
 
 def _abandon(group: WeightSyncGroup, inflight: list) -> None:
@@ -111,6 +119,8 @@ class BroadcastSender:
         self._layout: BucketLayout | None = None
         self._sent_fingerprint: str | None = None
         self.stats = {"syncs": 0, "meta_sends": 0, "bytes_sent": 0, "peak_extra_bytes": 0, "last_send_s": 0.0}
+        self.lora = lora_spec(model) if is_lora(model) else None
+        """A LoRA model's adapter spec (`asyncrl.trainer.lora.spec`): only its adapters travel."""
 
     @classmethod
     def from_init(cls, model: torch.nn.Module, *, rank: int, init: SenderInit) -> BroadcastSender:
@@ -139,7 +149,9 @@ class BroadcastSender:
         wpe = self.workers_per_engine
         if (group.world_size - 1) % wpe:
             raise WeightSyncError(f"world_size {group.world_size} is not 1 + a multiple of workers_per_engine={wpe}")
-        return [ReceiverInit(method="broadcast", group=group, rank_offset=r) for r in range(1, group.world_size, wpe)]
+        options = {"lora": self.lora} if self.lora is not None else {}
+        return [ReceiverInit(method="broadcast", group=group, rank_offset=r, options=options)
+                for r in range(1, group.world_size, wpe)]
 
     def update_kwargs(self, *, version: int) -> dict:
         """Nothing beyond the version: the layout travels in-band (header + metadata)."""
@@ -155,9 +167,18 @@ class BroadcastSender:
 
     # -- send ---------------------------------------------------------------------------------
 
+    def _params(self) -> dict[str, torch.Tensor]:
+        """What a sync carries, by wire name: every parameter, or a LoRA model's adapters only."""
+        if self.lora is not None:
+            return adapter_params(self.model)
+        return dict(self.model.named_parameters())
+
     def layout(self) -> BucketLayout:
         """The bucket layout of the model now (cached while names/dtypes/shapes do not change)."""
-        metas, aliases = model_param_metas(self.model)
+        if self.lora is not None:
+            metas, aliases = [(n, p.dtype, tuple(p.shape)) for n, p in adapter_params(self.model).items()], []
+        else:
+            metas, aliases = model_param_metas(self.model)
         layout = plan_buckets(metas, self.bucket_bytes, aliases)
         if self._layout is None or layout.fingerprint() != self._layout.fingerprint():
             self._layout = layout
@@ -168,7 +189,7 @@ class BroadcastSender:
         """Broadcast every parameter as ``version``; all trainer ranks call it. Returns stats."""
         start = time.perf_counter()
         layout = self.layout()
-        params = dict(self.model.named_parameters())
+        params = self._params()
         group: WeightSyncGroup | None = None
         failure: BaseException | None = None
         if self.rank == 0:
@@ -285,7 +306,10 @@ class BroadcastSender:
 class BroadcastReceiver:
     """Receive weights from trainer rank 0 into one engine (see module doc)."""
 
-    def __init__(self, engine, *, rank_offset: int, direct: bool = True, **group) -> None:
+    def __init__(self, engine, *, rank_offset: int, direct: bool = True, lora: dict | None = None, **group) -> None:
+        if lora is not None:
+            # adapters arrive; the merger turns them into weights on an exact copy of the base
+            engine = LoraMerger(engine, lora, engine.config.model_path)
         self.engine = engine
         self.direct = direct
         """Receive single-tensor buckets straight into the engine's parameters when it has

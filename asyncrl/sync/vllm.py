@@ -339,6 +339,9 @@ class VLLMWeightSender:
     def from_init(cls, model: torch.nn.Module, *, rank: int, init: SenderInit) -> VLLMWeightSender:
         """Build from the coordinator's `SenderInit` (``method="vllm"``): ``workers_per_engine``
         workers for each of the ``(world_size - 1) / workers_per_engine`` engines."""
+        if hasattr(model, "peft_config"):
+            raise ValueError("a LoRA trainer (trainer.lora.rank > 0) syncs its adapters with weight_sync.method="
+                             "'broadcast' (merged in vLLM's workers); set it instead of 'vllm'")
         g, w = init.group, init.workers_per_engine
         engines, rest = divmod(g.world_size - 1, w)
         if engines < 1 or rest:

@@ -143,15 +143,22 @@ class AsyncrlWorkerExtension:
     them in every worker and returns each worker's result.
     """
 
-    def asyncrl_join_weight_sync(self, *, group: dict, rank_offset: int) -> dict:
+    def asyncrl_join_weight_sync(self, *, group: dict, rank_offset: int, lora: dict | None = None) -> dict:
         """Join asyncrl's weight-sync group as rank ``rank_offset + this worker's rank`` (blocks
-        until every rank joined, under the group's ``timeout_s``)."""
+        until every rank joined, under the group's ``timeout_s``). With ``lora`` (the adapters'
+        spec) the adapters received are merged onto a kept copy of the base (`asyncrl.sync.lora`)
+        and the merged weights go through the same staged ``reload_weights``."""
         from asyncrl.sync.broadcast import BroadcastReceiver
+        from asyncrl.sync.lora import LoraMerger
 
         self.asyncrl_close_weight_sync()
         self._asyncrl_staged = _StagedWeights(self)
+        target = self._asyncrl_staged
+        if lora is not None:
+            # siblings: vLLM reloads a fused layer (qkv_proj, gate_up_proj) whole
+            target = LoraMerger(target, lora, self.vllm_config.model_config.model, siblings=True)
         # a bucket landing straight in a parameter would be live before the sync completes
-        self._asyncrl_receiver = BroadcastReceiver(self._asyncrl_staged, rank_offset=rank_offset + self.rank,
+        self._asyncrl_receiver = BroadcastReceiver(target, rank_offset=rank_offset + self.rank,
                                                    direct=False, **group)
         return asyncio.run(self._asyncrl_receiver.connect())
 
@@ -178,22 +185,25 @@ class AsyncrlWorkerExtension:
 class VLLMBroadcastReceiver:
     """The engine actor's half: drives `AsyncrlWorkerExtension` in a `VLLMEngine`'s workers."""
 
-    def __init__(self, engine, *, rank_offset: int, group: GroupInit) -> None:
+    def __init__(self, engine, *, rank_offset: int, group: GroupInit, lora: dict | None = None) -> None:
         self.engine = engine
         self.rank_offset = rank_offset
         self.group = group
+        self.lora = lora
+        """The adapters' spec under LoRA sync (the workers merge them), else None."""
         # the worker's own deadlines are the group's; this one only covers the RPC around them
         self.timeout_s = group.timeout_s + 30.0
 
     @classmethod
     def from_init(cls, engine, init: ReceiverInit) -> VLLMBroadcastReceiver:
         """Build from this engine's `ReceiverInit` (``method="broadcast"``)."""
-        return cls(engine, rank_offset=init.rank_offset, group=init.group)
+        return cls(engine, rank_offset=init.rank_offset, group=init.group, lora=init.options.get("lora"))
 
     async def connect(self) -> list[dict]:
         """Every worker of the engine joins the group."""
         self.engine.check_open()
-        return await self._rpc("asyncrl_join_weight_sync", group=asdict(self.group), rank_offset=self.rank_offset)
+        return await self._rpc("asyncrl_join_weight_sync", group=asdict(self.group), rank_offset=self.rank_offset,
+                               lora=self.lora)
 
     async def receive(self, *, version: int) -> dict:
         """Receive and load one full set of weights in every worker, then make it live as ``version``."""

@@ -21,6 +21,7 @@ _EXPORTS = {
     "OptimConfig": "asyncrl.trainer.config",
     "TrainerConfig": "asyncrl.trainer.config",
     "WorkerConfig": "asyncrl.trainer.config",
+    "LoraConfig": "asyncrl.trainer.config",
     "IncompleteGroupError": "asyncrl.trainer.batch",
     "assemble": "asyncrl.trainer.batch",
     "parallelize": "asyncrl.trainer.fsdp",

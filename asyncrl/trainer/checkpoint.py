@@ -53,26 +53,40 @@ class TrainerState:
     generation, so the engines serve these weights as the version an uninterrupted run gives them."""
 
 
-def save_shards(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_steps: int) -> None:
-    """Every rank writes its shard of model + optimizer state to ``path`` (collective)."""
+def save_shards(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_steps: int,
+                adapters_only: bool = False) -> None:
+    """Every rank writes its shard of model + optimizer state to ``path`` (collective); with
+    ``adapters_only`` (LoRA) the frozen base is left out: it is the model directory's, unchanged."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    opts = StateDictOptions(ignore_frozen_params=adapters_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+    model_sd = _trainable_only(model, model_sd) if adapters_only else model_sd
     dcp.save({"model": model_sd, "optim": optim_sd, "progress": {"optim_steps": torch.tensor(optim_steps)}},
              checkpoint_id=path)
 
 
-def load_shards(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load ``path`` into the sharded model and optimizer (collective); returns the optimizer steps."""
+def load_shards(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                adapters_only: bool = False) -> int:
+    """Load ``path`` into the sharded model and optimizer (collective); returns the optimizer steps.
+    ``adapters_only`` as `save_shards` wrote it (the base stays as loaded from the model directory)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    opts = StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+    model_sd = _trainable_only(model, model_sd) if adapters_only else model_sd
     state = {"model": model_sd, "optim": optim_sd, "progress": {"optim_steps": torch.tensor(0)}}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     return int(state["progress"]["optim_steps"])
+
+
+def _trainable_only(model: torch.nn.Module, model_sd: dict) -> dict:
+    # ignore_frozen_params keeps a frozen weight tied to another (a tied LM head): drop it by hand
+    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in trainable}
 
 
 def staging_path(root: str | os.PathLike, step: int) -> Path:

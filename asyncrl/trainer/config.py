@@ -86,6 +86,39 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA: train low-rank adapters on frozen base weights (``peft``); the weight sync carries only them."""
+
+    rank: int = 0
+    """Adapter rank r; 0 turns LoRA off (full fine-tuning)."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapters' update is scaled by ``alpha / rank``."""
+    target_modules: list[str] | None = None
+    """Leaf names of the linear layers to adapt (e.g. ``[q_proj, v_proj]``); None: every linear layer
+    of the decoder blocks."""
+    train_norms: bool = False
+    """Also train the normalization layers' weights in full (a few KB; they travel in full beside the
+    adapters): lets a small model sharpen its output, which adapters on the blocks' linears alone barely do."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in the training forward; > 0 makes the trainer's log-probs differ
+    from the engines' (``is_ratio`` leaves 1), so leave it 0 for exact on-policy runs."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0 (0 turns LoRA off), got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("target_modules is empty; give module names or leave it unset (all linear layers)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(kw_only=True)
 class WorkerConfig:
     """What one trainer rank loads and how it computes."""
 
@@ -104,6 +137,8 @@ class WorkerConfig:
     """Seed of torch on every rank."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (``lora.rank`` > 0) instead of full fine-tuning."""
 
     def __post_init__(self) -> None:
         if not self.model_path:

@@ -37,7 +37,9 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, mixed_precision: bo
     """
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision else MixedPrecisionPolicy())
-    for block in decoder_blocks(model):
+    # a peft (LoRA) model keeps the HF model inside it: the blocks are that model's
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for block in decoder_blocks(inner):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root last: it picks up every parameter not already in a block's unit.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

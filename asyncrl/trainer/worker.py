@@ -9,7 +9,10 @@ averaging over ranks gives exactly the gradient of the whole mini-batch.
 The model runs in ``eval()`` mode throughout: dropout would make the recomputed log-probs
 differ from the behaviour log-probs of the same weights, which the loss treats as off-policy.
 
-Leaves out: sequence packing, activation checkpointing, and LoRA.
+With ``lora.rank`` > 0 the model is a ``peft`` LoRA model (`asyncrl.trainer.lora`): the base is
+frozen, the optimizer, checkpoints and weight sync hold the adapters only.
+
+Leaves out: sequence packing and activation checkpointing.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from asyncrl.trainer import algorithm, checkpoint
+from asyncrl.trainer import algorithm, checkpoint, lora
 from asyncrl.trainer.batch import micro_batches
 from asyncrl.trainer.config import OptimConfig, WorkerConfig
 from asyncrl.trainer.fsdp import parallelize
@@ -109,17 +112,21 @@ class TrainerWorker:
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
             # The reference is frozen: it anchors the KL penalty at the starting policy.
-            self.ref_model = self._load(use_cuda)
+            self.ref_model = self._load(use_cuda, frozen=True)
             self.ref_model.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+        # With LoRA the base is frozen: only the adapters train, and only they hold optimizer state.
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         self.optim_steps = 0
         self._sender = None  # built by init_weight_sync
 
-    def _load(self, mixed_precision: bool) -> torch.nn.Module:
+    def _load(self, mixed_precision: bool, frozen: bool = False) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.cfg.model_path, dtype=torch.float32)
+        if self.cfg.lora.enabled and not frozen:
+            model = lora.wrap(model, self.cfg.lora)  # before sharding: FSDP2 shards the adapters too
         model.to(self.device).eval()
         return parallelize(model, self.mesh, mixed_precision=mixed_precision)
 
@@ -169,6 +176,7 @@ class TrainerWorker:
         prox = [self.compute_logprobs(mb) for mb in mbs] if acfg.decoupled else [None] * len(mbs)
         ref = [self.compute_logprobs(mb, reference=True) for mb in mbs] if acfg.kl_coef > 0 else [None] * len(mbs)
         totals: dict[str, float] = {"loss": 0.0, "entropy_sum": 0.0}
+        lora.set_dropout(self.model, self.cfg.lora.dropout > 0)  # only this forward; log-probs run without
         for mb, prox_lp, ref_lp in zip(mbs, prox, ref):
             logits = self._forward(self.model, mb)
             mb = mb.to(self.device)
@@ -186,8 +194,9 @@ class TrainerWorker:
                 totals["entropy_sum"] += float((ent * mb["response_mask"]).sum())
             totals["loss"] += float(loss.detach())
             merge_stats(totals, {k: float(v) for k, v in stats.items()})
+        lora.set_dropout(self.model, False)
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -205,19 +214,26 @@ class TrainerWorker:
     # -- state -----------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU copy of the model's parameters on rank 0 ({} elsewhere). Collective."""
+        """Unsharded CPU copy of the model's parameters on rank 0 ({} elsewhere); with LoRA the merged
+        weights under the plain model's names. Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
+        state = get_model_state_dict(self.model, options=opts)
+        if lora.is_lora(self.model) and state:
+            # what the engines serve: checkpoint names, the adapters merged into their weights
+            return lora.merged_state_dict(state, lora.spec(self.model))
+        return state
 
     def save_checkpoint(self, path: str) -> None:
         """Write model + optimizer shards to ``path`` with torch.distributed.checkpoint. Collective."""
-        checkpoint.save_shards(path, self.model, self.optimizer, self.optim_steps)
+        checkpoint.save_shards(path, self.model, self.optimizer, self.optim_steps,
+                               adapters_only=lora.is_lora(self.model))
 
     def load_checkpoint(self, path: str) -> int:
         """Load model + optimizer from ``path``; returns the optimizer step count. Collective."""
-        self.optim_steps = checkpoint.load_shards(path, self.model, self.optimizer)
+        self.optim_steps = checkpoint.load_shards(path, self.model, self.optimizer,
+                                                  adapters_only=lora.is_lora(self.model))
         return self.optim_steps
 
     # -- weight sync (the entry points asyncrl.sync drives) ----------------------------------

@@ -117,6 +117,12 @@ def test_inconsistent_settings_name_both(launch):
     assert_usage_error(launch("--rollouter-gpus", "2"), "--rollouter-gpus", "--trainer-gpus")
 
 
+def test_lora_settings_checked_before_ray(model, launch):
+    assert_usage_error(launch("--model", model, "trainer.lora.rank=8", "trainer.lora.target_modules=[q_proj,qkv]"),
+                       "trainer.lora.target_modules: 'qkv' is not a linear layer", "'down_proj'")
+    assert_usage_error(launch("trainer.lora.rank=-1"), "trainer.lora.rank must be >= 0")
+
+
 def test_print_config_is_the_resolved_yaml(tmp_path, capsys):
     from asyncrl.launch import main
 

@@ -1,0 +1,135 @@
+"""LoRA on the trainer: which modules get adapters, the ``peft`` wrapping, and the merged weights.
+
+`wrap` turns a Hugging Face causal LM into a ``peft`` LoRA model before FSDP2 shards it: the base
+weights are frozen (``requires_grad=False``), only the adapters (``lora_A``/``lora_B``) train, so
+the optimizer holds state for them alone. `target_names` resolves ``trainer.lora.target_modules``
+against the model's decoder blocks (default: every ``nn.Linear`` in them), and `check_targets`
+does it on a model built on the meta device from the config alone, so the launcher refuses a bad
+name before Ray starts.
+
+Names: a peft parameter ``base_model.model.<module>.lora_A.default.weight`` travels to the engines
+as ``<module>.lora_A`` (`adapter_name`), where ``<module>.weight`` is the checkpoint name of the
+base weight it adapts; the engines merge ``W = W_base + scale * B @ A`` (`asyncrl.sync.lora`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from asyncrl.trainer.config import LoraConfig
+from asyncrl.trainer.fsdp import decoder_blocks
+
+_PEFT_PREFIX = "base_model.model."
+_ADAPTER = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<which>lora_[AB])\.default\.weight$")
+
+
+def block_linear_names(model: torch.nn.Module) -> list[str]:
+    """Leaf names (``q_proj``, ``down_proj``, ...) of the ``nn.Linear`` modules inside the decoder blocks."""
+    names: list[str] = []
+    for block in decoder_blocks(model):
+        for name, module in block.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if isinstance(module, torch.nn.Linear) and leaf not in names:
+                names.append(leaf)
+    return names
+
+
+def target_names(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
+    """``cfg.target_modules`` checked against the blocks' linear layers (None: all of them).
+
+    Raises ValueError naming the unknown module and the ones that exist.
+    """
+    linear = block_linear_names(model)
+    if cfg.target_modules is None:
+        return linear
+    unknown = [m for m in cfg.target_modules if m not in linear]
+    if unknown:
+        raise ValueError(f"trainer.lora.target_modules: {unknown[0]!r} is not a linear layer of this model's "
+                         f"decoder blocks; choose among {linear}")
+    return list(cfg.target_modules)
+
+
+def check_targets(model_path: str, cfg: LoraConfig) -> list[str]:
+    """`target_names` on the model at ``model_path`` built on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return target_names(model, cfg)
+
+
+def wrap(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """The ``peft`` LoRA model around ``model``: adapters on the target modules, the rest frozen."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                              target_modules=target_names(model, cfg), bias="none")
+    model = get_peft_model(model, peft_cfg)
+    if cfg.train_norms:
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                module.weight.requires_grad_(True)
+    return model
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """True for a model `wrap` built (a peft model, sharded or not)."""
+    return hasattr(model, "peft_config")
+
+
+def adapter_name(peft_name: str) -> str | None:
+    """``<module>.lora_A`` / ``<module>.lora_B`` for a peft adapter parameter's name, else None."""
+    m = _ADAPTER.match(peft_name)
+    return f"{m['module']}.{m['which']}" if m else None
+
+
+def adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """What a LoRA sync carries, by wire name, in model order: the adapters (`adapter_name`) and
+    any other trainable parameter (``train_norms``) under its checkpoint name."""
+    out = {}
+    for name, p in model.named_parameters():
+        wire = adapter_name(name)
+        if wire is not None:
+            out[wire] = p
+        elif p.requires_grad:
+            out[name.removeprefix(_PEFT_PREFIX)] = p
+    return out
+
+
+def spec(model: torch.nn.Module) -> dict:
+    """What an engine needs to merge the adapters: rank, scale (alpha / rank), the adapted modules,
+    and the weights trained in full (``full``: checkpoint names, loaded as they come)."""
+    cfg = model.peft_config["default"]
+    names = list(adapter_params(model))
+    modules = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith((".lora_A", ".lora_B"))})
+    full = [n for n in names if not n.endswith((".lora_A", ".lora_B"))]
+    return {"rank": int(cfg.r), "scale": float(cfg.lora_alpha) / float(cfg.r), "modules": modules, "full": full}
+
+
+def set_dropout(model: torch.nn.Module, active: bool) -> None:
+    """Switch the adapters' dropout on (the training forward) or off (log-probs); the rest stays in eval."""
+    for name, module in model.named_modules():
+        if name.endswith("lora_dropout.default"):
+            module.train(active)
+
+
+@torch.no_grad()
+def merged_state_dict(state: dict[str, torch.Tensor], lora_spec: dict) -> dict[str, torch.Tensor]:
+    """A LoRA model's full state dict (peft names) as the plain model's: checkpoint names, with
+    every adapted weight merged (``W_base + scale * B @ A``); the adapters themselves dropped."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if adapter_name(name) is not None:
+            continue
+        plain = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+        out[plain] = t
+    for module in lora_spec["modules"]:
+        a = state[f"{_PEFT_PREFIX}{module}.lora_A.default.weight"]
+        b = state[f"{_PEFT_PREFIX}{module}.lora_B.default.weight"]
+        base = out[f"{module}.weight"]
+        out[f"{module}.weight"] = base + lora_spec["scale"] * (b.to(base.dtype) @ a.to(base.dtype))
+    return out
