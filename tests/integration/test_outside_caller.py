@@ -75,7 +75,7 @@ class Target(rpc.Serving):
 
 
 class _NeverDies:
-    class rpc_watch:  # noqa: N801 - the shape of a Ray actor method
+    class rpc_watch:  # (the shape of a Ray actor method)
         @staticmethod
         def remote(seconds: float):
             return asyncio.sleep(seconds)
@@ -168,11 +168,12 @@ def test_metrics_stream_parses_only_typed_bounded_messages(marker):
     with MetricsForwarder() as fwd:
         sub = MetricsSubscriber(fwd.endpoints.subscribe)
         ctx = zmq.Context()
-        outsider = ctx.socket(zmq.PUB)
+        emitter = MetricsEmitter(fwd.endpoints.publish, "trainer")
+        assert emitter.ready  # the subscriber's subscription reached the publishers
+        outsider = ctx.socket(zmq.XPUB)  # (an XPUB hears the subscription: its messages are not dropped unsent)
         outsider.linger = 0
         outsider.connect(fwd.endpoints.publish)
-        emitter = MetricsEmitter(fwd.endpoints.publish, "trainer")
-        assert emitter.ready
+        assert outsider.poll(10_000, zmq.POLLIN)
         outsider.send(pickle.dumps(_Touch(str(marker))))  # not msgpack: skipped, counted
         outsider.send(msgpack.packb({"v": 1, "source": "x", "seq": 0, "events": [["a", 1.0, 0, 0, 0.0]]})
                       + b"\0" * BIG)  # oversized: never forwarded
@@ -186,6 +187,7 @@ def test_metrics_stream_parses_only_typed_bounded_messages(marker):
             got += sub.recv(timeout_s=0.1)
             if any(e.name == "loss" for e in got):
                 break
+        got += sub.recv(timeout_s=0.5)  # (anything else still on its way)
         assert sub.malformed == 1 and [(e.name, e.value, e.step, e.source) for e in got] == [("loss", 0.5, 7, "trainer")]
         assert not marker.exists()
         emitter.close()
