@@ -368,7 +368,7 @@ class Addresses:
     consumer_stream: Any
     """The consumer's StreamConfig: the endpoint to bind (port ``*``: taken at bind) and CURVE keys."""
     curve: Any
-    """The run's CurveKeys when the stream leaves loopback, else None."""
+    """The run's CurveKeys (on loopback too: a local process outside the run must not deliver groups)."""
     ranks_across_nodes: bool
     """Trainer ranks on several nodes: rank 0 binds the world's store on its node's address."""
     weight_sync: Any
@@ -385,10 +385,10 @@ def addresses(cfg, plan) -> Addresses:
     slots = [plan.rollouter, *plan.engines, *plan.ranks]
     one_node = all(s.node.node_id == here for s in slots)
     ranks_across_nodes = len({s.node.node_id for s in plan.ranks}) > 1
+    curve = make_curve_keys()  # every run: loopback admits any local user's process (docs/security.md)
     if one_node:
-        return Addresses(dataclasses.replace(cfg.stream, endpoint="tcp://127.0.0.1:*"), None, ranks_across_nodes,
-                         cfg.weight_sync_config())
-    curve = make_curve_keys()
+        return Addresses(dataclasses.replace(cfg.stream, endpoint="tcp://127.0.0.1:*", curve=curve), curve,
+                         ranks_across_nodes, cfg.weight_sync_config())
     stream = dataclasses.replace(cfg.stream, endpoint=f"tcp://{ray.util.get_node_ip_address()}:*", curve=curve)
     sync = cfg.weight_sync_config()  # its backend follows the engines' kind
     if sync.master_addr in ("127.0.0.1", "localhost"):

@@ -23,6 +23,12 @@ message over a DEALER -> ROUTER pair of ZeroMQ sockets, answered in the actor's 
   renewed each minute). When the actor dies that call fails with Ray's own error
   (`ray.exceptions.RayActorError`), and every call in flight on the link, and every later one,
   fails with it: callers tell a dead replica exactly as they do through Ray.
+- **Admission**: each server makes a secret (32 random bytes) and hands it out only in
+  ``serve_rpc``'s answer, that is through Ray. Every message either way carries a keyed BLAKE2b
+  MAC of its payload under that secret, checked before the payload is unpickled; a message
+  without a valid MAC is dropped unanswered and counted (``RpcServer.rejected``,
+  ``_Link.rejected``). A local process outside the run can connect to the port, but nothing it
+  sends is unpickled or run (`docs/security.md`).
 - **Order and loss**: one TCP connection per link, so calls start in the order sent (as Ray's
   from one caller do); high-water marks are off, so nothing is dropped.
 
@@ -34,10 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import inspect
 import itertools
 import logging
 import pickle
+import secrets
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -49,6 +58,16 @@ _ITEM, _RETURN, _ERROR = b"i", b"r", b"e"
 _ZAP_DOMAIN = "asyncrl-rpc"
 WATCH_S = 60.0
 """How long one ``rpc_watch`` call waits in the actor before the link renews it."""
+
+
+def _mac(secret: bytes, payload: bytes) -> bytes:
+    """The payload's keyed BLAKE2b MAC (BLAKE2's keyed mode is a MAC by design; one C call, about
+    half HMAC-SHA256's cost on short messages)."""
+    return hashlib.blake2b(payload, key=secret, digest_size=32).digest()
+
+
+def _authentic(secret: bytes, mac: bytes, payload: bytes) -> bool:
+    return hmac.compare_digest(mac, _mac(secret, payload))
 
 
 def _dumps(value: Any) -> bytes:
@@ -135,6 +154,10 @@ class RpcServer:
 
     def __init__(self, resolve: Callable[[Any], Any], host: str = "127.0.0.1", curve: bool = False):
         self._resolve = resolve
+        self.secret = secrets.token_bytes(32)
+        """What a caller's MAC is keyed with; given out only through Ray (``serve_rpc``)."""
+        self.rejected = 0
+        """Messages dropped unread: not three frames, or a MAC that is not this server's."""
         self._ctx = self._auth = None
         self.server_key: str | None = None
         self.admitted = _Admitted()
@@ -158,7 +181,10 @@ class RpcServer:
         self._sock = _Socket(sock, self._on_call)
 
     def _on_call(self, frames: list) -> None:
-        peer, cid, payload = frames
+        if len(frames) != 4 or not _authentic(self.secret, frames[2], frames[3]):
+            self._reject(frames)
+            return  # no answer: a caller outside the run learns nothing, not even an error
+        peer, cid, _, payload = frames
         try:
             key, method, args, kwargs, streaming = pickle.loads(payload)
             fn = getattr(self._resolve(key), method)
@@ -167,12 +193,21 @@ class RpcServer:
                 return
             out = fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the caller's error, not the server's
-            self._sock.send((peer, cid, _ERROR, _error_bytes(exc)))
+            self._send(peer, cid, _ERROR, _error_bytes(exc))
             return
         if inspect.isawaitable(out):
             self._spawn(self._answer(peer, cid, out))
         else:
-            self._sock.send((peer, cid, _RETURN, _dumps(out)))
+            self._send(peer, cid, _RETURN, _dumps(out))
+
+    def _reject(self, frames: list) -> None:
+        self.rejected += 1
+        if self.rejected == 1:  # once per server: a caller outside the run must not fill the log
+            log.warning("rpc %s: dropped a message without this server's MAC (%d frames); "
+                        "later ones are counted in RpcServer.rejected", self.endpoint, len(frames))
+
+    def _send(self, peer: bytes, cid: bytes, kind: bytes, body: bytes) -> None:
+        self._sock.send((peer, cid, kind, _mac(self.secret, body), body))
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -183,18 +218,18 @@ class RpcServer:
         try:
             out = _dumps(await awaitable)
         except Exception as exc:  # noqa: BLE001
-            self._sock.send((peer, cid, _ERROR, _error_bytes(exc)))
+            self._send(peer, cid, _ERROR, _error_bytes(exc))
         else:
-            self._sock.send((peer, cid, _RETURN, out))
+            self._send(peer, cid, _RETURN, out)
 
     async def _stream(self, peer: bytes, cid: bytes, items: AsyncIterator) -> None:
         try:
             async for item in items:
-                self._sock.send((peer, cid, _ITEM, _dumps(item)))
+                self._send(peer, cid, _ITEM, _dumps(item))
         except Exception as exc:  # noqa: BLE001
-            self._sock.send((peer, cid, _ERROR, _error_bytes(exc)))
+            self._send(peer, cid, _ERROR, _error_bytes(exc))
         else:
-            self._sock.send((peer, cid, _RETURN, _dumps(None)))
+            self._send(peer, cid, _RETURN, _dumps(None))
 
     def close(self) -> None:
         for task in list(self._tasks):
@@ -219,19 +254,21 @@ class Serving:
     async def serve_rpc(self, caller_node: str | None = None, caller_key: str | None = None) -> dict:
         """Where to call this actor over ZeroMQ (`link`): ``{"endpoint"}`` on loopback for a caller
         of this node; for one of another node, the CURVE endpoint on this node's address and
-        ``server_key``, ``caller_key`` (a CURVE public key) admitted from now on. This call comes
-        through Ray, which authenticates the caller."""
+        ``server_key``, ``caller_key`` (a CURVE public key) admitted from now on. Either way
+        ``secret`` (hex), the key of every message's MAC. This call comes through Ray: only the
+        run's processes learn the secret."""
         here = node_ip()
         if caller_node is None or caller_node == here:
             if self._rpc_server is None:
                 self._rpc_server = RpcServer(self._rpc_resolve)
-            return {"endpoint": self._rpc_server.endpoint, "node": here}
+            return {"endpoint": self._rpc_server.endpoint, "node": here, "secret": self._rpc_server.secret.hex()}
         if caller_key is None:
             raise ValueError("serve_rpc: a caller on another node must give its CURVE public key (caller_key)")
         if self._rpc_remote is None:
             self._rpc_remote = RpcServer(self._rpc_resolve, host=here, curve=True)
         self._rpc_remote.admitted.keys.add(caller_key.encode())
-        return {"endpoint": self._rpc_remote.endpoint, "node": here, "server_key": self._rpc_remote.server_key}
+        return {"endpoint": self._rpc_remote.endpoint, "node": here, "server_key": self._rpc_remote.server_key,
+                "secret": self._rpc_remote.secret.hex()}
 
     async def rpc_watch(self, seconds: float) -> None:
         """Returns after ``seconds``; a link keeps one such call open to learn of this actor's death."""
@@ -288,8 +325,11 @@ class _Stream:
 class _Link:
     """One process's connection to one endpoint: the socket, the calls in flight, the liveness watch."""
 
-    def __init__(self, endpoint: str, handle: Any, server_key: str | None = None):
+    def __init__(self, endpoint: str, handle: Any, secret: bytes, server_key: str | None = None):
         self.loop = asyncio.get_running_loop()
+        self._secret = secret
+        self.rejected = 0
+        """Replies dropped unread: not three frames, or a MAC that is not the server's."""
         sock = _socket(zmq.DEALER)
         if server_key is not None:  # another node's actor: CURVE, with this process's keys
             public, secret = client_keys()
@@ -313,7 +353,8 @@ class _Link:
         else:
             pending = self.loop.create_future()
         self._pending[cid] = pending
-        self._sock.send((cid.to_bytes(8, "little"), _dumps((key, method, args, kwargs, streaming))))
+        payload = _dumps((key, method, args, kwargs, streaming))
+        self._sock.send((cid.to_bytes(8, "little"), _mac(self._secret, payload), payload))
         return pending
 
     def forget(self, stream: _Stream) -> None:
@@ -321,7 +362,10 @@ class _Link:
         self._pending.pop(stream.cid, None)
 
     def _on_reply(self, frames: list) -> None:
-        cid, kind, payload = frames
+        if len(frames) != 4 or not _authentic(self._secret, frames[2], frames[3]):
+            self.rejected += 1  # (not the server's: e.g. another process on a dead actor's port)
+            return
+        cid, kind, _, payload = frames
         cid = int.from_bytes(cid, "little")
         pending = self._pending.get(cid)
         if pending is None:
@@ -384,7 +428,7 @@ def client_keys() -> tuple[str, str]:
     return _client_keys
 
 
-def _link_to(endpoint: str, handle: Any, server_key: str | None, node: str | None) -> _Link:
+def _link_to(endpoint: str, handle: Any, secret: str, server_key: str | None, node: str | None) -> _Link:
     loop = asyncio.get_running_loop()
     actor_id = getattr(handle, "_actor_id", None)
     key = (id(loop), endpoint, actor_id.hex() if actor_id is not None else repr(handle))
@@ -397,7 +441,7 @@ def _link_to(endpoint: str, handle: Any, server_key: str | None, node: str | Non
             if old.loop.is_closed():
                 old.close()
                 del _links[k]
-        link = _links[key] = _Link(endpoint, handle, server_key)
+        link = _links[key] = _Link(endpoint, handle, bytes.fromhex(secret), server_key)
     return link
 
 
@@ -446,13 +490,18 @@ class RpcActor:
     """A Ray actor handle's calls over ZeroMQ (see the module docstring); ``handle`` is the Ray handle."""
 
     def __init__(self, handle: Any, endpoint: str, key: Any = None, server_key: str | None = None,
-                 node: str | None = None):
+                 node: str | None = None, secret: str | None = None):
         self.handle, self.endpoint, self.key, self.server_key = handle, endpoint, key, server_key
         self.node = node
         """The node whose processes this endpoint is for (None: any)."""
+        self.secret = secret
+        """The server's MAC key (hex), from ``serve_rpc``'s answer; never in repr."""
 
     def _link(self) -> _Link:
-        return _link_to(self.endpoint, self.handle, self.server_key, self.node)
+        if self.secret is None:
+            raise ValueError(f"RpcActor for {self.endpoint}: secret is required, the one serve_rpc answered "
+                             "(RpcActor(..., secret=served['secret']), or make it with asyncrl.rpc.link)")
+        return _link_to(self.endpoint, self.handle, self.secret, self.server_key, self.node)
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("__"):
@@ -460,7 +509,7 @@ class RpcActor:
         return _Method(self, name)
 
     def __reduce__(self):  # (a process of another node must ask `link` anew: the endpoint is per caller node)
-        return RpcActor, (self.handle, self.endpoint, self.key, self.server_key, self.node)
+        return RpcActor, (self.handle, self.endpoint, self.key, self.server_key, self.node, self.secret)
 
     def __repr__(self) -> str:
         return f"RpcActor({self.handle!r}, {self.endpoint!r}, key={self.key!r})"
@@ -478,7 +527,8 @@ async def link(target: Any) -> Any:
         return target
     here = node_ip()
     served = await serve(here, client_keys()[0])
-    return RpcActor(target, served["endpoint"], server_key=served.get("server_key"), node=here)
+    return RpcActor(target, served["endpoint"], server_key=served.get("server_key"), node=here,
+                    secret=served["secret"])
 
 
 async def link_each(engines: Any, keys: Iterable[Any], timeout_s: float) -> set[Any]:

@@ -29,6 +29,9 @@ from asyncrl.metrics.events import MetricEvent, MetricsWireError, decode, encode
 
 log = logging.getLogger("asyncrl.metrics")
 
+MAX_MESSAGE_BYTES = 1 << 20
+"""Largest message the forwarder takes from a publisher (an emit_many of a few hundred metrics is ~20 KiB)."""
+
 ENDPOINTS_FILE = "metrics.endpoints.json"
 """Where the launcher writes the run's endpoints in its run directory."""
 
@@ -57,12 +60,15 @@ class MetricsEndpoints:
 class MetricsForwarder:
     """An XSUB/XPUB proxy in a thread: many publishers in, many subscribers out."""
 
-    def __init__(self, host: str = "127.0.0.1", *, recv_hwm: int = 100_000):
+    def __init__(self, host: str = "127.0.0.1", *, recv_hwm: int = 100_000,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES):
         self._ctx = zmq.Context()
         self._xsub = self._ctx.socket(zmq.XSUB)
         self._xpub = self._ctx.socket(zmq.XPUB)
         self._xpub.setsockopt(zmq.SNDHWM, recv_hwm)  # per subscriber: a slow one drops, the rest go on
         self._xsub.setsockopt(zmq.RCVHWM, recv_hwm)
+        # Bounded: a larger message (from no emitter of the run) drops its sender's connection.
+        self._xsub.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         pub_port = self._xsub.bind_to_random_port(f"tcp://{host}")
         sub_port = self._xpub.bind_to_random_port(f"tcp://{host}")
         self.endpoints = MetricsEndpoints(publish=f"tcp://{host}:{pub_port}", subscribe=f"tcp://{host}:{sub_port}")

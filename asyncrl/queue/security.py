@@ -1,6 +1,6 @@
 """ZeroMQ CURVE for the sample stream: keys made per run, one helper applying them to a socket.
 
-When the stream leaves loopback the launcher makes two key pairs (`make_curve_keys`): the
+For every run, on loopback too, the launcher makes two key pairs (`make_curve_keys`): the
 consumer's (server) and the producers' (client). Both travel to the processes as Ray actor
 arguments (never on a command line or in a file). The consumer's socket is a CURVE server that
 also runs a ZAP handler admitting only the run's client key; a producer's socket is a CURVE

@@ -141,12 +141,14 @@ async def test_a_caller_of_another_node_gets_a_curve_endpoint_that_admits_only_i
     served = await actor.serve_rpc(caller_node="10.255.0.1", caller_key=public)
     assert served["endpoint"].startswith("tcp://127.0.0.1:") and served["server_key"]
     assert served["endpoint"] != (await actor.serve_rpc())["endpoint"]  # this node's callers: plain loopback
-    admitted = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"])
+    admitted = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"],
+                            secret=served["secret"])
     assert await asyncio.wait_for(admitted.note.remote(7), 10) == 7
 
     # Another key, never registered through serve_rpc: its handshake fails, no call reaches the actor.
     monkeypatch.setattr(rpc, "_client_keys", tuple(k.decode() for k in __import__("zmq").curve_keypair()))
-    stranger = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"], key="x")
+    stranger = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"], key="x",
+                            secret=served["secret"])
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(stranger.note.remote(8), 2)
     assert actor.seen == [7]
