@@ -114,6 +114,8 @@ class EndpointLoop(AgentLoop):
 
     async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory:
         server = await self.start()
+        if hasattr(llm, "abort_on_cancel"):
+            llm.abort_on_cancel = True  # a call given up (client gone, episode ended) aborts its engine request
         base = str(getattr(llm, "episode_id", None) or "episode").replace("/", "-")
         ep = Episode(f"{base}-{uuid.uuid4().hex[:8]}", llm, self.renderer, self.limits, self.model)
         server.add(ep)
