@@ -265,3 +265,28 @@ async def test_a_command_agent_reward_posted_printed_or_missing(tmp_path, mode):
                 await loop.run({"prompt": "hi", "mode": mode}, ScriptedLLM(["Hello."]))
     finally:
         await loop.aclose()
+
+
+def not_async(row, client):
+    return 1.0
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"function": "nowhere_module:agent"}, "module 'nowhere_module' does not import"),
+    ({"function": "tests.unit.test_endpoint:missing"}, "has no attribute 'missing'"),
+    ({"function": "tests.unit.test_endpoint:not_async"}, "is not an 'async def' function"),
+    ({"function": "tests.unit.test_endpoint:_no_call", "command": "python x.py"}, "are both set"),
+    ({"command": "no-such-program-xyz --flag"}, "'no-such-program-xyz' is not an executable"),
+    ({"command": "python /nonexistent/agent.py"}, "the script '/nonexistent/agent.py' does not exist"),
+])
+def test_the_launcher_refuses_a_bad_function_or_command_in_one_line(cfg, message):
+    from asyncrl.agent import AgentSpecError
+    from asyncrl.rollouter.agents import check_agent
+    from asyncrl.rollouter.config import AgentConfig
+
+    with pytest.raises((AgentSpecError, ValueError)) as e:
+        check_agent(AgentConfig(**cfg), "unused-model-path")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    good = AgentConfig(function="tests.unit.test_endpoint:agent_two_calls")
+    check_agent(good, "unused-model-path")
+    assert good.enabled and good.endpoint and good.spec == "rollout.agent.function=tests.unit.test_endpoint:agent_two_calls"
