@@ -222,7 +222,7 @@ async def test_a_function_agent_runs_as_an_agent_loop():
         assert traj.reward == 0.5 and traj.turns == 2 and traj.final_text == "42"
         none = await loop.run({"prompt": "6*7", "task_reward": True}, ScriptedLLM([CALL, "42"]))
         assert none.reward is None  # the task's reward function scores it
-        with pytest.raises(EpisodeFailed, match="made no call"):
+        with pytest.raises(EpisodeFailed, match="it made no call"):
             await EndpointLoop(TOK, function=_no_call).run({"prompt": "p"}, ScriptedLLM())
     finally:
         await loop.aclose()
@@ -290,3 +290,54 @@ def test_the_launcher_refuses_a_bad_function_or_command_in_one_line(cfg, message
     good = AgentConfig(function="tests.unit.test_endpoint:agent_two_calls")
     check_agent(good, "unused-model-path")
     assert good.enabled and good.endpoint and good.spec == "rollout.agent.function=tests.unit.test_endpoint:agent_two_calls"
+
+
+class HangingEngine:
+    """An engine whose requests never finish on their own: ``abort`` ends them (and is noted)."""
+
+    def __init__(self):
+        self.requests, self.aborted, self.waiting = [], [], {}
+
+    async def generate(self, request, truncatable=False):
+        from asyncrl.types import GenerateResult
+
+        self.requests.append(request.request_id)
+        done = self.waiting[request.request_id] = asyncio.Event()
+        await done.wait()
+        return GenerateResult(request.request_id, [], [], [], "abort")
+
+    async def abort(self, request_ids):
+        self.aborted.extend(request_ids)
+        for rid in request_ids:
+            if rid in self.waiting:
+                self.waiting[rid].set()
+
+    async def end_session(self, session_id):
+        pass
+
+
+async def gives_up_after_a_moment(row, spec):
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1.0)) as h:
+        with pytest.raises(httpx.ReadTimeout):  # the client goes away while its call generates
+            await h.post(f"{spec.base_url}/chat/completions", headers={"Authorization": f"Bearer {spec.api_key}"},
+                         json={"model": spec.model, "messages": [{"role": "user", "content": row["prompt"]}]})
+    return 1.0
+
+
+async def test_through_the_rollouter_a_disconnect_aborts_the_engine_request_and_the_group_fails():
+    from asyncrl.queue.memory import MemorySink
+    from asyncrl.rollouter.agents import build_agent
+    from asyncrl.rollouter.config import AgentConfig
+    from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+
+    engine = HangingEngine()
+    agent = build_agent(AgentConfig(function="tests.unit.test_endpoint:gives_up_after_a_moment"), TOK)
+    prompts = [Prompt(text="hi", prompt_ids=np.asarray(TOK.encode("hi"), np.int64))]
+    r = Rollouter(RolloutConfig(n=1, engine_calls="ray"), [engine], MemorySink(), prompts, lambda p, ids: 0.0, agent=agent)
+    try:
+        await asyncio.wait_for(r.run(num_groups=1), 60)
+    finally:
+        await agent.aclose()
+    assert engine.requests == ["sample_0_0/0/t0"] and engine.aborted == ["sample_0_0/0/t0"]
+    (group,) = r.producer.groups
+    assert group.status == "failed" and "EpisodeFailed" in group.error and "its 1 call(s) ended without an answer" in group.error
