@@ -2,7 +2,9 @@
 
 ``rollout.agent.env=module:Class`` runs asyncrl's `EnvLoop` over that `Env` (one instance per
 episode, rendered with the model's chat template); ``rollout.agent.loop=module:Class`` runs a
-user's `AgentLoop` (one instance per process). `build_agent` makes either from the config in the
+user's `AgentLoop` (one instance per process); ``rollout.agent.function`` / ``command`` run an
+OpenAI-client agent per episode against its own endpoint (`asyncrl.agent.endpoint.EndpointLoop`,
+an `AgentLoop` too; its server is stopped by `Agent.aclose`). `build_agent` makes either from the config in the
 Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands each response to
 `run_agent_response` when one is configured.
 
@@ -81,6 +83,12 @@ class Agent:
         if self.runner is not None:
             self.runner.close()
 
+    async def aclose(self) -> None:
+        """`close`, and stop what the loop serves on the event loop (an endpoint agent's HTTP server)."""
+        if hasattr(self.loop, "aclose"):
+            await self.loop.aclose()
+        self.close()
+
 
 def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     """The loop ``cfg`` names (None: plain generation). Raises `AgentSpecError` for bad paths."""
@@ -89,6 +97,10 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
 
     if cfg.loop is not None:
         return Agent(load_agent_loop_class(cfg.loop)(**cfg.kwargs), f"rollout.agent.loop={cfg.loop}", cfg.sessions)
+    if cfg.endpoint:
+        from asyncrl.agent.endpoint.config import build_endpoint_loop
+
+        return Agent(build_endpoint_loop(cfg, tokenizer), cfg.spec)
     if cfg.env is None:
         return None
     env_class = load_env_class(cfg.env)
@@ -132,6 +144,9 @@ class RolloutLLM:
         self.replica = -1
         """The replica of the last turn."""
         self.engine_error: BaseException | None = None
+        self.abort_on_cancel = False
+        """A turn cancelled by its loop aborts its engine request (an endpoint agent sets it: a client
+        that disconnects gives its call up); otherwise a cancel is the group's and `Rollouter.stop` aborts."""
 
     def session(self) -> str:
         """Start another conversation (a multi-output loop): later turns go under a new session id."""
@@ -155,8 +170,14 @@ class RolloutLLM:
                                         stop_token_ids=tuple(stop), seed=turn_seed(self.seed, turn, parts.age)))
 
         parts = PartialResponse()
+        sent: list[str] = []
         try:
-            result, self.replica = await generate_resumable(self.r, self.calls, make_request, parts, max_tokens)
+            result, self.replica = await generate_resumable(
+                self.r, self.calls, lambda p: _noted(make_request(p), sent), parts, max_tokens)
+        except asyncio.CancelledError:
+            if self.abort_on_cancel:  # the loop gave the turn up (an endpoint client went away): free the engine
+                await self._abort(sent[-1:])
+            raise
         except Exception as exc:
             self.engine_error = exc  # the engine's error, not the loop's: it passes through unchanged
             raise
@@ -165,10 +186,23 @@ class RolloutLLM:
         finish = result.finish_reason if result.finish_reason != "truncated" else "length"
         return Turn(ids, logprobs, versions, finish)
 
+    async def _abort(self, request_ids: list[str]) -> None:
+        """Abort a cancelled turn's request on the group's replica (a no-op for one that never went out)."""
+        if request_ids and self.calls.replica is not None:
+            try:
+                await call_within(self.r.pool.handle(self.calls.replica), "abort", 10.0, request_ids)
+            except Exception as exc:  # noqa: BLE001 - the engine may be gone, and the request with it
+                log.debug("abort(%s) failed: %r", request_ids, exc)
+
     async def end_sessions(self) -> None:
         """Let the engine drop what it keeps for this response's conversations (a no-op where it keeps nothing)."""
         if self.calls.replica is not None:
             await end_sessions(self.r.pool.handle(self.calls.replica), self.sessions)
+
+
+def _noted(request: GenerateRequest, sent: list[str]) -> GenerateRequest:
+    sent.append(request.request_id)
+    return request
 
 
 async def end_sessions(engine: Any, session_ids: list[str]) -> None:
@@ -238,7 +272,7 @@ async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int,
     try:
         out = await agent.loop.run(prompt, llm)
     except Exception as exc:
-        if exc is llm.engine_error:
+        if exc is llm.engine_error or type(exc).__name__ == "EpisodeFailed":  # (an endpoint episode: fails its group)
             raise
         raise AgentLoopError.of(exc, agent.name, sample_id, getattr(prompt, "text", None)) from exc
     finally:
@@ -279,6 +313,10 @@ def check_agent(cfg: AgentConfig, model_path: str) -> None:
     tools. Raises `AgentSpecError`, one line each."""
     from asyncrl.agent import AgentSpecError, ToolEnv, check_tool_template, load_agent_loop_class, load_env_class
 
+    if cfg.endpoint:
+        from asyncrl.agent.endpoint.config import check_endpoint_agent
+
+        return check_endpoint_agent(cfg)
     field, path = ("rollout.agent.loop", cfg.loop) if cfg.loop is not None else ("rollout.agent.env", cfg.env)
     if path is None:
         return
