@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         preflight(cfg)                                                   # checked before Ray starts
         run_dir = _run_dir(cfg, resume=args.resume is not None)
+        if cfg.rollout.agent.endpoint and cfg.rollout.agent.endpoint_forks_path is None:  # forks' first differing messages
+            cfg.rollout.agent.endpoint_forks_path = str(run_dir / "endpoint_forks.jsonl")
     except (ConfigError, DataError) as e:
         return _usage_error(e)
 

@@ -2,7 +2,9 @@
 
 ``rollout.agent.env=module:Class`` runs asyncrl's `EnvLoop` over that `Env` (one instance per
 episode, rendered with the model's chat template); ``rollout.agent.loop=module:Class`` runs a
-user's `AgentLoop` (one instance per process). `build_agent` makes either from the config in the
+user's `AgentLoop` (one instance per process); ``rollout.agent.function`` / ``command`` run an
+OpenAI-client agent per episode against its own endpoint (`asyncrl.agent.endpoint.EndpointLoop`,
+an `AgentLoop` too; its server is stopped by `Agent.aclose`). `build_agent` makes either from the config in the
 Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands each response to
 `run_agent_response` when one is configured.
 
@@ -81,6 +83,12 @@ class Agent:
         if self.runner is not None:
             self.runner.close()
 
+    async def aclose(self) -> None:
+        """`close`, and stop what the loop serves on the event loop (an endpoint agent's HTTP server)."""
+        if hasattr(self.loop, "aclose"):
+            await self.loop.aclose()
+        self.close()
+
 
 def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     """The loop ``cfg`` names (None: plain generation). Raises `AgentSpecError` for bad paths."""
@@ -89,6 +97,10 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
 
     if cfg.loop is not None:
         return Agent(load_agent_loop_class(cfg.loop)(**cfg.kwargs), f"rollout.agent.loop={cfg.loop}", cfg.sessions)
+    if cfg.endpoint:
+        from asyncrl.agent.endpoint.config import build_endpoint_loop
+
+        return Agent(build_endpoint_loop(cfg, tokenizer), cfg.spec)
     if cfg.env is None:
         return None
     env_class = load_env_class(cfg.env)
@@ -238,7 +250,7 @@ async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int,
     try:
         out = await agent.loop.run(prompt, llm)
     except Exception as exc:
-        if exc is llm.engine_error:
+        if exc is llm.engine_error or type(exc).__name__ == "EpisodeFailed":  # (an endpoint episode: fails its group)
             raise
         raise AgentLoopError.of(exc, agent.name, sample_id, getattr(prompt, "text", None)) from exc
     finally:
@@ -279,6 +291,10 @@ def check_agent(cfg: AgentConfig, model_path: str) -> None:
     tools. Raises `AgentSpecError`, one line each."""
     from asyncrl.agent import AgentSpecError, ToolEnv, check_tool_template, load_agent_loop_class, load_env_class
 
+    if cfg.endpoint:
+        from asyncrl.agent.endpoint.config import check_endpoint_agent
+
+        return check_endpoint_agent(cfg)
     field, path = ("rollout.agent.loop", cfg.loop) if cfg.loop is not None else ("rollout.agent.env", cfg.env)
     if path is None:
         return

@@ -11,14 +11,31 @@ from typing import Any
 class AgentConfig:
     """``rollout.agent``: run each response as an agent loop (`asyncrl.rollouter.agents`).
 
-    Neither ``env`` nor ``loop`` set (the default): plain single-turn generation."""
+    None of ``env``, ``loop``, ``function``, ``command`` set (the default): plain single-turn generation."""
 
     env: str | None = None
     """``module:Class`` of an `asyncrl.agent.Env` (built with ``kwargs``, one per episode);
     asyncrl's `EnvLoop` drives it with the model's chat template."""
     loop: str | None = None
     """``module:Class`` of an `asyncrl.agent.AgentLoop` (built with ``kwargs``, once per process):
-    full control over each episode. Set ``env`` or ``loop``, not both."""
+    full control over each episode. Set one of ``env``, ``loop``, ``function``, ``command``."""
+    function: str | None = None
+    """``module:function`` of an OpenAI-client agent, ``async def agent(row, client) -> float | None``,
+    called once per episode against its own endpoint (`asyncrl.agent.endpoint`, docs/endpoint.md)."""
+    command: str | None = None
+    """A command run once per episode (``python path/agent.py``) with ``OPENAI_BASE_URL``,
+    ``OPENAI_API_KEY``, ``OPENAI_MODEL`` set and the row on stdin as JSON (docs/endpoint.md)."""
+    endpoint_host: str = "127.0.0.1"
+    """Address the endpoint binds (``function`` / ``command``); loopback unless agents run on other hosts."""
+    endpoint_port: int = 0
+    """Port of the endpoint; 0: any free one."""
+    endpoint_model: str = "policy"
+    """The model name the endpoint lists and an agent is told (``OPENAI_MODEL``)."""
+    endpoint_max_episode_s: float = 600.0
+    """Wall time of one endpoint episode; past it the agent is stopped and its group fails."""
+    endpoint_forks_path: str | None = None
+    """JSONL file each endpoint fork's first differing message is appended to (the launcher sets
+    ``<run_dir>/endpoint_forks.jsonl``); None: logged."""
     max_turns: int = 8
     """Most model turns per episode (``env``); an env not done by then ends with ``max_turns``."""
     max_tokens_per_turn: int = 512
@@ -46,6 +63,16 @@ class AgentConfig:
         if self.env is not None and self.loop is not None:
             raise ValueError(f"AgentConfig.env ({self.env!r}) is set and so is rollout.agent.loop ({self.loop!r}): "
                              "set one of them (an Env is driven by asyncrl's EnvLoop; a loop is your own)")
+        given = [k for k in ("env", "loop", "function", "command") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"AgentConfig: rollout.agent.{given[0]} and rollout.agent.{given[1]} are both set: set one "
+                             "(function/command: an OpenAI-client agent behind the endpoint, docs/endpoint.md)")
+        if self.function is not None and not _is_path(self.function):
+            raise ValueError(f"AgentConfig.function must be module:function, got {self.function!r}")
+        if self.command is not None and not self.command.strip():
+            raise ValueError("AgentConfig.command is empty: give the command line that runs one episode")
+        if not self.endpoint_max_episode_s > 0:
+            raise ValueError(f"AgentConfig.endpoint_max_episode_s must be > 0, got {self.endpoint_max_episode_s}")
         if self.sync_tools not in ("process", "thread"):
             raise ValueError(f"AgentConfig.sync_tools must be process or thread, got {self.sync_tools!r}")
         for name in ("max_turns", "max_tokens_per_turn", "max_context_tokens", "tool_concurrency", "sessions",
@@ -61,7 +88,23 @@ class AgentConfig:
     @property
     def enabled(self) -> bool:
         """An agent loop runs each response (else plain single-turn generation)."""
-        return self.env is not None or self.loop is not None
+        return any(getattr(self, k) is not None for k in ("env", "loop", "function", "command"))
+
+    @property
+    def endpoint(self) -> bool:
+        """An OpenAI-client agent (``function`` / ``command``) behind the endpoint runs each response."""
+        return self.function is not None or self.command is not None
+
+    @property
+    def spec(self) -> str:
+        """What the config named, as ``rollout.agent.<field>=<value>`` (for errors and the skip shape)."""
+        field_ = next((k for k in ("env", "loop", "function", "command") if getattr(self, k) is not None), None)
+        return f"rollout.agent.{field_}={getattr(self, field_)}" if field_ else ""
+
+
+def _is_path(spec: str) -> bool:
+    module, sep, name = spec.partition(":")
+    return bool(sep and module and name)
 
 
 @dataclass(kw_only=True)

@@ -30,6 +30,8 @@ class Prompt:
     meta: dict = field(default_factory=dict)
     max_tokens: int | None = None
     """This prompt's response budget; None takes `RolloutConfig.max_tokens`."""
+    messages: list | None = None
+    """The row's chat messages when it gave messages (what an endpoint agent gets as ``row["prompt"]``)."""
 
 
 @dataclass

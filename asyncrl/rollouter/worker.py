@@ -69,7 +69,8 @@ def load_prompts(tokenizer, spec: DataSpec, path: str | None = None) -> list[Pro
     prompts = []
     for row in rows:
         text, ids = data.prompt_text_and_ids(tokenizer, row)
-        prompts.append(Prompt(text=text, prompt_ids=ids, meta=row.reward_meta))
+        prompts.append(Prompt(text=text, prompt_ids=ids, meta=row.reward_meta,
+                              messages=None if isinstance(row.prompt, str) else row.prompt))
     return prompts
 
 
@@ -132,7 +133,7 @@ class RolloutWorker:
             data=prompts_fingerprint((p.prompt_ids for p in self.prompts),
                                      data_spec.train or f"builtin:{data_spec.task}:seed={data_spec.seed}"),
             reward=data_spec.reward or "builtin",
-            **({"agent": cfg.agent.env or cfg.agent.loop} if cfg.agent.enabled else {})))
+            **({"agent": cfg.agent.env or cfg.agent.loop or cfg.agent.spec} if cfg.agent.enabled else {})))
         if resume is None:
             self.state = RolloutState()
         else:
@@ -190,7 +191,7 @@ class RolloutWorker:
                 emitter.close()
             await producer.close()
             if self.agent is not None:
-                self.agent.close()
+                await self.agent.aclose()
         return self.progress()
 
     async def on_pause(self) -> None:

@@ -1,0 +1,190 @@
+"""Agents trained unchanged: a user's OpenAI-client agent as an `AgentLoop` over the endpoint.
+
+Two ways in (beside ``rollout.agent.env`` and ``rollout.agent.loop``):
+
+- ``rollout.agent.function: "module:function"``: ``async def agent(row: dict, client: ClientSpec)
+  -> float | None``, called once per episode. ``row`` is the dataset row (``prompt``: a text or
+  chat messages; ``data_source``, ``reward_model``, ``extra_info``); ``client`` says where to
+  point an OpenAI client. It returns the episode's reward, or None: a reward posted to the
+  endpoint, else the task's reward function on the final assistant turn.
+- ``rollout.agent.command: "python path/agent.py"``: a subprocess per episode (any language) with
+  ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``OPENAI_MODEL`` set and the row on stdin as JSON. Its
+  reward is posted to the endpoint or printed as its last stdout line; with neither, or a
+  non-zero exit (its code and stderr tail are reported), its group fails.
+
+Each episode opens a path on the process's `EndpointServer` (started on the event loop at the
+first episode, stopped by `aclose`) whose calls go to the `LLM` the loop got for that response:
+in a run, `RolloutLLM`, so pause-keep across a weight sync, per-token versions and partial
+rollout apply per call. The episode's trajectory is its main branch (the branch of its last
+call; `asyncrl.agent.endpoint.history`); other branches are counted (``agent/http_forks``),
+their first differing message written to ``forks_path`` (or logged), and not trained: a group
+holds one trajectory per episode. An episode with no call, or no reward, fails its group
+(`EpisodeFailed`: the run goes on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import shlex
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.agent.base import LLM, AgentLoop, AgentTrajectory
+from asyncrl.agent.endpoint.episode import Episode, EpisodeLimits
+from asyncrl.agent.endpoint.server import EndpointServer
+
+log = logging.getLogger("asyncrl.agent.endpoint")
+_STDERR_TAIL = 2000
+
+
+class EpisodeFailed(RuntimeError):
+    """An endpoint episode that cannot be trained (no call, no reward, a failed command): fails its
+    group with this one-line reason; the run goes on."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSpec:
+    """Where an agent points its OpenAI client for one episode."""
+
+    base_url: str
+    """``{server}/s/{episode}/v1``."""
+    api_key: str
+    """The episode's secret."""
+    model: str
+    """The model name to send (any name is served by the policy)."""
+
+    @property
+    def reward_url(self) -> str:
+        """Where a black-box agent posts ``{"reward": x}`` (with the same key)."""
+        return self.base_url.removesuffix("/v1") + "/reward"
+
+
+def row_of(prompt: Any) -> dict:
+    """The dataset row an agent gets: a `Prompt`'s messages (or text) and reward meta, in verl's layout."""
+    if isinstance(prompt, dict):
+        return prompt
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    meta = dict(getattr(prompt, "meta", None) or {})
+    row = {"prompt": getattr(prompt, "messages", None) or getattr(prompt, "text", "")}
+    row.update(data_source=meta.get("data_source"), reward_model={"ground_truth": meta.get("ground_truth")},
+               extra_info=meta.get("extra_info") or {})
+    return row
+
+
+class EndpointLoop(AgentLoop):
+    """Run ``function`` or ``command`` per episode against the endpoint (the module docstring)."""
+
+    def __init__(self, tokenizer: Any, *, function: Any = None, command: str | None = None,
+                 limits: EpisodeLimits | None = None, host: str = "127.0.0.1", port: int = 0, model: str = "policy",
+                 forks_path: str | None = None, name: str = "endpoint agent", renderer: Any = None):
+        from asyncrl.agent.render import ChatRenderer
+
+        if (function is None) == (command is None):
+            raise ValueError("EndpointLoop: give a function or a command, one of them")
+        self.function, self.command, self.name = function, command, name
+        self.renderer = renderer or ChatRenderer(tokenizer)
+        self.limits = limits or EpisodeLimits()
+        self.server = EndpointServer(host, port)
+        self.model, self.forks_path = model, forks_path
+        self._started: asyncio.Lock | None = None
+        self._up = False
+        self.counts = {"episodes": 0, "http_calls": 0, "http_forks": 0, "http_failed_episodes": 0}
+        """Totals (reported as ``agent/*``)."""
+
+    async def start(self) -> EndpointServer:
+        """The server, started on this event loop at the first call."""
+        if self._started is None:
+            self._started = asyncio.Lock()
+        async with self._started:
+            if not self._up:
+                await self.server.start()
+                self._up = True
+        return self.server
+
+    async def aclose(self) -> None:
+        if self._up:
+            self._up = False
+            await self.server.close()
+
+    async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory:
+        server = await self.start()
+        base = str(getattr(llm, "episode_id", None) or "episode").replace("/", "-")
+        ep = Episode(f"{base}-{uuid.uuid4().hex[:8]}", llm, self.renderer, self.limits, self.model)
+        server.add(ep)
+        self.counts["episodes"] += 1
+        spec = ClientSpec(server.base_url(ep), ep.secret, self.model)
+        try:
+            reward = await asyncio.wait_for(self._drive(row_of(prompt), spec), self.limits.max_episode_s)
+        except TimeoutError:
+            self.counts["http_failed_episodes"] += 1
+            raise EpisodeFailed(f"episode {ep.id} ran past rollout.agent.endpoint_max_episode_s="
+                                f"{self.limits.max_episode_s}") from None
+        finally:
+            server.remove(ep, "the agent returned")
+            await asyncio.gather(*ep.in_flight, return_exceptions=True)
+            self.counts["http_calls"] += ep.calls
+        return self._trajectory(ep, reward)
+
+    async def _drive(self, row: dict, spec: ClientSpec) -> float | None:
+        if self.function is not None:
+            out = await self.function(row, spec)
+            if out is not None and (isinstance(out, bool) or not isinstance(out, (int, float))):
+                raise TypeError(f"{self.name} must return a float reward or None, got {type(out).__name__}")
+            return None if out is None else float(out)
+        return await run_command(self.command, row, spec)
+
+    def _trajectory(self, ep: Episode, returned: float | None) -> AgentTrajectory:
+        history = ep.history
+        self.counts["http_forks"] += history.forks
+        if history.forks:
+            self._report_forks(ep)
+        if history.last is None:
+            self.counts["http_failed_episodes"] += 1
+            raise EpisodeFailed(f"episode {ep.id}: {self.name} made no call to its endpoint")
+        reward = returned if returned is not None else ep.reward
+        if reward is None and self.command is not None:
+            self.counts["http_failed_episodes"] += 1
+            raise EpisodeFailed(f"episode {ep.id}: {self.name} gave no reward (post it to /s/<episode>/reward or "
+                                "print it as the last stdout line)")
+        return history.last.trajectory(reward)
+
+    def _report_forks(self, ep: Episode) -> None:
+        for index, message in ep.history.divergences:
+            record = {"episode": ep.id, "message_index": index, "message": message}
+            if self.forks_path:
+                with open(self.forks_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record, default=str) + "\n")
+            else:
+                log.warning("endpoint fork: %s", json.dumps(record, default=str)[:2000])
+
+
+async def run_command(command: str, row: dict, spec: ClientSpec) -> float | None:
+    """One episode as a subprocess (the module docstring): its reward printed, else None."""
+    env = {**os.environ, "OPENAI_BASE_URL": spec.base_url, "OPENAI_API_KEY": spec.api_key, "OPENAI_MODEL": spec.model,
+           "ASYNCRL_REWARD_URL": spec.reward_url}
+    proc = await asyncio.create_subprocess_exec(*shlex.split(command), stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+    try:
+        out, err = await proc.communicate(json.dumps(row).encode())
+    finally:
+        if proc.returncode is None:  # cancelled (the episode's wall time, a stop): the process goes with it
+            proc.kill()
+            await proc.wait()
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace")[-_STDERR_TAIL:].strip()
+        raise EpisodeFailed(f"rollout.agent.command {command!r} exited with code {proc.returncode}: {tail}")
+    lines = out.decode(errors="replace").strip().splitlines()
+    if lines:
+        try:
+            value = float(lines[-1].strip())
+        except ValueError:
+            return None
+        if math.isfinite(value):
+            return value
+    return None

@@ -1,0 +1,232 @@
+"""The OpenAI-compatible HTTP server: one per Rollouter process, one path per episode.
+
+``{server}/s/{episode}/v1``: ``POST chat/completions``, ``POST completions``, ``GET models``;
+``POST {server}/s/{episode}/reward`` (``{"reward": x}``) for an agent that scores itself. The
+API key (``Authorization: Bearer ...``) is the episode's secret: a wrong one is 401, an unknown
+episode 404, a call after its episode ended 409.
+
+Why FastAPI/Starlette on uvicorn: a maintained ASGI stack that parses HTTP/1.1 in C
+(httptools), speaks SSE through a plain streaming response, and runs as a coroutine
+(``uvicorn.Server.serve``) on an event loop we own. Why on the Rollouter's own event loop: a
+call is then a coroutine beside the Rollouter's (no process hop, no serialization of token
+ids); it awaits the episode's `LLM` directly, so the pause-keep across a weight sync,
+per-token versions and partial rollout apply to it as to any agent turn. The server binds
+loopback unless ``rollout.agent.endpoint_host`` says otherwise (agents in sandboxes on other
+hosts); the episode secret is its authentication.
+
+A client that disconnects before its answer cancels the call, which aborts its engine request;
+nothing of it is recorded. The engine returns a turn whole, so ``stream: true`` sends the
+answer as OpenAI's chunks once it is sampled (role, content, one delta per tool call, the
+finish reason, usage when ``stream_options.include_usage``, ``[DONE]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import FastAPI, Request  # (module level: the routes' annotations are resolved by name)
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from asyncrl.agent.endpoint.episode import EndpointError, Episode
+
+log = logging.getLogger("asyncrl.agent.endpoint")
+_ENDED_KEPT = 100_000  # ended episodes remembered for a 409 (beyond: 404)
+_NO_RETRY = {"x-should-retry": "false"}  # the openai client retries 409/429/5xx otherwise; none would help
+
+
+class EndpointServer:
+    """Serves the episodes `add`-ed to it; `start` binds and serves as a task it owns, `close` stops it."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None):
+        self.host, self.port = host, port
+        self.public_host = public_host or (host if host not in ("0.0.0.0", "::") else socket.gethostname())
+        self.episodes: dict[str, Episode] = {}
+        self.ended: OrderedDict[str, str] = OrderedDict()
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self.calls = 0
+        self.errors = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.public_host}:{self.port}"
+
+    def base_url(self, episode: Episode) -> str:
+        return f"{self.url}/s/{episode.id}/v1"
+
+    async def start(self) -> None:
+        """Bind (the port is known before serving: no readiness race) and serve on this event loop."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(4096)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=60)
+        self._server = _OwnedServer(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="asyncrl-endpoint")
+
+    async def close(self) -> None:
+        """Stop serving (every open episode ends) and await the server task."""
+        for ep in list(self.episodes.values()):
+            self.remove(ep, "the server closed")
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, 30)
+        finally:
+            self._task = None
+
+    def add(self, episode: Episode) -> None:
+        self.episodes[episode.id] = episode
+
+    def remove(self, episode: Episode, why: str) -> None:
+        """End ``episode``: its later calls get 409."""
+        episode.end(why)
+        if self.episodes.pop(episode.id, None) is not None:
+            self.ended[episode.id] = why
+            if len(self.ended) > _ENDED_KEPT:
+                self.ended.popitem(last=False)
+
+    def lookup(self, episode_id: str, authorization: str | None) -> Episode:
+        ep = self.episodes.get(episode_id)
+        if ep is None:
+            if episode_id in self.ended:
+                raise EndpointError(409, f"episode {episode_id} has ended ({self.ended[episode_id]})", code="episode_ended")
+            raise EndpointError(404, f"no episode {episode_id} on this endpoint (the path is /s/<episode>/v1)")
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        if key != ep.secret:
+            raise EndpointError(401, f"wrong API key for episode {episode_id} (use the key the episode was given: "
+                                "OPENAI_API_KEY / ClientSpec.api_key)", code="invalid_api_key")
+        return ep
+
+
+class _OwnedServer:
+    """``uvicorn.Server`` without its signal handlers: the process's own shutdown owns SIGINT/SIGTERM."""
+
+    def __new__(cls, config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        return Server(config)
+
+
+async def _until_disconnect(receive) -> None:
+    """Returns when the client goes away (uvicorn answers ``receive`` then, once the body is read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _serve_call(server: EndpointServer, ep: Episode, request: Any, call) -> dict:
+    """Run ``call`` as a task of the episode; a client disconnect cancels it (its engine request is aborted)."""
+    task = asyncio.create_task(call)
+    ep.in_flight.add(task)
+    gone = asyncio.create_task(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ep.in_flight.discard(task)
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        if ep.ended is not None:
+            raise EndpointError(409, f"episode {ep.id} ended during the call ({ep.ended})", code="episode_ended")
+        raise EndpointError(499, "the client disconnected; its request was aborted")
+    return task.result()
+
+
+def _chunks(body: dict, include_usage: bool) -> list[dict]:
+    """A finished answer as OpenAI's stream chunks (chat or text completion)."""
+    base = {"id": body["id"], "created": body["created"], "model": body["model"]}
+    choice = body["choices"][0]
+    if body["object"] == "text_completion":
+        out = [{**base, "object": "text_completion",
+                "choices": [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": None}]},
+               {**base, "object": "text_completion",
+                "choices": [{"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}]}]
+    else:
+        msg = choice["message"]
+
+        def chunk(delta: dict, finish: str | None = None) -> dict:
+            return {**base, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+        out = [chunk({"role": "assistant", "content": ""})]
+        if msg.get("content"):
+            out.append(chunk({"content": msg["content"]}))
+        for i, call in enumerate(msg.get("tool_calls") or ()):
+            out.append(chunk({"tool_calls": [{"index": i, **call}]}))
+        out.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        out.append({**base, "object": out[0]["object"], "choices": [], "usage": body["usage"]})
+    return out
+
+
+def build_app(server: EndpointServer):
+    """The FastAPI app of ``server`` (routes in the module docstring)."""
+    app = FastAPI(title="asyncrl episode endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(EndpointError)
+    async def _error(_: Request, e: EndpointError):
+        server.errors += 1
+        return JSONResponse(e.body(), status_code=e.status, headers=_NO_RETRY)
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise EndpointError(400, "the request body is not JSON") from None
+
+    async def generate(episode: str, request: Request, method: str):
+        ep = server.lookup(episode, request.headers.get("authorization"))
+        body = await body_of(request)
+        server.calls += 1
+        answer = await _serve_call(server, ep, request, getattr(ep, method)(body))
+        if not body.get("stream"):
+            return JSONResponse(answer)
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def sse():
+            for c in _chunks(answer, usage):
+                yield f"data: {json.dumps(c)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/s/{episode}/v1/chat/completions")
+    async def chat(episode: str, request: Request):
+        return await generate(episode, request, "chat")
+
+    @app.post("/s/{episode}/v1/completions")
+    async def completions(episode: str, request: Request):
+        return await generate(episode, request, "complete")
+
+    @app.get("/s/{episode}/v1/models")
+    async def models(episode: str, request: Request):
+        ep = server.lookup(episode, request.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": ep.model, "object": "model", "created": int(time.time()),
+                                            "owned_by": "asyncrl"}]}
+
+    @app.post("/s/{episode}/reward")
+    @app.post("/s/{episode}/v1/reward")
+    async def reward(episode: str, request: Request):
+        ep = server.lookup(episode, request.headers.get("authorization"))
+        return {"reward": ep.post_reward(await body_of(request))}
+
+    return app
