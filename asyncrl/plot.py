@@ -54,14 +54,18 @@ class Run:
         return [s for s, _ in got], [min(1.0, max(0.0, v)) for _, v in got]
 
 
-def _last_name(target: str | None) -> str | None:
-    """``pkg.mod:Thing`` or ``python path/agent.py`` -> a short name (``Thing``, ``agent.py``)."""
+def _short_name(kind: str, target: str | None) -> str | None:
+    """An agent setting's short name: an env's or loop's class (``CalculatorEnv``), a function's
+    last two modules and name (``openai_agent.agent:run``), a command's script with its folder
+    (``command_agent/agent.py``)."""
     if not target:
         return None
     target = str(target)
-    if ":" in target and " " not in target:
-        return target.rsplit(":", 1)[1]
-    return Path(target.split()[-1]).name
+    if kind == "command":
+        script = Path(target.split()[-1])
+        return f"{script.parent.name}/{script.name}" if script.parent.name else script.name
+    module, _, name = target.rpartition(":")
+    return name if kind in ("env", "loop") else f"{'.'.join(module.split('.')[-2:])}:{name}"
 
 
 def config_label(config: dict) -> str:
@@ -74,7 +78,7 @@ def config_label(config: dict) -> str:
     if engine and engine != "auto":
         parts.append(str(engine))
     agent = (config.get("rollout") or {}).get("agent") or {}
-    name = next((n for n in (_last_name(agent.get(k)) for k in ("env", "loop", "function", "command")) if n), None)
+    name = next((n for n in (_short_name(k, agent.get(k)) for k in ("env", "loop", "function", "command")) if n), None)
     if name:
         parts.append(name)
     if "seed" in config:

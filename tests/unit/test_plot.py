@@ -30,11 +30,16 @@ def test_labels_come_from_each_config_and_idle_share_from_the_timings(tmp_path, 
     partial = write_run(tmp_path / "b", ["mode=sync", "partial_rollout.enable=true", "seed=1"], [0.1, 0.5], 0.5)
     fast = write_run(tmp_path / "c", ["seed=1", "engine.kind=torch", "rollout.agent.env=asyncrl.tasks.calculator:CalculatorEnv"],
                      [0.3, 0.3, 0.9], wait_share=0.25)
+    agent = write_run(tmp_path / "e", ["data.task=calculator", "rollout.agent.function=examples.openai_agent.agent:run"],
+                      [0.2], wait_share=0.5)
+    command = write_run(tmp_path / "f", ["data.task=calculator", "mode=sync",
+                                         "rollout.agent.command=python examples/command_agent/agent.py"], [0.2], 0.5)
     twin = write_run(tmp_path / "d", ["mode=sync", "seed=1"], [0.0], wait_share=3.0)  # clipped to 1
     capsys.readouterr()
-    runs = read_runs([sync, partial, fast, twin])
+    runs = read_runs([sync, partial, fast, twin, agent, command])
     assert [r.label for r in runs] == ["sync seed 1 (a)", "sync+partial seed 1", "async torch CalculatorEnv seed 1",
-                                       "sync seed 1 (d)"]
+                                       "sync seed 1 (d)", "async openai_agent.agent:run seed 0",
+                                       "sync command_agent/agent.py seed 0"]
     assert runs[0].series("reward_mean") == ([1, 2, 3, 4], [0.1, 0.2, 0.3, 0.4])
     assert runs[0].series("time_s")[1] == [2.0, 4.0, 6.0, 8.0]
     assert runs[2].idle_share() == ([1, 2, 3], [0.25, 0.25, 0.25])
