@@ -144,6 +144,9 @@ class RolloutLLM:
         self.replica = -1
         """The replica of the last turn."""
         self.engine_error: BaseException | None = None
+        self.abort_on_cancel = False
+        """A turn cancelled by its loop aborts its engine request (an endpoint agent sets it: a client
+        that disconnects gives its call up); otherwise a cancel is the group's and `Rollouter.stop` aborts."""
 
     def session(self) -> str:
         """Start another conversation (a multi-output loop): later turns go under a new session id."""
@@ -167,8 +170,14 @@ class RolloutLLM:
                                         stop_token_ids=tuple(stop), seed=turn_seed(self.seed, turn, parts.age)))
 
         parts = PartialResponse()
+        sent: list[str] = []
         try:
-            result, self.replica = await generate_resumable(self.r, self.calls, make_request, parts, max_tokens)
+            result, self.replica = await generate_resumable(
+                self.r, self.calls, lambda p: _noted(make_request(p), sent), parts, max_tokens)
+        except asyncio.CancelledError:
+            if self.abort_on_cancel:  # the loop gave the turn up (an endpoint client went away): free the engine
+                await self._abort(sent[-1:])
+            raise
         except Exception as exc:
             self.engine_error = exc  # the engine's error, not the loop's: it passes through unchanged
             raise
@@ -177,10 +186,23 @@ class RolloutLLM:
         finish = result.finish_reason if result.finish_reason != "truncated" else "length"
         return Turn(ids, logprobs, versions, finish)
 
+    async def _abort(self, request_ids: list[str]) -> None:
+        """Abort a cancelled turn's request on the group's replica (a no-op for one that never went out)."""
+        if request_ids and self.calls.replica is not None:
+            try:
+                await call_within(self.r.pool.handle(self.calls.replica), "abort", 10.0, request_ids)
+            except Exception as exc:  # noqa: BLE001 - the engine may be gone, and the request with it
+                log.debug("abort(%s) failed: %r", request_ids, exc)
+
     async def end_sessions(self) -> None:
         """Let the engine drop what it keeps for this response's conversations (a no-op where it keeps nothing)."""
         if self.calls.replica is not None:
             await end_sessions(self.r.pool.handle(self.calls.replica), self.sessions)
+
+
+def _noted(request: GenerateRequest, sent: list[str]) -> GenerateRequest:
+    sent.append(request.request_id)
+    return request
 
 
 async def end_sessions(engine: Any, session_ids: list[str]) -> None:

@@ -146,14 +146,14 @@ class Episode:
         turn = await self.llm.generate(context, max_tokens=budget, stop=tuple(self.renderer.stop_ids))
         ids = turn.token_ids.tolist()
         text = self.renderer.turn_text(ids)
-        hits = [text.find(s) for s in stops if s in text]
+        hits = [(text.find(s), len(s)) for s in stops if s in text]
         if not hits:
             return turn, text, False
-        cut_at = min(hits)
-        lo, hi = 1, len(ids)  # the fewest tokens whose text reaches the stop text: kept, the rest dropped
+        cut_at, n = min(hits)
+        lo, hi = 1, len(ids)  # the fewest tokens whose text holds the whole stop text: kept, the rest dropped
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self.renderer.turn_text(ids[:mid])) > cut_at:
+            if len(self.renderer.turn_text(ids[:mid])) >= cut_at + n:
                 hi = mid
             else:
                 lo = mid + 1

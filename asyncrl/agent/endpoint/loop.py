@@ -114,6 +114,8 @@ class EndpointLoop(AgentLoop):
 
     async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory:
         server = await self.start()
+        if hasattr(llm, "abort_on_cancel"):
+            llm.abort_on_cancel = True  # a call given up (client gone, episode ended) aborts its engine request
         base = str(getattr(llm, "episode_id", None) or "episode").replace("/", "-")
         ep = Episode(f"{base}-{uuid.uuid4().hex[:8]}", llm, self.renderer, self.limits, self.model)
         server.add(ep)
@@ -146,7 +148,8 @@ class EndpointLoop(AgentLoop):
             self._report_forks(ep)
         if history.last is None:
             self.counts["http_failed_episodes"] += 1
-            raise EpisodeFailed(f"episode {ep.id}: {self.name} made no call to its endpoint")
+            made = f"its {ep.calls} call(s) ended without an answer" if ep.calls else "it made no call to its endpoint"
+            raise EpisodeFailed(f"episode {ep.id} of {self.name}: nothing to train ({made})")
         reward = returned if returned is not None else ep.reward
         if reward is None and self.command is not None:
             self.counts["http_failed_episodes"] += 1

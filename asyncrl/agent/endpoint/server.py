@@ -46,7 +46,7 @@ class EndpointServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None):
         self.host, self.port = host, port
-        self.public_host = public_host or (host if host not in ("0.0.0.0", "::") else socket.gethostname())
+        self.public_host = public_host or (host if host not in ("0.0.0.0", "::") else _node_address())
         self.episodes: dict[str, Episode] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()
         self._server: Any = None
@@ -109,6 +109,18 @@ class EndpointServer:
             raise EndpointError(401, f"wrong API key for episode {episode_id} (use the key the episode was given: "
                                 "OPENAI_API_KEY / ClientSpec.api_key)", code="invalid_api_key")
         return ep
+
+
+def _node_address() -> str:
+    """This node's address as other hosts reach it (Ray's view where Ray runs), for a wildcard bind."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
 
 
 class _OwnedServer:

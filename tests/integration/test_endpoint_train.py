@@ -1,0 +1,58 @@
+"""A function agent trained through its endpoint, on-policy: the Rollouter and a Trainer rank in this
+process (no Ray) over the built-in engine and a tiny random chat model. Each episode makes three
+calls over real HTTP with the real ``openai`` client, echoing each answer back; the trained tokens
+are exactly what the engine sampled, so before each update the trainer's log-probs equal the
+behaviour ones: ``is_ratio`` within 1e-3 of 1 on every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+CALLS = 3
+
+
+async def three_call_agent(row, client):
+    """A multi-call agent: answer, be told to go on, answer again (each answer echoed back as is)."""
+    c = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    for k in range(CALLS):
+        r = await c.chat.completions.create(model=client.model, messages=msgs, max_tokens=6)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"go on {k}"}]
+    return float(len(r.choices[0].message.content or "") % 2)
+
+
+async def test_a_function_agent_trains_on_policy_with_exact_tokens(tmp_path):
+    from asyncrl.agent.tiny_chat import build_chat_model
+    from asyncrl.models import load_tokenizer
+    from asyncrl.rollouter.agents import build_agent
+    from asyncrl.rollouter.config import AgentConfig
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
+    from asyncrl.rollouter.feed import Prompt
+    from asyncrl.rollouter.rollouter import RolloutConfig
+    from asyncrl.trainer.config import OptimConfig, TrainerConfig, WorkerConfig
+    from tests.unit.inprocess import train_steps
+
+    torch.set_num_threads(1)
+    path = str(build_chat_model(tmp_path / "model"))
+    tok = load_tokenizer(path)
+    prompts = [Prompt(text=f"q{i}", prompt_ids=np.asarray(tok.encode(f"q{i}"), np.int64), meta={}) for i in range(16)]
+    agent = build_agent(AgentConfig(function="tests.integration.test_endpoint_train:three_call_agent", max_turns=CALLS,
+                                    max_tokens_per_turn=6, max_context_tokens=512), tok)
+    tcfg = TrainerConfig(worker=WorkerConfig(model_path=path, pad_token_id=tok.pad_token_id, optim=OptimConfig(lr=1e-3)),
+                         groups_per_batch=2, recv_timeout_s=120)
+    rcfg = RolloutConfig(n=4, max_tokens=6, groups_per_sync=tcfg.groups_per_sync, staleness_threshold=0.0)
+    try:
+        results, rollouter, _, _ = await train_steps(tcfg, rcfg, TorchEngine(path, seed=0), prompts,
+                                                     lambda p, ids: 0.0, 3, agent=agent)
+    finally:
+        await agent.aclose()
+    for r in results:
+        m = r.metrics
+        assert m["agent/turns_mean"] == CALLS and m["agent/turns_max"] == CALLS
+        assert m["is_ratio_max"] == pytest.approx(1.0, abs=1e-3) and m["is_ratio_min"] == pytest.approx(1.0, abs=1e-3)
+    counts = agent.loop.counts
+    assert counts["http_forks"] == 0 and counts["http_failed_episodes"] == 0
+    assert counts["http_calls"] >= CALLS * 3 * 2 * 4  # (episodes still in flight at the end were cancelled)
