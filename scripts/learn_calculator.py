@@ -64,6 +64,25 @@ def window(history: list[dict], key: str, fraction: float) -> tuple[float, float
     return sum(m[key] for m in rows[:w]) / w, sum(m[key] for m in rows[-w:]) / w
 
 
+def calls_per_turn_of_transcripts(run_dir: Path, steps: int, fraction: float) -> tuple[float, float]:
+    """Tool calls per model turn over the first and the last ``fraction`` of steps, from the
+    conversations the Trainer kept (``transcripts.jsonl``: the first of each trained group): an
+    endpoint agent's tools run in the agent, so the Rollouter counts no tool calls of its own."""
+    from asyncrl.models import default_model_path, load_tokenizer
+    from asyncrl.transcripts import read
+
+    call_id = load_tokenizer(default_model_path("calculator")).convert_tokens_to_ids("<tool_call>")
+    w = max(1, round(fraction * steps))
+    records = read(run_dir)
+
+    def ratio(wanted) -> float:
+        part = [r for r in records if wanted(r["step"])]
+        calls = sum(sum(1 for t, m in zip(r["response_ids"], r["loss_mask"]) if m and t == call_id) for r in part)
+        return calls / max(sum(r["turns"] for r in part), 1)
+
+    return ratio(lambda step: step <= w), ratio(lambda step: step > steps - w)
+
+
 def calls_per_turn(history: list[dict], fraction: float) -> tuple[float, float]:
     """Tool calls per turn over the first and the last ``fraction`` of steps: the sums' ratio (a
     step's own ratio swings with which turns of the conversations its window caught)."""
@@ -89,8 +108,9 @@ def run(engine: str, seed: int, fraction: float, extra: list[str], agent: str | 
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{(out.stdout + out.stderr)[-3000:]}")
         history = [json.loads(line) for line in (tmp / "run/metrics.jsonl").read_text().splitlines()]
+        calls_first, calls_last = (calls_per_turn_of_transcripts(tmp / "run", len(history), fraction) if agent
+                                   else calls_per_turn(history, fraction))
     first, last = window(history, "reward_mean", fraction)
-    calls_first, calls_last = calls_per_turn(history, fraction)
     row = {"engine": engine, "seed": seed, "agent": agent or "env", "steps": len(history), "wall_s": round(wall, 1),
            "reward_first": round(first, 3), "reward_last": round(last, 3), "gain": round(last - first, 3),
            "tool_calls_per_turn_first": round(calls_first, 3), "tool_calls_per_turn_last": round(calls_last, 3)}

@@ -90,13 +90,15 @@ async def test_each_stack_runs_an_episode_token_exact(stack, tokenizer, monkeypa
 
 
 @pytest.mark.slow
-def test_openai_stack_trains_in_sync_mode_with_exact_tokens(tmp_path):
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_stack_trains_in_sync_mode_with_exact_tokens(stack, tmp_path):
     """10 steps of ``--mode sync`` through the endpoint: tool calls are made and trained, and the
     Trainer's importance ratio is 1 on every step (the trained tokens are the sampled ones)."""
     run_dir = tmp_path / "run"
+    agent = [f"rollout.agent.{kind}={value}" for kind, value in STACKS[stack].items()]
     cmd = [sys.executable, "-m", "asyncrl.launch", "--task", "calculator", "--mode", "sync", "--steps", "10",
            "--groups-per-step", "4", "--n", "4", "--run-dir", str(run_dir), "max_restarts=0", "engine.kind=torch",
-           "rollout.agent.function=examples.openai_agent.agent:run"]
+           *agent]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=280)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
