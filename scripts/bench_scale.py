@@ -39,6 +39,7 @@ prompts to fill every slot. After ``--warmup-s`` the clock runs ``--seconds``. R
 one Rollouter (`bench_scale_agent`: the event loop's lag, turn requests/s, nothing lost or duplicated).
 
     python scripts/bench_scale.py --agent --json
+    python scripts/bench_scale.py --agent --http --json    # the same over real HTTP (bench_scale_http)
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import time
 import numpy as np
 
 import bench_scale_agent
+import bench_scale_http
 from asyncrl.rpc import Serving
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -99,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bench_scale_agent.add_args(p)
+    bench_scale_http.add_args(p)
     args = p.parse_args(argv)
     if not 0 <= args.host_niceness <= 19:
         p.error(f"--host-niceness must be 0-19 (a process can only lower its own priority), got {args.host_niceness}")
@@ -653,6 +656,8 @@ def _summary(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.agent and args.http:
+        return bench_scale_http.main(args)
     if args.agent:
         return agent_main(args)
     load = os.getloadavg()

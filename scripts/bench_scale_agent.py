@@ -219,7 +219,12 @@ async def agent_run(args: argparse.Namespace) -> dict:
     concurrent = args.agent_conversations // n
     total = max(concurrent, round(concurrent * args.agent_rounds))
     counts = {"tool_calls": 0, "live": 0}
-    agent = _agent(args, counts)
+    if getattr(args, "http", False):  # every episode an OpenAI-client agent over real HTTP (bench_scale_http)
+        from bench_scale_http import http_agent
+
+        agent = http_agent(args, counts)
+    else:
+        agent = _agent(args, counts)
     prefill = args.prefill_tokens_per_s or None
     hosts = []
     if args.agent_hosts:  # the replicas in Ray actor processes, as in a run (their schedulers leave this loop)
@@ -301,7 +306,7 @@ async def agent_run(args: argparse.Namespace) -> dict:
         else:
             for e in engines:
                 await e.close()
-        agent.close()
+        await agent.aclose()
         gc.callbacks.remove(gc_pauses)
     window = max(t1 - t0, 1e-9)
     turn_requests = sum(s["requests"] for s in replica_stats)

@@ -45,7 +45,7 @@ async def test_a_function_agent_trains_on_policy_with_exact_tokens(tmp_path):
                          groups_per_batch=2, recv_timeout_s=120)
     rcfg = RolloutConfig(n=4, max_tokens=6, groups_per_sync=tcfg.groups_per_sync, staleness_threshold=0.0)
     try:
-        results, rollouter, _, _ = await train_steps(tcfg, rcfg, TorchEngine(path, seed=0), prompts,
+        results, _, _, _ = await train_steps(tcfg, rcfg, TorchEngine(path, seed=0), prompts,
                                                      lambda p, ids: 0.0, 3, agent=agent)
     finally:
         await agent.aclose()

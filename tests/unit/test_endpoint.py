@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from asyncrl.agent.endpoint import ClientSpec, EndpointLoop, EpisodeFailed, EpisodeLimits
-from tests.unit.endpoint_helpers import IM_END, TOK, TOOLS, ScriptedLLM, client, serving
+from tests.unit.endpoint_helpers import TOK, TOOLS, ScriptedLLM, client, serving
 
 CALL = '<tool_call>{"name": "mul", "arguments": {"a": 6, "b": 7}}</tool_call>'
 

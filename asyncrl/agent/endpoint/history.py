@@ -66,6 +66,8 @@ def template_message(m: Message, sampled: Sampled | None) -> Message:
     if sampled is not None:
         return {"role": "assistant", "content": sampled.text}
     out = {k: v for k, v in m.items() if k in ("role", "name")}  # (a per-call id would defeat the renderer's caches)
+    if out.get("role") == "developer":  # OpenAI's newer name for the system role, which templates know
+        out["role"] = "system"
     out["content"] = content_text(m.get("content"))
     if m.get("tool_calls"):
         calls = []
