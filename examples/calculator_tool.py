@@ -4,7 +4,7 @@
 Its latency is read from the environment, so a benchmark can give the client-side tool the long
 tail the task's env has (``scripts/bench_agent.py --agent openai``): ``CALCULATOR_LATENCY_MEDIAN_S``
 (default 0: no wait) and ``CALCULATOR_LATENCY_P99_S`` (unset: every call takes the median; else a
-log-normal with that 99th percentile). The schema is OpenAI's function-tool JSON; the stacks that
+log-normal with that 99th percentile; ``CALCULATOR_LATENCY_SEED`` seeds the draws). The schema is OpenAI's function-tool JSON; the stacks that
 build it from a typed function (the Agents SDK, LangChain) produce the same name and argument.
 """
 
@@ -31,7 +31,7 @@ SCHEMA = {
         },
     },
 }
-_rng = random.Random()
+_seen: dict[str, int] = {}
 
 
 def latency() -> ToolLatency:
@@ -50,8 +50,14 @@ def compute(expression: str) -> str:
 
 
 async def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression of integers, after the tool's latency (awaited)."""
-    wait = latency().draw(_rng)
+    """Evaluate an arithmetic expression of integers, after the tool's latency (awaited).
+
+    The latency is drawn as the task's env draws it: seeded by the expression and how often this
+    process saw it, so runs of different modes meet the same draws for the same calls."""
+    if len(_seen) > 100_000:  # bounded: a policy may write any expression
+        _seen.clear()
+    seen = _seen[expression] = _seen.get(expression, 0) + 1
+    wait = latency().draw(random.Random(f"{os.environ.get('CALCULATOR_LATENCY_SEED', '0')}|{expression}|{seen}"))
     if wait:
         await asyncio.sleep(wait)
     return compute(expression)
