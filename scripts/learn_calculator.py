@@ -11,14 +11,17 @@ run's OpenAI-compatible endpoint instead of the task's built-in `Env` (``openai`
 loop on the ``openai`` client; ``agents_sdk``; ``langgraph``; ``command``: a subprocess per
 episode), and each (engine, seed) also runs the built-in `Env` beside it, the two back to back
 in alternating order, so that ``vs_env_time`` (agent run's wall time / the Env run's) compares
-runs made under the same load. The gate then also asks ``vs_env_time <= 1.3``.
+runs made under the same load. The gate then also asks ``vs_env_time <= 1.3``. An endpoint run's
+tool calls per turn come from the conversations the Trainer kept (``transcripts.jsonl``, one per
+group). ``is_ratio_dev`` is the largest |importance ratio - 1| over the steps: ~0 in ``mode=sync``
+(the trained tokens are the sampled ones), spread by design in async mode.
 
     python scripts/learn_calculator.py                          # both engines, seeds 0 1 2 (~15-20 min)
     python scripts/learn_calculator.py --engines torch --seeds 0
     python scripts/learn_calculator.py --agent openai --json    # stack 1 and the Env, side by side
 
 Last line: JSON ``{"runs": [{"engine", "seed", "agent", "wall_s", "reward_first", "reward_last",
-"gain", "tool_calls_per_turn_first", "tool_calls_per_turn_last", "gate"}, ...], "gains":
+"gain", "tool_calls_per_turn_first", "tool_calls_per_turn_last", "is_ratio_dev", "gate"}, ...], "gains":
 {engine: {seed: gain}}, "seconds": {engine: {seed: wall_s}}, "gate_met": bool}``; with
 ``--agent`` also ``"agent"``, ``"env_gains"``, ``"env_seconds"`` and ``"vs_env_time"`` (same
 shape; the agent's runs fill ``runs``, ``gains`` and ``seconds``).
@@ -114,6 +117,9 @@ def run(engine: str, seed: int, fraction: float, extra: list[str], agent: str | 
     row = {"engine": engine, "seed": seed, "agent": agent or "env", "steps": len(history), "wall_s": round(wall, 1),
            "reward_first": round(first, 3), "reward_last": round(last, 3), "gain": round(last - first, 3),
            "tool_calls_per_turn_first": round(calls_first, 3), "tool_calls_per_turn_last": round(calls_last, 3)}
+    # Exact tokens: in --mode sync the Trainer's importance ratio is 1 up to float error.
+    row["is_ratio_dev"] = round(max((abs(m[k] - 1.0) for m in history for k in ("is_ratio_min", "is_ratio_max")
+                                     if k in m), default=float("nan")), 5)
     row["gate"] = row["gain"] >= GAIN and wall < WALL_S
     return row
 
