@@ -532,6 +532,9 @@ def load_config(yaml_files: list[str] = (), overrides: list[str] = ()) -> tuple[
         presets.update(BUILTIN_TASK_DEFAULTS if builtin else REAL_DEFAULTS)
         if builtin and OmegaConf.select(user, "data.task") == "calculator":
             presets.update(CALCULATOR_TASK_DEFAULTS)
+            if any(OmegaConf.select(user, f"rollout.agent.{k}") is not None for k in ("loop", "function", "command")):
+                # The user's own agent: the task gives its rows and reward, not its env (or the env's kwargs).
+                del presets["rollout.agent.env"], presets["rollout.agent.kwargs"]
             if OmegaConf.select(user, "model.path") is None:
                 presets.update(CALCULATOR_DEMO_DEFAULTS)
         if OmegaConf.select(user, "mode") == "sync":

@@ -139,6 +139,16 @@ def test_task_calculator_sets_its_env_model_and_limits():
         load_config([], ["data.task=chess"])
 
 
+def test_task_calculator_with_a_users_own_agent_keeps_its_rows_limits_and_model():
+    """``--task calculator rollout.agent.function=...`` (the examples' agents): the task's env and
+    its kwargs step aside; its model, limits and reward stay."""
+    for own in ("function=examples.openai_agent.agent:run", "command=python examples/command_agent/agent.py"):
+        cfg, _ = load_config([], ["data.task=calculator", f"rollout.agent.{own}"])
+        agent = cfg.rollout.agent
+        assert agent.env is None and agent.kwargs == {} and agent.max_turns == 3 and agent.max_tokens_per_turn == 64
+        assert cfg.model_path == str(CALCULATOR_MODEL_DIR) and cfg.trainer.optim.lr == 5e-5
+
+
 def test_bad_env_kwargs_are_named_before_ray_starts():
     from asyncrl.agent import AgentSpecError
     from asyncrl.rollouter.agents import check_agent
