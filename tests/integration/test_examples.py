@@ -92,18 +92,21 @@ async def test_each_stack_runs_an_episode_token_exact(stack, tokenizer, monkeypa
 @pytest.mark.slow
 @pytest.mark.parametrize("stack", sorted(STACKS))
 def test_stack_trains_in_sync_mode_with_exact_tokens(stack, tmp_path):
-    """10 steps of ``--mode sync`` through the endpoint: tool calls are made and trained, and the
-    Trainer's importance ratio is 1 on every step (the trained tokens are the sampled ones)."""
+    """``--mode sync`` through the endpoint: tool calls are made and trained, and the Trainer's
+    importance ratio is 1 on every step (the trained tokens are the sampled ones). The openai stack
+    runs 10 steps; the others 4, enough for several weight syncs at a fraction of the suite's time
+    (`scripts/learn_calculator.py --agent STACK` runs them longer)."""
     run_dir = tmp_path / "run"
+    steps = 10 if stack == "openai" else 4
     agent = [f"rollout.agent.{kind}={value}" for kind, value in STACKS[stack].items()]
-    cmd = [sys.executable, "-m", "asyncrl.launch", "--task", "calculator", "--mode", "sync", "--steps", "10",
+    cmd = [sys.executable, "-m", "asyncrl.launch", "--task", "calculator", "--mode", "sync", "--steps", str(steps),
            "--groups-per-step", "4", "--n", "4", "--run-dir", str(run_dir), "max_restarts=0", "engine.kind=torch",
            *agent]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=280)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     ratios = [r[k] for r in rows for k in ("is_ratio_mean", "is_ratio_min", "is_ratio_max")]
     assert max(abs(v - 1.0) for v in ratios) < 1e-3, ratios  # every step, every token
     tokenizer = load_tokenizer(default_model_path("calculator"))
