@@ -1,21 +1,26 @@
-"""Adapter-only weight sync: the engine side merges LoRA adapters onto an exact copy of the base.
+"""Adapter-only weight sync: the engine side applies LoRA adapters exactly, without drift.
 
 With ``trainer.lora.rank`` > 0 the trainer's sender puts only the adapters on the wire (same
 header, metadata and buckets as a full sync; tensors named ``<module>.lora_A`` / ``.lora_B``,
 see `asyncrl.trainer.lora`), and every `ReceiverInit` carries the adapters' spec in
 ``options["lora"]`` (rank, scale = alpha / rank, adapted modules). The receiver then loads into
-a `LoraMerger` wrapped around its engine instead of the engine itself:
+a `LoraMerger` wrapped around its engine instead of the engine itself, which applies them one of
+two ways:
 
-- at construction it reads the base weight of every adapted module from the model directory's
-  safetensors files (the same bytes the engine loaded at start) and keeps them;
-- `load_weights` keeps the received A and B (copies: they arrive as views of reused buffers);
-- `finish_weight_update` computes ``W = W_base + scale * B @ A`` for every module: into the
-  built-in engine's parameters directly (its ``weight_views`` hook, engine paused: one ``addmm``
-  per module reads the kept base and writes the parameter), or, in a vLLM worker, as tensors
-  handed to the same staged ``reload_weights`` as a full sync; then the engine's
+- **Unmerged**, where the engine keeps adapters in its own forward (the ``lora_views`` hook: the
+  built-in engine's lean forward, `asyncrl.rollouter.engines.builtin.lora`): the received A and
+  B are copied into the engine's adapters (the receiver loads only while the engine is paused);
+  nothing is merged and the base weights are never written.
+- **Merged** otherwise: at construction the merger reads the base weight of every adapted module
+  from the model directory's safetensors files (the same bytes the engine loaded at start) and
+  keeps them; `load_weights` keeps the received A and B (copies: they arrive as views of reused
+  buffers); `finish_weight_update` computes ``W = W_base + scale * B @ A`` for every module: into
+  the built-in engine's parameters directly (its ``weight_views`` hook, engine paused: one
+  ``addmm`` per module reads the kept base and writes the parameter), or, in a vLLM worker, as
+  tensors handed to the same staged ``reload_weights`` as a full sync; then the engine's
   ``finish_weight_update``.
 
-Exact, no drift: every sync starts again from the kept base, never from the weights the
+Exact, no drift: every merge starts again from the kept base, never from the weights the
 previous sync merged (merging ``B @ A`` in place would add each step's rounding error to the
 next and could not take an old update back out), so after N syncs the engine holds exactly
 the base plus the current adapters, as the trainer does.
@@ -23,8 +28,8 @@ the base plus the current adapters, as the trainer does.
 A fused vLLM layer (``qkv_proj`` packs q, k and v, with their biases) is reloaded as a whole:
 with ``siblings`` the merger also keeps and re-sends every other checkpoint tensor under an
 adapted module's parent (``...self_attn.*``, ``...mlp.*``), unchanged, so no part of a
-reloaded layer is left unset. Costs: the kept base (every adapted weight, plus the siblings in
-vLLM: about the blocks' weights with the default all-linear targets) in each engine.
+reloaded layer is left unset. Costs of merging: the kept base (every adapted weight, plus the
+siblings in vLLM: about the blocks' weights with the default all-linear targets) in each engine.
 """
 
 from __future__ import annotations
@@ -72,30 +77,43 @@ class LoraMerger:
         self.modules = list(spec["modules"])
         self.full = list(spec.get("full", ()))
         """Weights the trainer trains in full (``train_norms``): loaded as they arrive."""
-        wanted = {f"{m}.weight" for m in self.modules} | set(self.full)
+        self.siblings = siblings
+        self.received: dict[str, torch.Tensor] = {}
+        hook = None if siblings else getattr(engine, "lora_views", None)
+        self.adapters: dict[str, torch.Tensor] | None = hook(self.rank, self.scale, self.modules) if hook else None
+        """The engine's own unmerged adapters (the built-in engine's lean forward): the received
+        A and B are copied into them and nothing is merged; None: merge onto the kept base."""
+        wanted = set(self.full) if self.adapters is not None else {f"{m}.weight" for m in self.modules} | set(self.full)
         if siblings:
             parents = tuple(m.rsplit(".", 1)[0] + "." for m in self.modules)
             wanted |= {n for n in checkpoint_names(model_dir) if n.startswith(parents)}
         self.base = read_checkpoint_tensors(model_dir, wanted)
-        missing = sorted(n for n in [f"{m}.weight" for m in self.modules] + self.full if n not in self.base)
+        missing = sorted(n for n in wanted if n not in self.base and n.endswith(".weight"))
         if missing:
             raise ValueError(f"LoRA sync: the engine's model directory {model_dir} has no base weight {missing[0]} "
                              "(the trainer and the engines must load the same model)")
-        self.received: dict[str, torch.Tensor] = {}
-        self.siblings = siblings
 
     def param_meta(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """The adapters this engine takes: ``<module>.lora_A`` [r, in] and ``<module>.lora_B`` [out, r]."""
         out = []
         for m in self.modules:
-            rows, cols = self.base[f"{m}.weight"].shape
+            if self.adapters is not None:
+                rows, cols = self.adapters[f"{m}.lora_B"].shape[0], self.adapters[f"{m}.lora_A"].shape[1]
+            else:
+                rows, cols = self.base[f"{m}.weight"].shape
             out += [(f"{m}.lora_A", torch.float32, (self.rank, cols)),
                     (f"{m}.lora_B", torch.float32, (rows, self.rank))]
         return out + [(n, torch.float32, tuple(self.base[n].shape)) for n in self.full]
 
     async def load_weights(self, named_tensors) -> None:
-        # views into the receiver's reused bucket buffers: copy them out
-        self.received.update((name, t.clone()) for name, t in named_tensors)
+        # views into the receiver's reused bucket buffers: copy them out (an engine's own
+        # adapters take them at once: the receiver loads only while the engine is paused)
+        for name, t in named_tensors:
+            if self.adapters is not None and name in self.adapters:
+                self.adapters[name].copy_(t)
+                self.received[name] = self.adapters[name]
+            else:
+                self.received[name] = t.clone()
 
     @torch.no_grad()
     def merged(self) -> list[tuple[str, torch.Tensor]]:
@@ -134,11 +152,18 @@ class LoraMerger:
     async def finish_weight_update(self, version: int) -> None:
         """Merge onto the kept base, load through the engine's own path, make it live as ``version``.
 
-        An engine with the ``weight_views`` hook (the built-in one, paused) gets the merge written
+        An engine with its own adapters (``lora_views``) has them already: nothing to merge. An
+        engine with the ``weight_views`` hook (the built-in one without its lean forward) gets the merge written
         into its parameters directly; any other (a vLLM worker) gets the merged weights through its
         ``load_weights``."""
         hook = getattr(self.engine, "weight_views", None)
-        if hook is not None and not self.siblings:
+        if self.adapters is not None:
+            self._check_received()
+            views = hook() if self.full else {}
+            for n in self.full:
+                views[n].copy_(self.received[n])
+            self.received = {}
+        elif hook is not None and not self.siblings:
             views = hook()
             await asyncio.to_thread(self._merge_into, views)
             self.received = {}

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.rollouter.engines.builtin.kv_cache import PagedKVCache
+from asyncrl.rollouter.engines.builtin.lora import LoraSlots
 
 #: ``config.model_type`` values whose decoder layers have the Llama layout.
 MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -53,6 +54,15 @@ class LlamaDecoder:
         rope_type = getattr(self.core.rotary_emb, "rope_type", "default")
         self._rope_table = not any(kind in str(rope_type) for kind in ("dynamic", "longrope"))
         self._cos = self._sin = None
+        self.lora: LoraSlots | None = None
+        """Unmerged LoRA adapters (`attach_lora`), or None."""
+
+    def attach_lora(self, rank: int, scale: float, modules: list[str]) -> dict[str, torch.Tensor]:
+        """Adapters for ``modules`` in the forward (zeros when new; the same ones again for the same
+        spec), their ``lora_A``/``lora_B`` views by name."""
+        if self.lora is None or self.lora.spec != (rank, float(scale), tuple(modules)):
+            self.lora = LoraSlots(self.core.layers, rank, scale, modules)
+        return dict(self.lora.views)
 
     def _rotary(self, h: torch.Tensor, positions: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[rows, 1, q, head_dim]`` at ``positions`` (all below ``need``): the model's
@@ -97,12 +107,16 @@ class LlamaDecoder:
         ``[rows, q]``, ``mask`` ``[rows, 1, q, width]`` (True = attend)."""
         rows, q = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        lora = self.lora
         h = self.core.embed_tokens(ids)
         cos, sin = self._rotary(h, positions, cache.get_seq_length())
         for i, layer in enumerate(self.core.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(layer.input_layernorm, h)
-            qkv = F.linear(x, *self.qkv[i]).view(rows, q, heads + 2 * kv_heads, dim)
+            qkv = F.linear(x, *self.qkv[i])
+            if lora is not None:
+                qkv = lora.apply(i, "qkv", x, qkv)
+            qkv = qkv.view(rows, q, heads + 2 * kv_heads, dim)
             if self.qk_norm:
                 qk = torch.cat([attn.q_norm(qkv[:, :, :heads]), attn.k_norm(qkv[:, :, heads:heads + kv_heads])], 2)
             else:
@@ -115,10 +129,14 @@ class LlamaDecoder:
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=heads != kv_heads)
             out = out.transpose(1, 2).reshape(rows, q, heads * dim)
-            h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            o = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            h = h + (o if lora is None else lora.apply(i, "o", out, o))
             x = _rms_norm(layer.post_attention_layernorm, h)
-            gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
-            h = h + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            gate_up = F.linear(x, *self.gate_up[i])
+            gate, up = (gate_up if lora is None else lora.apply(i, "gate_up", x, gate_up)).chunk(2, dim=-1)
+            act = mlp.act_fn(gate) * up
+            down = F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
+            h = h + (down if lora is None else lora.apply(i, "down", act, down))
         h = h[torch.arange(rows, device=h.device), last] if q > 1 else h[:, 0]
         return self.model.lm_head(_rms_norm(self.core.norm, h))
 

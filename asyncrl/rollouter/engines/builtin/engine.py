@@ -16,11 +16,6 @@ Steps run in a worker thread, back to back until one needs the event loop (`Mode
 Everything else (pause, abort, weight loads, new requests) takes the same lock, so it happens
 between two steps. An engine lives on the event loop of its first call (its scheduler task).
 
-Why not transformers' own continuous-batching manager: it has no pause that keeps requests
-with their KV cache, no in-place weight update between steps with per-token versions, and
-returns no sampled-token log-probs; the scheduler here is small enough to read in one go, and
-faster than the manager on ``scripts/bench_engine.py`` (``docs/engine.md``).
-
 Log-probs: ``log_softmax(logits / T)[token]`` of the sampled token under the weights that
 produced it, after temperature and before top-k/top-p (greedy: ``T = 1``). This equals vLLM
 with ``logprobs_mode="processed_logprobs"`` when top-k/top-p are off; a trainer recomputes it
@@ -309,6 +304,11 @@ class TorchEngine:
             raise EngineError("weight_views needs a paused engine: call pause('keep') first")
         self._runner.weights_changed()  # the caller may write into them
         return {name: p.detach() for name, p in self._params.items()}
+
+    def lora_views(self, rank: int, scale: float, modules: list[str]) -> dict[str, torch.Tensor] | None:
+        """LoRA adapters kept unmerged in the lean forward, ``<module>.lora_A/B`` -> live tensor; None without it."""
+        self._runner.weights_changed()
+        return None if self._runner.decoder is None else self._runner.decoder.attach_lora(rank, scale, modules)
 
     @torch.no_grad()
     def _copy_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
