@@ -8,7 +8,7 @@
     rollout          RolloutConfig           (asyncrl.rollouter) n, max_tokens, temperature, staleness
     engine           EngineConfig            built-in torch engine or vLLM, tensor parallel size
     trainer          TrainerSection          (asyncrl.trainer) TrainerConfig's loop + WorkerConfig's optim/algorithm
-    weight_sync      WeightSyncConfig        (asyncrl.sync)
+    weight_sync      WeightSyncSection       (asyncrl.sync) WeightSyncConfig less workers_per_engine (computed)
     stream           StreamConfig            (asyncrl.queue)
     partial_rollout  PartialRolloutConfig    (asyncrl.rollouter.partial) long-tail truncation
     skip             RunSkipConfig           (asyncrl.skip) the async_rollout role: cache/replay per sample
@@ -17,14 +17,16 @@
 
 OmegaConf does the merging (`asyncrl.config.loader`): the dataclasses are the schema, a YAML file
 and dotted overrides (``trainer.optim.lr=1e-6 skip.async_rollout.steps=[3,4]``) merge into it with
-type coercion, and an unknown key or a value of the wrong type is an error naming its dotted path. Values
-that follow from others are interpolations in the defaults (``rollout.groups_per_sync`` is
-``${trainer.groups_per_batch} * require_batches * trigger_parameter_sync_step``,
-``trainer.algorithm.temperature`` is ``${rollout.temperature}``); a user may set one, and
-`check` then fails if it contradicts the values it follows from, naming both.
+type coercion, and an unknown key or a value of the wrong type is an error naming its dotted path.
+Defaults that follow from others are interpolations (``rollout.groups_per_sync`` is
+``${trainer.groups_per_batch} * require_batches * trigger_parameter_sync_step``); a user may set
+one, and `check` then fails if it contradicts the values it follows from, naming both. Values
+that only follow from others are not keys at all: the loss's temperature is ``rollout.temperature``
+and the weight sync's workers per engine come from ``engine`` (`derived.COMPUTED`).
 
 Modules: one per section it owns (``data``, ``engine``, ``placement``, ``skip``, ``stream``,
-``trainer``), each with the checks of its own fields; ``root`` (`RunConfig` and the checks across
+``sync``, ``trainer``), each with the checks of its own fields (``section``: a section made from
+its owners' dataclasses, less what the run decides); ``root`` (`RunConfig` and the checks across
 sections), ``derived`` (interpolated defaults), ``presets`` (defaults by kind of run), ``flags``
 (the launcher's aliases, imported by `asyncrl.launch`), ``loader`` (`load_config`). The names
 below are imported lazily, so ``import asyncrl.config.flags`` loads no section.
@@ -44,9 +46,10 @@ _EXPORTS: dict[str, str] = {
     "ModelConfig": "data", "DataConfig": "data",
     "EngineConfig": "engine", "VLLM_ONLY_ENGINE_SETTINGS": "engine", "BUILTIN_ONLY_ENGINE_SETTINGS": "engine",
     "PlacementConfig": "placement", "RunSkipConfig": "skip",
-    "TrainerSection": "trainer", "_FROM_PLACEMENT_OR_RUN": "trainer",
+    "TrainerSection": "trainer", "AlgorithmSection": "trainer", "_FROM_PLACEMENT_OR_RUN": "trainer",
+    "WeightSyncSection": "sync",
     "RunConfig": "root", "check": "root",
-    "DERIVED": "derived",
+    "DERIVED": "derived", "COMPUTED": "derived",
     "RUN_DEFAULTS": "presets", "SYNC_MODE_DEFAULTS": "presets", "SYNC_PARTIAL_DEFAULTS": "presets",
     "DEMO_DEFAULTS": "presets", "BUILTIN_TASK_DEFAULTS": "presets", "CALCULATOR_TASK_DEFAULTS": "presets",
     "CALCULATOR_DEMO_DEFAULTS": "presets", "REAL_DEFAULTS": "presets",

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.config.derived import DERIVED
+from asyncrl.config.derived import COMPUTED, DERIVED
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.flags import named
 from asyncrl.config.presets import presets_for
@@ -31,6 +31,7 @@ def load_config(yaml_files: list[str] = (), overrides: list[str] = ()) -> tuple[
     Raises `ConfigError` (one line, naming the dotted path) for anything that cannot run.
     """
     layers = [_read_yaml(p) for p in yaml_files] + [_dotlist(overrides)]
+    computed = _take_computed(layers)
     base = OmegaConf.structured(RunConfig)
     for key, expr in DERIVED.items():
         OmegaConf.update(base, key, expr, merge=False)
@@ -45,8 +46,24 @@ def load_config(yaml_files: list[str] = (), overrides: list[str] = ()) -> tuple[
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_message(e)) from None
     cfg = _instantiate(merged)
+    for key, value in computed.items():
+        follows, why = COMPUTED[key](cfg)
+        if value != follows:
+            raise ConfigError(f"{key}={value} contradicts {why} ({key} is not a setting: remove it)")
     check(cfg, given)
     return cfg, merged
+
+
+def _take_computed(layers: list[DictConfig]) -> dict[str, Any]:
+    """Remove the `COMPUTED` keys from the layers (they are not in the schema); the last value given of each."""
+    taken = {}
+    for layer in layers:
+        for key in COMPUTED:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(layer, parent, default=None)
+            if isinstance(node, DictConfig) and leaf in node:
+                taken[key] = node.pop(leaf)
+    return taken
 
 
 def to_yaml(resolved: DictConfig) -> str:

@@ -15,6 +15,7 @@ from asyncrl.config.flags import named
 from asyncrl.config.placement import PlacementConfig, check_placement
 from asyncrl.config.skip import RunSkipConfig
 from asyncrl.config.stream import check_stream
+from asyncrl.config.sync import WeightSyncSection, weight_sync_config
 from asyncrl.config.trainer import TrainerSection, check_trainer, trainer_config
 from asyncrl.metrics.config import MetricsConfig
 from asyncrl.modes import check_mode
@@ -58,7 +59,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)  # type: ignore[valid-type]
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)  # type: ignore[valid-type]
     stream: StreamConfig = field(default_factory=StreamConfig)
     partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     skip: RunSkipConfig = field(default_factory=RunSkipConfig)
@@ -126,11 +127,10 @@ class RunConfig:
         return workers_per_engine(self.engine.kind, self.placement.rollouter_gpus, self.engine.tensor_parallel_size)
 
     def weight_sync_config(self) -> WeightSyncConfig:
-        """``weight_sync`` as the processes take it. Every engine kind takes ``broadcast`` (vLLM's
-        in its workers, `asyncrl.sync.vllm_broadcast`); vLLM on GPU may take ``vllm`` (its NCCL
-        engine) instead. ``workers_per_engine`` is derived by `load_config`, and `check` refuses
-        a value that contradicts the engines."""
-        return self.weight_sync
+        """The processes' `WeightSyncConfig`: the ``weight_sync`` section plus `workers_per_engine`,
+        which follows from the engines. Every engine kind takes ``broadcast`` (vLLM's in its workers,
+        `asyncrl.sync.vllm_broadcast`); vLLM on GPU may take ``vllm`` (its NCCL engine) instead."""
+        return weight_sync_config(self.weight_sync, self.workers_per_engine)
 
     def engine_kwargs(self, model_path: str) -> dict:
         """Keyword settings of one engine replica (`make_engine(kind, **these)`)."""
@@ -165,11 +165,6 @@ def _check_engines_and_sync(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.lora.rank={lora.rank} syncs adapters with {named('weight_sync.method')}=broadcast "
                           f"into a torch or vllm engine, got method={sync.method}, "
                           f"engine.kind={kind}: set those, or trainer.lora.rank=0")
-    if sync.workers_per_engine != cfg.workers_per_engine:
-        raise ConfigError(f"weight_sync.workers_per_engine={sync.workers_per_engine} contradicts the "
-                          f"engines: engine.kind={kind} with engine.tensor_parallel_size="
-                          f"{e.tensor_parallel_size} has {cfg.workers_per_engine} worker(s) per replica "
-                          "(leave weight_sync.workers_per_engine unset: it follows from those)")
     from asyncrl.rollouter.engines.backends import check_temperature
 
     try:
@@ -185,10 +180,6 @@ def _check_batches_and_mode(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.groups_per_sync={r.groups_per_sync} contradicts trainer.groups_per_batch x "
                           f"trainer.require_batches x trainer.trigger_parameter_sync_step = {per_sync} "
                           "(leave rollout.groups_per_sync unset: it follows from those)")
-    if t.algorithm.temperature != r.temperature:
-        raise ConfigError(f"trainer.algorithm.temperature={t.algorithm.temperature} differs from "
-                          f"{named('rollout.temperature')}={r.temperature}: the loss would be off-policy by "
-                          "construction (leave trainer.algorithm.temperature unset: it follows rollout.temperature)")
     held = cfg.groups_per_step * t.checkpoint_every
     if cfg.stream.window <= held:
         raise ConfigError(f"stream.window={cfg.stream.window} must exceed the groups of one checkpoint interval, "

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import typing
 from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.trainer.config import TrainerConfig, WorkerConfig
+from asyncrl.config.section import section_of, values
+from asyncrl.trainer.config import AlgorithmConfig, TrainerConfig, WorkerConfig
 
 if TYPE_CHECKING:
     from asyncrl.config.root import RunConfig
@@ -23,26 +23,15 @@ _FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_d
                           "model_path", "pad_token_id", "stop_token_id", "seed"}
 _SECTION_DEFAULTS = {"micro_batch_size": 16, "groups_per_batch": 8}
 
-
-def _trainer_section() -> type:
-    fields = []
-    for owner in (WorkerConfig, TrainerConfig):
-        hints = typing.get_type_hints(owner)
-        for f in dataclasses.fields(owner):
-            if f.name in _FROM_PLACEMENT_OR_RUN:
-                continue
-            spec = dataclasses.field(default_factory=f.default_factory) \
-                if f.default_factory is not dataclasses.MISSING \
-                else dataclasses.field(default=_SECTION_DEFAULTS.get(f.name, f.default))
-            fields.append((f.name, hints[f.name], spec))
-    section = dataclasses.make_dataclass("TrainerSection", fields, kw_only=True)
-    section.__module__ = __name__
-    return section
-
-
-TrainerSection = _trainer_section()
-TrainerSection.__doc__ = "The Trainer: its loop (TrainerConfig) and per-rank computing (WorkerConfig)."
+AlgorithmSection = section_of(
+    "AlgorithmSection", (AlgorithmConfig,), module=__name__, leave_out={"temperature"}, validate=True,
+    doc="GRPO advantages and the PPO-style policy loss (its temperature is the rollout's: rollout.temperature).")
+TrainerSection = section_of(
+    "TrainerSection", (WorkerConfig, TrainerConfig), module=__name__, leave_out=_FROM_PLACEMENT_OR_RUN,
+    defaults=_SECTION_DEFAULTS, types={"algorithm": AlgorithmSection},
+    doc="The Trainer: its loop (TrainerConfig) and per-rank computing (WorkerConfig).")
 _WORKER_KEYS = [f.name for f in dataclasses.fields(WorkerConfig) if f.name not in _FROM_PLACEMENT_OR_RUN]
+
 
 def trainer_config(cfg: RunConfig, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None,
                    samples_path: str | None = None, eos_token_id: int | None = None,
@@ -51,8 +40,11 @@ def trainer_config(cfg: RunConfig, *, model_path: str, pad_token_id: int, checkp
     t = cfg.trainer
     # The engines run past EOS on a long-tail workload (`engine_kwargs`); what follows it is not trained.
     stop = eos_token_id if cfg.data.long_tail > 1 else None
+    # The loss divides logits by the temperature the engines sampled at: the rollout's, never another.
+    algorithm = AlgorithmConfig(temperature=cfg.rollout.temperature, **values(t.algorithm))
+    knobs = {k: getattr(t, k) for k in _WORKER_KEYS} | {"algorithm": algorithm}
     worker = WorkerConfig(model_path=model_path, pad_token_id=pad_token_id, stop_token_id=stop, seed=cfg.seed,
-                          **{k: getattr(t, k) for k in _WORKER_KEYS})
+                          **knobs)
     loop = {f.name: getattr(t, f.name) for f in dataclasses.fields(TrainerConfig)
             if f.name not in _FROM_PLACEMENT_OR_RUN}
     return TrainerConfig(worker=worker, world_size=cfg.trainer_world_size,
