@@ -339,3 +339,26 @@ def test_a_long_tail_run_trains_only_up_to_eos_because_its_engines_run_past_it()
                                 checkpoint_dir=None).worker.stop_token_id is None
     with pytest.raises(ConfigError):  # the launcher sets it, not the user
         load_config([], ["trainer.stop_token_id=2"])
+
+
+def test_the_engine_sections_defaults_are_the_engines_own():
+    """`EngineConfig` repeats the engines' settings (their configs import torch, the run's must not):
+    where a default means the same thing on both sides, they agree."""
+    import dataclasses
+
+    from asyncrl.config import EngineConfig
+    from asyncrl.rollouter.engines.builtin.config import TorchEngineConfig
+    from asyncrl.rollouter.engines.vllm.config import VLLMEngineConfig
+
+    def defaults(cls):
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING}
+
+    run, torch_engine, vllm = defaults(EngineConfig), defaults(TorchEngineConfig), defaults(VLLMEngineConfig)
+    shared = {"torch": ("max_model_len", "session_idle_s", "session_max_blocks"),
+              "vllm": ("dtype", "gpu_memory_utilization", "max_model_len", "tensor_parallel_size", "enforce_eager",
+                       "kv_cache_mb", "engine_kwargs")}
+    assert {k: run[k] for k in shared["torch"]} == {k: torch_engine[k] for k in shared["torch"]}
+    assert {k: run[k] for k in shared["vllm"]} == {k: vllm[k] for k in shared["vllm"]}
+    assert run["max_running"] is None and vllm["max_num_seqs"] is None  # None: each engine's own
