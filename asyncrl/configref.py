@@ -56,18 +56,19 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _origin_docs(cls: type) -> dict[str, str]:
-    """Docstrings of a class built by make_dataclass (the trainer section): from its fields' home classes."""
-    from asyncrl import config
-
+    """Docstrings of a class built by `asyncrl.config.section.section_of`: from its fields' home classes."""
     docs = dict(_field_docs(cls))
-    for home in (config.TrainerConfig, config.WorkerConfig):
+    for home in getattr(cls, "__config_origins__", ()):
         for name, doc in _field_docs(home).items():
             docs.setdefault(name, doc)
     return docs
 
 
-def _type_text(f: dataclasses.Field) -> str:
-    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", repr(f.type))
+def _type_text(f: dataclasses.Field, cls: type) -> str:
+    # A section made from its owners has their resolved types; the owner's annotation reads better.
+    homes = [h for h in getattr(cls, "__config_origins__", ()) if f.name in h.__dataclass_fields__]
+    t = homes[0].__dataclass_fields__[f.name].type if homes else f.type
+    t = t if isinstance(t, str) else getattr(t, "__name__", repr(t))
     return t.replace("typing.", "")
 
 
@@ -107,7 +108,7 @@ def sections(root: type | None = None) -> list[Section]:
             if sub is not None and dataclasses.is_dataclass(sub):
                 subs.append((sub, path))
             else:
-                keys.append(Key(path, _type_text(f), default(f, path), docs.get(f.name, "")))
+                keys.append(Key(path, _type_text(f, cls), default(f, path), docs.get(f.name, "")))
         doc = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
         out.append(Section(prefix, doc, tuple(keys)))
         for sub, path in subs:

@@ -31,53 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.config.flags import FLAGS  # imports nothing: --help stays instant
+
 EXIT_USAGE = 2
-
-# flag -> (type, help); each one sets the dotted key asyncrl.config.ALIASES names.
-_FLAGS = {
-    "placement": [
-        ("rollouter_gpus", int, "GPUs for inference engines (one replica per engine.tensor_parallel_size GPUs); "
-                                "0 = built-in engine on CPU"),
-        ("trainer_gpus", int, "GPUs for FSDP2 trainer ranks; 0 = CPU ranks"),
-        ("engines", int, "built-in engine replicas when --rollouter-gpus is 0 (default 1)"),
-        ("trainer_ranks", int, "trainer ranks when --trainer-gpus is 0 (default 1)"),
-        ("nodes", int, "nodes to spread the Rollouter and the Trainer over (default 1)"),
-        ("address", str, "Ray address to join (default: RAY_ADDRESS, else a local Ray)"),
-    ],
-    "model and data": [
-        ("model", str, "local HF model directory (default: the built-in task's tiny warm-started model)"),
-        ("dataset", str, "JSONL/parquet in verl's layout (default: the built-in task)"),
-        ("task", str, "built-in task without --dataset: arithmetic (addition, the default) or calculator "
-                      "(multiplication with a calculator tool: a multi-turn agent loop)"),
-        ("val_dataset", str, "validation JSONL/parquet, scored every data.val_every steps"),
-        ("reward", str, "module:function, verl's compute_score(data_source, solution_str, ground_truth, "
-                        "extra_info) or (prompt, response); required with --dataset"),
-    ],
-    "algorithm": [
-        ("steps", int, "train steps to run (default 100; 150 for the demo model)"),
-        ("n", int, "responses per prompt, the group size (default 8)"),
-        ("groups_per_step", int, "groups per train step (trainer.groups_per_batch, default 8; 16 in the demo)"),
-        ("sync_every", int, "train steps per weight sync (trainer.trigger_parameter_sync_step, default 1)"),
-        ("staleness_threshold", float, "extra fraction of a sync's groups the Rollouter may generate ahead "
-                                       "(default 1: the next step's groups while the Trainer trains)"),
-        ("max_tokens", int, "response budget (default: 6 for the built-in task, else 512)"),
-        ("lr", float, "learning rate (default: 1e-3 for the demo model, else 1e-5)"),
-        ("temperature", float, "sampling temperature (default 1.0)"),
-        ("mode", str, "async (default): fully asynchronous; sync: generate a batch, train, sync, in lockstep "
-                      "(on-policy: rollout.staleness_threshold 0, one step per sync)"),
-        ("partial_rollout", str, "true: truncate each round's long tail across all engines; truncated responses "
-                                 "resume next round (partial_rollout.enable; see partial_rollout.threshold, max_age)"),
-        ("long_tail", int, "built-in task: response budgets up to this many times the median (a power of 2; a "
-                           "benchmark workload, the engines then ignore EOS)"),
-    ],
-    "output": [
-        ("run_dir", str, "where config.yaml, metrics, the log and checkpoints go (default: runs/<time>)"),
-        ("seed", int, "seed (default 0)"),
-        ("max_restarts", int, "restart the run from its last checkpoint when a trainer rank or the Rollouter dies, "
-                              "up to this many times (default 2; 0: stop, continue with --resume)"),
-    ],
-}
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
@@ -106,12 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="check everything, resolve placement against the cluster, print the plan and the config; "
                         "start nothing heavy")
-    for title, flags in _FLAGS.items():
+    for title, flags in FLAGS.items():
         group = p.add_argument_group(title)
-        for name, type_, help_ in flags:
+        for flag in flags:
             # Values stay text: OmegaConf coerces them and names the key when it cannot.
-            group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=type_.__name__.upper(),
-                               help=help_)
+            group.add_argument("--" + flag.name.replace("_", "-"), dest=flag.name, default=None,
+                               metavar=flag.type.__name__.upper(), help=flag.help)
     # Overrides may stand anywhere on the line, between flags too, as in Hydra-style tools
     # (plain parse_args takes only the first run of positionals).
     return p.parse_intermixed_args(argv)
@@ -119,10 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
     """The flags as dotted overrides (before the explicit ones, which win)."""
-    from asyncrl.config import ALIASES
-
-    given = [f"{ALIASES[name]}={getattr(args, name)}" for _, flags in _FLAGS.items() for name, _, _ in flags
-             if getattr(args, name) is not None]
+    given = [f"{flag.key}={getattr(args, flag.name)}" for flags in FLAGS.values() for flag in flags
+             if getattr(args, flag.name) is not None]
     return given + (["metrics.dashboard=true"] if getattr(args, "dashboard", False) else []) + list(args.overrides)
 
 

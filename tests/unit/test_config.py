@@ -29,7 +29,9 @@ def test_yaml_then_overrides_and_the_printed_config_round_trips(tmp_path):
     cfg, resolved = load_config([str(run)], ["rollout.n=5"])
     assert cfg.steps == 7 and cfg.rollout.n == 5 and cfg.trainer.groups_per_batch == 3
     # Derived values follow what they derive from.
-    assert cfg.rollout.groups_per_sync == 3 and cfg.trainer.algorithm.temperature == 0.7
+    assert cfg.rollout.groups_per_sync == 3
+    tc = cfg.trainer_config(model_path="/m", pad_token_id=0, checkpoint_dir=None)
+    assert tc.worker.algorithm.temperature == 0.7  # the loss's temperature is the rollout's, not a setting
     assert cfg.trainer.checkpoint_every == 7
     assert cfg.rollout.staleness_threshold == 1.0  # the launcher's default: one sync ahead
     assert cfg.stream.window == 3 * 7 + (1 + 1) * 3 + 1  # checkpoint interval + (1 + staleness 1) x per-sync
@@ -166,21 +168,70 @@ def test_weight_sync_backend_and_geometry_follow_the_engines():
 
 
 def test_workers_per_engine_follows_the_engines_and_a_contradicting_value_is_refused(tmp_path):
-    # Derived, so the resolved config.yaml says what the sync group is built with.
+    # Computed from the engines, not a setting: the resolved config.yaml does not hold it.
     gpu, resolved = load_config([], ["placement.rollouter_gpus=4", "placement.trainer_gpus=2",
                                      "engine.tensor_parallel_size=2"])
-    assert resolved.weight_sync.workers_per_engine == 2 == gpu.weight_sync_config().workers_per_engine
+    assert "workers_per_engine" not in resolved.weight_sync and gpu.weight_sync_config().workers_per_engine == 2
     assert load_config([], ["engine.kind=vllm", "engine.tensor_parallel_size=2", "placement.rollouter_gpus=2",
-                            "placement.trainer_gpus=1"])[0].weight_sync.workers_per_engine == 2
-    assert load_config([], [])[0].weight_sync.workers_per_engine == 1
-    # Given and agreeing: accepted; given and contradicting: refused, naming both (not overwritten).
-    assert load_config([], ["weight_sync.workers_per_engine=1"])[0].weight_sync.workers_per_engine == 1
+                            "placement.trainer_gpus=1"])[0].weight_sync_config().workers_per_engine == 2
+    assert load_config([], [])[0].weight_sync_config().workers_per_engine == 1
+    # Given and agreeing (a config.yaml printed when it was a key): accepted; contradicting: refused, naming both.
+    assert load_config([], ["weight_sync.workers_per_engine=1"])[0].weight_sync_config().workers_per_engine == 1
     with pytest.raises(ConfigError) as e:
         load_config([], ["weight_sync.workers_per_engine=2"])
     assert "weight_sync.workers_per_engine=2" in str(e.value) and "engine.tensor_parallel_size=1" in str(e.value)
     with pytest.raises(ConfigError, match="workers_per_engine=1 contradicts"):
         load_config([], ["placement.rollouter_gpus=4", "placement.trainer_gpus=2", "engine.tensor_parallel_size=2",
                          "weight_sync.workers_per_engine=1"])
+
+
+@pytest.mark.parametrize("key, value, names", [
+    ("weight_sync.workers_per_engine", "3", "engine.tensor_parallel_size=1 has 1 worker(s) per replica"),
+    ("trainer.algorithm.temperature", "0.5", "rollout.temperature (--temperature)=1.0"),
+])
+def test_a_computed_key_given_is_refused_in_one_line_naming_what_to_set(tmp_path, key, value, names):
+    for given in ([], [f"{key}={value}"]):  # from a YAML file and from an override alike
+        yaml = tmp_path / "run.yaml"
+        yaml.write_text(OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{key}={value}"])))
+        with pytest.raises(ConfigError) as e:
+            load_config([] if given else [str(yaml)], given)
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"{key}={value} contradicts") and names in message
+        assert f"{key} is not a setting: remove it" in message
+
+
+def test_a_config_yaml_printed_with_the_computed_keys_still_resumes(tmp_path):
+    """Run directories written while weight_sync.workers_per_engine and trainer.algorithm.temperature were
+    keys hold them; their values agree with what they follow from, so the run resumes."""
+    _, resolved = load_config([], ["rollout.temperature=0.8"])
+    old = OmegaConf.to_container(resolved)
+    old["weight_sync"]["workers_per_engine"] = 1
+    old["trainer"]["algorithm"]["temperature"] = 0.8
+    printed = tmp_path / "config.yaml"
+    printed.write_text(OmegaConf.to_yaml(OmegaConf.create(old)))
+    cfg, again = load_config([str(printed)], [])
+    assert cfg.weight_sync_config().workers_per_engine == 1
+    assert cfg.trainer_config(model_path="/m", pad_token_id=0, checkpoint_dir=None).worker.algorithm.temperature == 0.8
+    assert "temperature" not in again.trainer.algorithm and "workers_per_engine" not in again.weight_sync
+
+
+def test_every_flag_sets_a_key_of_the_schema_and_is_named_by_it():
+    import dataclasses
+
+    from asyncrl.config import FLAGS, named
+
+    def leaves(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if sub is not None and dataclasses.is_dataclass(sub):
+                yield from leaves(sub, f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name
+
+    schema = set(leaves(RunConfig))
+    flags = [f for group in FLAGS.values() for f in group]
+    assert len(flags) == 25 and not {f.key for f in flags} - schema
+    assert named("trainer.groups_per_batch") == "trainer.groups_per_batch (--groups-per-step)"
 
 
 def test_engine_kind_sim_is_refused_with_its_reason():
@@ -288,3 +339,26 @@ def test_a_long_tail_run_trains_only_up_to_eos_because_its_engines_run_past_it()
                                 checkpoint_dir=None).worker.stop_token_id is None
     with pytest.raises(ConfigError):  # the launcher sets it, not the user
         load_config([], ["trainer.stop_token_id=2"])
+
+
+def test_the_engine_sections_defaults_are_the_engines_own():
+    """`EngineConfig` repeats the engines' settings (their configs import torch, the run's must not):
+    where a default means the same thing on both sides, they agree."""
+    import dataclasses
+
+    from asyncrl.config import EngineConfig
+    from asyncrl.rollouter.engines.builtin.config import TorchEngineConfig
+    from asyncrl.rollouter.engines.vllm.config import VLLMEngineConfig
+
+    def defaults(cls):
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING}
+
+    run, torch_engine, vllm = defaults(EngineConfig), defaults(TorchEngineConfig), defaults(VLLMEngineConfig)
+    shared = {"torch": ("max_model_len", "session_idle_s", "session_max_blocks"),
+              "vllm": ("dtype", "gpu_memory_utilization", "max_model_len", "tensor_parallel_size", "enforce_eager",
+                       "kv_cache_mb", "engine_kwargs")}
+    assert {k: run[k] for k in shared["torch"]} == {k: torch_engine[k] for k in shared["torch"]}
+    assert {k: run[k] for k in shared["vllm"]} == {k: vllm[k] for k in shared["vllm"]}
+    assert run["max_running"] is None and vllm["max_num_seqs"] is None  # None: each engine's own

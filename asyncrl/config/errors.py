@@ -1,0 +1,5 @@
+"""`ConfigError`: what every config failure raises."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line naming the setting(s)."""
