@@ -37,6 +37,7 @@ from typing import Any
 from asyncrl.agent.base import LLM, AgentLoop, AgentTrajectory
 from asyncrl.agent.endpoint.episode import Episode, EpisodeLimits
 from asyncrl.agent.endpoint.server import EndpointServer
+from asyncrl.agent.endpoint.tls import share_default_tls_context
 
 log = logging.getLogger("asyncrl.agent.endpoint")
 _STDERR_TAIL = 2000
@@ -103,6 +104,8 @@ class EndpointLoop(AgentLoop):
             self._started = asyncio.Lock()
         async with self._started:
             if not self._up:
+                if self.function is not None:  # it builds its HTTP clients in this process
+                    share_default_tls_context()
                 await self.server.start()
                 self._up = True
         return self.server
