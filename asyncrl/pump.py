@@ -89,7 +89,7 @@ class Dispatch(Pump):
                 try:
                     self._on_frames(frames)
                 except Exception:  # noqa: BLE001 - one bad message must not stop the socket
-                    log.exception("a message from %s could not be handled", self.sock.last_endpoint)
+                    log.exception("a message could not be handled")
 
     def _drain_soon(self) -> None:
         if not self._scheduled:

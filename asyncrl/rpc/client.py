@@ -80,9 +80,9 @@ class _Link:
             raise self.dead
         call_id = next(self._ids)
         payload = wire.call(call_id, key, method, args, kwargs, streaming)  # (a WireError: nothing sent)
-        pending = _Stream(call_id) if streaming else self.loop.create_future()
-        self._pending[call_id] = pending
         self._pump.send((auth.mac(self._key, payload, auth.CALL), payload))
+        # (registered after the send: its reply is read on a later turn of this loop, never inside it)
+        pending = self._pending[call_id] = _Stream(call_id) if streaming else self.loop.create_future()
         return pending
 
     def forget(self, stream: _Stream) -> None:
