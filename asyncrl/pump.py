@@ -88,7 +88,7 @@ class Dispatch(Pump):
             for frames in batch:
                 try:
                     self._on_frames(frames)
-                except Exception:  # noqa: BLE001 - one bad message must not stop the socket
+                except Exception:  # one bad message must not stop the socket
                     log.exception("a message could not be handled")
 
     def _drain_soon(self) -> None:

@@ -19,7 +19,7 @@ from asyncrl.rpc.liveness import watch
 class _Stream:
     """A streaming call's items as they arrive (one reader, the caller)."""
 
-    __slots__ = ("call_id", "items", "waiter", "ended", "error")
+    __slots__ = ("call_id", "ended", "error", "items", "waiter")
 
     def __init__(self, call_id: int):
         self.call_id = call_id
@@ -171,7 +171,7 @@ class _Method:
             return _awaitables(self.stream(*args, **kwargs))
         try:
             return _link_to(self.actor).send(self.actor.key, self.name, args, kwargs, False)
-        except BaseException as exc:  # a dead link, an argument that does not travel: where the result would be
+        except BaseException as exc:  # noqa: BLE001 - a dead link, an argument that does not travel: where the result would be
             failed = asyncio.get_running_loop().create_future()
             failed.set_exception(exc)
             return failed

@@ -186,8 +186,8 @@ def _record(name: str, values: list) -> Any:
     if own is not None:
         own.update(zip(_fields(cls), values))
     else:  # (slots)
-        for name, value in zip(_fields(cls), values):
-            object.__setattr__(obj, name, value)
+        for field, value in zip(_fields(cls), values):
+            object.__setattr__(obj, field, value)
     return obj
 
 

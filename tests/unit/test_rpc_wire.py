@@ -118,7 +118,7 @@ def test_macs_are_per_run_and_per_direction(monkeypatch):
 
 
 class _NeverDies:
-    class rpc_watch:  # noqa: N801 - the shape of a Ray actor method
+    class rpc_watch:  # (the shape of a Ray actor method)
         @staticmethod
         def remote(seconds: float):
             return asyncio.sleep(seconds)
