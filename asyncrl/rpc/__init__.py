@@ -40,10 +40,10 @@ handshake fails (a key never registered) waits, as a call to a hung actor does, 
 """
 
 from asyncrl.rpc.auth import client_keys, node_ip, run_env, run_key
-from asyncrl.rpc.client import RpcActor, link, link_each
+from asyncrl.rpc.client import OtherRunError, RpcActor, link, link_each
 from asyncrl.rpc.liveness import WATCH_S
 from asyncrl.rpc.server import RpcServer, Serving
 from asyncrl.rpc.wire import RemoteError, RemoteTraceback, WireError
 
-__all__ = ["WATCH_S", "RemoteError", "RemoteTraceback", "RpcActor", "RpcServer", "Serving", "WireError",
+__all__ = ["WATCH_S", "OtherRunError", "RemoteError", "RemoteTraceback", "RpcActor", "RpcServer", "Serving", "WireError",
            "client_keys", "link", "link_each", "node_ip", "run_env", "run_key"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -14,6 +15,12 @@ import zmq
 from asyncrl.pump import Dispatch, unbounded
 from asyncrl.rpc import auth, wire
 from asyncrl.rpc.liveness import watch
+
+log = logging.getLogger("asyncrl.rpc")
+
+
+class OtherRunError(RuntimeError):
+    """The actor signs its calls with another run's key: it is not one of this run's."""
 
 
 class _Stream:
@@ -220,7 +227,7 @@ class RpcActor:
 async def link(target: Any) -> Any:
     """``target``'s calls over ZeroMQ where it is a Ray actor that serves them (`Serving`): an
     `RpcActor` (on loopback for an actor of this node, CURVE for one of another); else ``target``.
-    An actor of another run (another run key) is refused with a `RuntimeError` that says so."""
+    An actor of another run (another run key) is refused with an `OtherRunError` that says so."""
     if isinstance(target, RpcActor):
         return target
     from ray.actor import ActorHandle
@@ -232,7 +239,7 @@ async def link(target: Any) -> Any:
     served = await serve(here, auth.client_keys()[0])
     ours = auth.key_id(auth.run_key())
     if served.get("run") != ours:
-        raise RuntimeError(
+        raise OtherRunError(
             f"{target} takes the calls of another run (run key {served.get('run')}, this process's {ours}): every "
             f"process of a run needs its {auth.RUN_KEY_ENV}; asyncrl.placement starts Ray with it, a Ray started "
             "otherwise needs ray.init(runtime_env={'env_vars': asyncrl.rpc.run_env()})")
@@ -248,6 +255,8 @@ async def link_each(engines: Any, keys: Iterable[Any], timeout_s: float) -> set[
     links = await asyncio.gather(*(asyncio.wait_for(link(h), timeout_s) for h in handles), return_exceptions=True)
     linked = set()
     for k, handle, out in zip(keys, handles, links):
+        if isinstance(out, OtherRunError):  # (a timeout or a dead actor is tried again later, unsaid)
+            log.warning("rpc: %s stays called through Ray: %s", k, out)
         current = engines.get(k) if isinstance(engines, dict) else engines[k]  # (a dict's entry may be dropped)
         if not isinstance(out, BaseException) and current is handle:
             engines[k] = out

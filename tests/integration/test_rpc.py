@@ -97,8 +97,10 @@ async def test_an_actor_of_another_run_is_refused(ray_cluster):
     other = ray.remote(num_cpus=0)(Recorder).options(runtime_env={"env_vars": {rpc.auth.RUN_KEY_ENV: "0f" * 32}}).remote()
     served = await other.serve_rpc.remote()
     assert served["run"] == rpc.auth.key_id(bytes.fromhex("0f" * 32)) != rpc.auth.key_id(rpc.run_key())
-    with pytest.raises(RuntimeError, match="takes the calls of another run"):
+    with pytest.raises(rpc.OtherRunError, match="takes the calls of another run"):
         await rpc.link(other)
+    engines = {"other": other}
+    assert await rpc.link_each(engines, ["other"], 30.0) == set() and engines["other"] is other  # stays a handle
     # Called anyway, with this run's key: the actor drops the call unread.
     stray = rpc.RpcActor(other, served["endpoint"])
     with pytest.raises(TimeoutError):
