@@ -188,10 +188,14 @@ def connect(placement, cpu_actors: int) -> Cluster:
 
     import ray
 
+    from asyncrl.rpc.auth import new_run_key, run_env
+
+    new_run_key()  # one key per run, for every process of it (asyncrl.rpc.auth)
     address = placement.address or os.environ.get("RAY_ADDRESS")
     if address:
         # Ray's own "connecting..." lines would bury the launcher's one-line errors.
-        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING,
+                 runtime_env={"env_vars": run_env()})
     else:
         # Every actor reserves one CPU; on a laptop they share the cores (torch uses 1 thread each).
         # address="local": a new instance even where another local one runs (a bare init would join it).
@@ -219,7 +223,8 @@ def start_local_ray(*, say: Callable[[str], None] | None = None, **init: Any) ->
     the caller's priority (`same_priority`, merged into ``_system_config``). Ray gives its raylet a
     fixed 30 s to register, which a machine busy with other work can exceed: that start is abandoned
     and a fresh one tried, up to ``_LOCAL_STARTS`` in all (``say`` is told of each retry). The
-    launcher, the benchmarks and the tests start their local Ray through this."""
+    launcher, the benchmarks and the tests start their local Ray through this. Its workers get
+    this process's run key (`asyncrl.rpc.auth.run_env`)."""
     import logging
 
     import ray
@@ -227,8 +232,13 @@ def start_local_ray(*, say: Callable[[str], None] | None = None, **init: Any) ->
     # Ray turns on token authentication for a new local cluster and says so in a warning that
     # would open every run's output; the launcher keeps the setting and drops the notice.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    from asyncrl.rpc.auth import run_env
+
     init = {"include_dashboard": False, **init}
     init["_system_config"] = {**init.get("_system_config", {}), **same_priority()}
+    # Every worker of the run has the run's key (asyncrl.rpc.auth): its calls' MACs are made with it.
+    runtime_env = init.get("runtime_env") or {}
+    init["runtime_env"] = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), **run_env()}}
     for attempt in range(1, _LOCAL_STARTS + 1):
         try:
             ray.init(address="local", **init)

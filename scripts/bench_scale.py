@@ -283,7 +283,7 @@ def _ray_replicas(args: argparse.Namespace, replicas: int, hosts_n: int | None =
         from asyncrl.rpc import RpcActor
 
         served = ray.get([host.serve_rpc.remote() for host in hosts], timeout=120)
-        handles = [RpcActor(hosts[h], served[h]["endpoint"], key=i, secret=served[h]["secret"])
+        handles = [RpcActor(hosts[h], served[h]["endpoint"], key=i)  # (signed with the run's key)
                    for h, count in enumerate(counts) for i in range(count)]
     return handles, hosts
 

@@ -1,4 +1,5 @@
-"""One ZeroMQ socket driven from an asyncio loop, tuned for the sample stream.
+"""One ZeroMQ socket driven from an asyncio loop, tuned for the sample stream: an
+`asyncrl.pump.Pump` (the calls' sockets are one too) with the stream's own socket options.
 
 Sends never block: the socket has no high-water mark, because credit (not the HWM) bounds
 what is queued, so a send is a plain non-blocking call with no future to schedule. Receives
@@ -25,12 +26,12 @@ from typing import Any
 
 import zmq
 
+from asyncrl.pump import Pump, unbounded
 from asyncrl.queue.security import CurveGuard, CurveKeys, apply_curve
 
 log = logging.getLogger("asyncrl.queue")
 
 _BURST = 64  # most messages taken per wake-up, so one busy peer cannot starve the loop
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum flags cost a Python call per `&`
 
 # glibc mallopt parameters and the values `keep_freed_memory` sets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -67,7 +68,7 @@ def keep_freed_memory() -> bool:
     return _kept
 
 
-class StreamSocket:
+class StreamSocket(Pump):
     """A ROUTER or DEALER socket owned by the running event loop; every method runs on that loop."""
 
     def __init__(
@@ -77,62 +78,43 @@ class StreamSocket:
     ) -> None:
         # An own context, so close() can wait for the last messages to leave (ctx.term).
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(kind)
+        sock = self._ctx.socket(kind)
         self.guard: CurveGuard | None = None
         if curve is not None:  # the ROUTER is the consumer: the CURVE server
-            apply_curve(self._sock, curve, server=kind == zmq.ROUTER)
+            apply_curve(sock, curve, server=kind == zmq.ROUTER)
             if kind == zmq.ROUTER:
-                self.guard = CurveGuard(self._ctx, self._sock, curve, on_reject)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+                self.guard = CurveGuard(self._ctx, sock, curve, on_reject)
+        unbounded(sock)
         if buffer_bytes is not None:  # kernel socket buffers (SO_SNDBUF / SO_RCVBUF)
-            self._sock.setsockopt(zmq.SNDBUF, buffer_bytes)
-            self._sock.setsockopt(zmq.RCVBUF, buffer_bytes)
+            sock.setsockopt(zmq.SNDBUF, buffer_bytes)
+            sock.setsockopt(zmq.RCVBUF, buffer_bytes)
         if routing_id is not None:
-            self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
         if max_frame_bytes is not None:
-            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        self._loop = asyncio.get_running_loop()
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self._readable = asyncio.Event()
-        self._fd = self._sock.getsockopt(zmq.FD)
-        self._loop.add_reader(self._fd, self._readable.set)
+        super().__init__(sock, self._readable.set)
 
     def bind(self, endpoint: str) -> str:
         """Bind; returns the endpoint bound (a ``:*`` or ``:0`` port resolved to the one taken)."""
-        self._sock.bind(endpoint)
-        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock.bind(endpoint)
+        return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, endpoint: str) -> None:
-        self._sock.connect(endpoint)
-
-    def send(self, frames: list[Any], copy: bool = True) -> None:
-        """Queue a message; big frames given with ``copy=False`` are sent without a copy."""
-        self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-        if self._sock.get(_EVENTS) & _POLLIN:
-            self._readable.set()  # the send may have taken the edge that announced them
+        self.sock.connect(endpoint)
 
     async def recv_burst(self) -> list[list[Any]]:
         """Wait for messages, then return every one waiting, up to a burst (as zmq Frames)."""
-        sock = self._sock
         while True:
-            messages = []
-            # ZMQ_EVENTS says whether a whole message waits (and re-arms the descriptor's edge):
-            # asking it is cheaper than the zmq.Again a blind non-blocking receive raises.
-            while len(messages) < _BURST and sock.get(_EVENTS) & _POLLIN:
-                try:
-                    messages.append(sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
-                except zmq.Again:
-                    break
+            messages = self.take(_BURST, copy=False)
             if messages:
                 return messages
             self._readable.clear()  # nothing waits and the edge is re-armed: the next message sets it
             await self._readable.wait()
 
-    async def close(self, linger_s: float = 0.0) -> None:
+    async def close(self, linger_s: float = 0.0) -> None:  # type: ignore[override] - it also ends the context
         """Close; queued messages get up to ``linger_s`` seconds to leave before they are dropped."""
-        self._loop.remove_reader(self._fd)
         if self.guard is not None:
             self.guard.close()
-        self._sock.close(linger=int(linger_s * 1000))
-        await self._loop.run_in_executor(None, self._ctx.term)
+        Pump.close(self, linger_s)
+        await self.loop.run_in_executor(None, self._ctx.term)

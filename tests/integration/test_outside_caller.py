@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from asyncrl import rpc
+from asyncrl.rpc import auth
 from asyncrl.dashboard.server import DashboardServer
 from asyncrl.metrics.stream import MetricsEmitter, MetricsForwarder, MetricsSubscriber
 from asyncrl.queue import StreamConfig, StreamConsumer, StreamProducer
@@ -57,10 +58,10 @@ def marker(tmp_path):
 def _hostile(marker) -> list[list[bytes]]:
     evil = pickle.dumps((None, "note", (_Touch(str(marker)),), {}, False))
     return [
-        [b"\0" * 8, evil],  # a call without a MAC (the wire format before the MAC)
-        [b"\0" * 8, b"\0" * 32, evil],  # a MAC of zeros
-        [b"\0" * 8, rpc._mac(b"k" * 32, evil), evil],  # a MAC under a key of the caller's own
-        [b"\0" * 8, b"x" * 32, b"\xff" * BIG],  # oversized garbage
+        [evil],  # a call without a MAC
+        [b"\0" * 32, evil],  # a MAC of zeros
+        [auth.mac(b"k" * 32, evil, auth.CALL), evil],  # a MAC under a key of the caller's own (another run's)
+        [b"x" * 32, b"\xff" * BIG],  # oversized garbage
         [b""],  # one empty frame
     ]
 
@@ -86,11 +87,13 @@ def _silent(sock: zmq.Socket, seconds: float = 1.0) -> bool:
 
 
 async def test_rpc_server_runs_nothing_an_outside_caller_sends_and_serves_the_run(marker, monkeypatch):
-    monkeypatch.setattr(rpc, "node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(auth, "node_ip", lambda: "127.0.0.1")
     target = Target()
     served = await target.serve_rpc()
     server = target._rpc_server
-    peer = rpc.RpcActor(_NeverDies(), served["endpoint"], secret=served["secret"])
+    assert served["run"] == auth.key_id(auth.run_key())  # the run's key signs its calls; it never travels
+    assert "secret" not in served
+    peer = rpc.RpcActor(_NeverDies(), served["endpoint"])
     assert await asyncio.wait_for(peer.note.remote(1), 10) == 1
 
     ctx = zmq.Context()
@@ -111,8 +114,11 @@ async def test_rpc_server_runs_nothing_an_outside_caller_sends_and_serves_the_ru
 
     assert await asyncio.wait_for(peer.note.remote(2), 10) == 2  # the run's caller, served after
     assert target.seen == [1, 2]
-    with pytest.raises(ValueError, match="secret is required"):
-        await rpc.RpcActor(_NeverDies(), served["endpoint"]).note.remote(3)
+    # A caller of another run (another run key): its call is dropped unanswered, like an outsider's.
+    other_run = rpc.RpcActor(_NeverDies(), served["endpoint"], secret=(b"o" * 32).hex())
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(other_run.note.remote(3), 1.0)
+    assert server.rejected == 6 and target.seen == [1, 2]
     target.close_rpc()
 
 
@@ -121,17 +127,21 @@ async def test_a_caller_ignores_replies_from_a_process_on_its_servers_port(marke
     impostor = ctx.socket(zmq.ROUTER)
     impostor.linger = 0
     port = impostor.bind_to_random_port("tcp://127.0.0.1")
-    peer = rpc.RpcActor(_NeverDies(), f"tcp://127.0.0.1:{port}", secret=(b"s" * 32).hex())
+    peer = rpc.RpcActor(_NeverDies(), f"tcp://127.0.0.1:{port}")
     call = peer.note.remote(1)
     assert impostor.poll(10_000)
-    who, cid, _, _ = impostor.recv_multipart()
+    who, mac, payload = impostor.recv_multipart()
+    assert auth.authentic(auth.run_key(), mac, payload, auth.CALL)  # (what a server of this run checks)
     body = pickle.dumps(_Touch(str(marker)))
-    impostor.send_multipart([who, cid, b"r", b"\0" * 32, body])
-    impostor.send_multipart([who, cid, b"r", body])
+    impostor.send_multipart([who, b"\0" * 32, body])
+    impostor.send_multipart([who, body])
+    impostor.send_multipart([who, auth.mac(b"o" * 32, body, auth.REPLY), body])  # a server of another run
+    impostor.send_multipart([who, mac, payload])  # the call echoed: a call's MAC does not pass for a reply's
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(call, 1.0)
     assert not marker.exists()
-    assert rpc._links[next(k for k in rpc._links if k[1].endswith(f":{port}"))].rejected == 2
+    links = rpc.client._links
+    assert links[next(k for k in links if k[1].endswith(f":{port}"))].rejected == 4
     ctx.destroy(linger=0)
 
 

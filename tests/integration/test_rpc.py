@@ -83,11 +83,31 @@ async def test_calls_start_in_the_order_sent_and_a_stream_ends_with_its_error(ra
 
     assert [i async for i in linked.count_to.stream(5)] == [0, 1, 2, 3, 4]
     got = []
-    with pytest.raises(ValueError, match="stopped at 3"):
+    with pytest.raises(ValueError, match="stopped at 3") as err:
         async for ref in linked.count_to.options(num_returns="streaming").remote(10, fail_at=3):  # Ray's form
             got.append(await ref)
     assert got == [0, 1, 2]
+    assert isinstance(err.value.__cause__, rpc.RemoteTraceback)  # where it was raised, in the actor
+    assert "in count_to" in str(err.value.__cause__) and "ValueError: stopped at 3" in str(err.value.__cause__)
     ray.kill(actor)
+
+
+async def test_an_actor_of_another_run_is_refused(ray_cluster):
+    # An actor of this Ray whose process has another run's key, as a server of another run has.
+    other = ray.remote(num_cpus=0)(Recorder).options(runtime_env={"env_vars": {rpc.auth.RUN_KEY_ENV: "0f" * 32}}).remote()
+    served = await other.serve_rpc.remote()
+    assert served["run"] == rpc.auth.key_id(bytes.fromhex("0f" * 32)) != rpc.auth.key_id(rpc.run_key())
+    with pytest.raises(rpc.OtherRunError, match="takes the calls of another run"):
+        await rpc.link(other)
+    engines = {"other": other}
+    assert await rpc.link_each(engines, ["other"], 30.0) == set() and engines["other"] is other  # stays a handle
+    # Called anyway, with this run's key: the actor drops the call unread.
+    stray = rpc.RpcActor(other, served["endpoint"])
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(stray.note.remote(1), 2.0)
+    assert await other.noted.remote() == []
+    assert await other.__ray_call__.remote(lambda self: self._rpc_server.rejected) == 1
+    ray.kill(other)
 
 
 async def test_a_dead_actor_fails_its_calls_in_flight_and_later_ones_with_rays_error(ray_cluster):
@@ -133,7 +153,7 @@ class _NeverDies:
 
 async def test_a_caller_of_another_node_gets_a_curve_endpoint_that_admits_only_its_key(monkeypatch):
     # The actor's side of serve_rpc, in this process: its "node" is loopback, the caller's another one.
-    monkeypatch.setattr(rpc, "node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(rpc.auth, "node_ip", lambda: "127.0.0.1")
     actor = Recorder()
     with pytest.raises(ValueError, match="caller_key"):
         await actor.serve_rpc(caller_node="10.255.0.1")
@@ -141,14 +161,12 @@ async def test_a_caller_of_another_node_gets_a_curve_endpoint_that_admits_only_i
     served = await actor.serve_rpc(caller_node="10.255.0.1", caller_key=public)
     assert served["endpoint"].startswith("tcp://127.0.0.1:") and served["server_key"]
     assert served["endpoint"] != (await actor.serve_rpc())["endpoint"]  # this node's callers: plain loopback
-    admitted = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"],
-                            secret=served["secret"])
+    admitted = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"])
     assert await asyncio.wait_for(admitted.note.remote(7), 10) == 7
 
     # Another key, never registered through serve_rpc: its handshake fails, no call reaches the actor.
-    monkeypatch.setattr(rpc, "_client_keys", tuple(k.decode() for k in __import__("zmq").curve_keypair()))
-    stranger = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"], key="x",
-                            secret=served["secret"])
+    monkeypatch.setattr(rpc.auth, "_client_keys", tuple(k.decode() for k in __import__("zmq").curve_keypair()))
+    stranger = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"], key="x")
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(stranger.note.remote(8), 2)
     assert actor.seen == [7]
@@ -160,7 +178,7 @@ async def test_an_in_process_object_is_called_as_it_is_and_a_link_stays_on_its_n
     assert await rpc.link(plain) is plain
     engine = remote_engine_actor(num_cpus=0).remote(**SIM)
     linked = await rpc.link(engine)
-    monkeypatch.setattr(rpc, "node_ip", lambda: "10.255.0.1")  # the link handed to a process of another node
+    monkeypatch.setattr(rpc.auth, "node_ip", lambda: "10.255.0.1")  # the link handed to a process of another node
     moved = rpc.RpcActor(*linked.__reduce__()[1])
     with pytest.raises(RuntimeError, match="link the Ray handle there"):
         await calls.call(moved, "version")
