@@ -35,21 +35,44 @@ def test_metrics_do_not_import_the_dashboard():
 
 def test_weight_sync_backends_are_chosen_in_one_place():
     """Only the registry (`sync/backends.py`) imports the backends; `base.py` is the interface they
-    import, so nothing imports in a circle."""
-    backends = {"asyncrl.sync.broadcast", "asyncrl.sync.vllm", "asyncrl.sync.vllm_broadcast", "asyncrl.sync.inprocess"}
-    files = sorted((PACKAGE / "sync").glob("*.py"))
+    import, so nothing imports in a circle. A backend may be a subpackage and import its own files."""
+    backends = ("asyncrl.sync.broadcast", "asyncrl.sync.vllm", "asyncrl.sync.vllm_broadcast", "asyncrl.sync.inprocess")
+
+    def backend_of(module: str) -> str | None:
+        return next((b for b in backends if module == b or module.startswith(b + ".")), None)
+
+    sync = PACKAGE / "sync"
+    files = sorted(sync.rglob("*.py"))
+    assert {f.parent.name for f in files} >= {"sync", "broadcast", "vllm"}  # the subpackages are checked too
     found = {}
     for f in files:
-        if f.name in ("backends.py", "__init__.py"):
+        if f in (sync / "backends.py", sync / "__init__.py"):
             continue
-        own = f"asyncrl.sync.{f.stem}"
+        rel = f.relative_to(PACKAGE).with_suffix("")
+        own = backend_of(".".join(("asyncrl", *rel.parts[:-1], *([] if rel.name == "__init__" else [rel.name]))))
         # the vLLM worker extension builds the broadcast receiver inside vLLM's worker: it is that backend
-        allowed = {"asyncrl.sync.broadcast"} if f.stem == "vllm_broadcast" else set()
-        hits = sorted(m for m in imported_modules(f) if m in backends and m != own and m not in allowed)
+        allowed = {"asyncrl.sync.broadcast"} if own == "asyncrl.sync.vllm_broadcast" else set()
+        hits = sorted(m for m in imported_modules(f) if backend_of(m) not in (None, own, *allowed))
         if hits:
-            found[f.name] = hits
+            found[str(f.relative_to(PACKAGE))] = hits
     assert found == {}
-    assert not any(m.startswith(tuple(backends)) for m in imported_modules(PACKAGE / "sync" / "base.py"))
+    assert not any(backend_of(m) for m in imported_modules(sync / "base.py"))
+
+
+def test_no_module_or_function_of_weight_sync_outgrows_its_size():
+    """STYLE.md sizes for `asyncrl/sync/` and its backends' subpackages: modules <= 400 lines,
+    functions < 60 (counted as for the Rollouter)."""
+    files = sorted((PACKAGE / "sync").rglob("*.py"))
+    assert len(files) >= 15  # the interface, registry, coordinator and every backend's files
+    too_long = {}
+    for f in files:
+        src = f.read_text()
+        if len(src.splitlines()) > 400:
+            too_long[str(f.relative_to(PACKAGE))] = len(src.splitlines())
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                too_long[f"{f.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert too_long == {}
 
 
 ENGINES = PACKAGE / "rollouter" / "engines"

@@ -160,7 +160,7 @@ def test_vllm_config_refuses_deadlines_vllm_would_not_keep():
 
 
 def _counting_gathers(monkeypatch):
-    import asyncrl.sync.vllm as backend
+    import asyncrl.sync.vllm.protocol as backend  # where iter_full_tensors gathers
 
     seen = []
 
