@@ -25,7 +25,7 @@ Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands eac
   response ``k``'s session ``s`` is trajectory ``k * sessions + s`` of a group of ``n * sessions``.
   An endpoint agent's run returns one trajectory per branch of its episode (``endpoint_branches=all``,
   `Agent.branches`), main branch first, each with the episode's reward (the main branch's when the
-  task's reward function scores it): `number_branches` numbers the group's trajectories in response
+  task's reward function scores it): `flatten_runs` numbers the group's trajectories in response
   order and records each one's episode (`asyncrl.types.EPISODES_KEY`), so that the Trainer takes
   advantages per episode; the group holds as many trajectories as the episodes had branches.
   Another count is the loop's error (`SessionCountError`), as is a loop or env that raises
