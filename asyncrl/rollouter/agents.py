@@ -86,6 +86,10 @@ class Agent:
     runner: Any = None
     """The `ToolRunner` every `ToolEnv` episode shares (None: no env); `close` stops it."""
 
+    def __post_init__(self) -> None:
+        if type(self.loop).__name__ == "EndpointLoop" and getattr(self.loop, "branches", None) == "all":
+            self.branches = True  # however the Agent was built (a bench builds its own)
+
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
@@ -107,7 +111,7 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     if cfg.endpoint:
         from asyncrl.agent.endpoint.config import build_endpoint_loop
 
-        return Agent(build_endpoint_loop(cfg, tokenizer), cfg.spec, branches=cfg.endpoint_branches == "all")
+        return Agent(build_endpoint_loop(cfg, tokenizer), cfg.spec)  # branches: from the loop
     if cfg.env is None:
         return None
     env_class = load_env_class(cfg.env)

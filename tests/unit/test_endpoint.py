@@ -218,9 +218,9 @@ async def agent_two_calls(row, spec: ClientSpec):
 async def test_a_function_agent_runs_as_an_agent_loop():
     loop = EndpointLoop(TOK, function=agent_two_calls)
     try:
-        (traj,) = await loop.run({"prompt": "6*7"}, ScriptedLLM([CALL, "42"]))  # one branch: one trajectory
+        traj = await loop.run({"prompt": "6*7"}, ScriptedLLM([CALL, "42"]))  # one branch: one trajectory
         assert traj.reward == 0.5 and traj.turns == 2 and traj.final_text == "42"
-        (none,) = await loop.run({"prompt": "6*7", "task_reward": True}, ScriptedLLM([CALL, "42"]))
+        none = await loop.run({"prompt": "6*7", "task_reward": True}, ScriptedLLM([CALL, "42"]))
         assert none.reward is None  # the task's reward function scores it
         with pytest.raises(EpisodeFailed, match="it made no call"):
             await EndpointLoop(TOK, function=_no_call).run({"prompt": "p"}, ScriptedLLM())

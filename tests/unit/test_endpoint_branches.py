@@ -148,12 +148,16 @@ async def test_the_loop_returns_every_branch_main_first():
     llm.episode_id = "sample_0_0/0"
     try:
         main, left = await loop.run({"prompt": "p"}, llm)
-        (only,) = [await EndpointLoop(TOK, function=summarising_agent, branches="main").run(
-            {"prompt": "p"}, ScriptedLLM(["One.", "Two.", "Three."]))]
+        only = await EndpointLoop(TOK, function=summarising_agent, branches="main").run(
+            {"prompt": "p"}, ScriptedLLM(["One.", "Two.", "Three."]))
     finally:
         await loop.aclose()
     assert main.reward == left.reward == 0.0 and main.final_text == "Three." and left.final_text == "Two."
     assert main.prompt_ids.tolist() == llm.prompts[2] and left.prompt_ids.tolist() == llm.prompts[0]
     assert only.final_text == "Three."
+    from asyncrl.rollouter.agents import Agent  # an Agent built by hand (a bench) takes the loop's setting
+
+    assert Agent(loop, "by hand").branches and not Agent(EndpointLoop(TOK, function=summarising_agent,
+                                                                      branches="main"), "by hand").branches
     with pytest.raises(ValueError, match="endpoint_branches"):
         EndpointLoop(TOK, function=summarising_agent, branches="some")

@@ -16,9 +16,10 @@ Each episode opens a path on the process's `EndpointServer` (started on the even
 first episode, stopped by `aclose`) whose calls go to the `LLM` the loop got for that response:
 in a run, `RolloutLLM`, so pause-keep across a weight sync, per-token versions and partial
 rollout apply per call. Each branch of the episode (`asyncrl.agent.endpoint.history`) is a
-trajectory: with ``branches="all"`` (``rollout.agent.endpoint_branches``) `run` returns them all,
-the main branch (the branch of its last call) first, the others in the order they began, each with
-the episode's reward; with ``"main"`` only the main branch, the others counted and not trained.
+trajectory: with ``branches="all"`` (``rollout.agent.endpoint_branches``) `run` returns them all
+(a list when there are several), the main branch (the branch of its last call) first, the others in
+the order they began, each with the episode's reward; with ``"main"`` only the main branch, the
+others counted and not trained.
 Forks are counted (``agent/http_forks``), their first differing message written to ``forks_path``
 (or logged). An episode with no call, or no reward, fails its group (`EpisodeFailed`: the run
 goes on).
@@ -170,7 +171,8 @@ class EndpointLoop(AgentLoop):
             return history.last.trajectory(reward)
         branches = [history.last, *(b for b in history.branches if b is not history.last)]
         self.counts["http_trajectories"] += len(branches)
-        return [b.trajectory(reward) for b in branches]
+        out = [b.trajectory(reward) for b in branches]
+        return out if len(out) > 1 else out[0]
 
     def _report_forks(self, ep: Episode) -> None:
         for index, message in ep.history.divergences:
