@@ -203,7 +203,7 @@ def pad_rows(batch: TensorDict, multiple: int, pad_token_id: int = 0) -> TensorD
     if not extra:
         return batch
     width = batch["input_ids"].shape[1]
-    pad = {k: torch.zeros((extra, width), dtype=batch[k].dtype) for k in batch.keys() if batch[k].dim() == 2}
+    pad = {k: torch.zeros((extra, width), dtype=v.dtype) for k, v in batch.items() if v.dim() == 2}
     pad["input_ids"].fill_(pad_token_id)
     pad["attention_mask"][:, 0] = 1
     pad["versions"].fill_(-1)

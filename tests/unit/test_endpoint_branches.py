@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncrl.agent.endpoint import EndpointLoop
+from asyncrl.rollouter.agents import Agent
 from asyncrl.types import EPISODES_KEY, GenerateResult, Group, episode_of
 from tests.unit.endpoint_helpers import IM_END, TOK, ScriptedLLM
 
@@ -155,8 +156,7 @@ async def test_the_loop_returns_every_branch_main_first():
     assert main.reward == left.reward == 0.0 and main.final_text == "Three." and left.final_text == "Two."
     assert main.prompt_ids.tolist() == llm.prompts[2] and left.prompt_ids.tolist() == llm.prompts[0]
     assert only.final_text == "Three."
-    from asyncrl.rollouter.agents import Agent  # an Agent built by hand (a bench) takes the loop's setting
-
+    # an Agent built by hand (a bench) takes the loop's setting
     assert Agent(loop, "by hand").branches and not Agent(EndpointLoop(TOK, function=summarising_agent,
                                                                       branches="main"), "by hand").branches
     with pytest.raises(ValueError, match="endpoint_branches"):
