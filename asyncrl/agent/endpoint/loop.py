@@ -102,9 +102,10 @@ class EndpointLoop(AgentLoop):
         self._started: asyncio.Lock | None = None
         self._up = False
         self.counts = {"episodes": 0, "http_calls": 0, "http_forks": 0, "http_failed_episodes": 0,
-                       "http_trajectories": 0, "http_tool_calls": 0, "http_tool_call_turns": 0}
-        """Totals (reported as ``agent/*``): trajectories returned (branches trained), tool calls the
-        answers carried and answers that carried any (so no transcript needs parsing)."""
+                       "http_trajectories": 0, "turns": 0, "tool_calls": 0, "http_tool_call_turns": 0}
+        """Totals (reported as ``agent/*``): trajectories returned (branches trained); answers sampled
+        (``turns``), the tool calls they carried (``tool_calls``, as an env loop's: the step's
+        ``agent/tool_calls_per_turn`` needs no transcript parsing) and answers that carried any."""
 
     async def start(self) -> EndpointServer:
         """The server, started on this event loop at the first call."""
@@ -140,7 +141,8 @@ class EndpointLoop(AgentLoop):
             server.remove(ep, "the agent returned")
             await asyncio.gather(*ep.in_flight, return_exceptions=True)
             self.counts["http_calls"] += ep.calls
-            self.counts["http_tool_calls"] += ep.tool_calls
+            self.counts["turns"] += sum(b.calls for b in ep.history.branches)
+            self.counts["tool_calls"] += ep.tool_calls
             self.counts["http_tool_call_turns"] += ep.tool_call_turns
         return self._trajectory(ep, reward)
 
