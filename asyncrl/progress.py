@@ -122,10 +122,13 @@ def _agent_step_metrics(last: dict, now: dict) -> dict[str, float]:
     if turns <= 0:
         return {}
     calls = now["agent_tool_calls"] - last.get("agent_tool_calls", 0)
-    return {"agent/step_turns": float(turns), "agent/step_tool_calls": float(calls),
-            "agent/tool_calls_per_turn": calls / turns,
-            "agent/tool_errors_per_call": (now["agent_tool_errors"] - last.get("agent_tool_errors", 0)) / max(calls, 1),
-            "agent/env_step_s_per_turn": (now["agent_env_step_s"] - last.get("agent_env_step_s", 0.0)) / turns}
+    out = {"agent/step_turns": float(turns), "agent/step_tool_calls": float(calls),
+           "agent/tool_calls_per_turn": calls / turns}
+    if "agent_tool_errors" in now:  # an env loop's (an endpoint agent runs its tools itself)
+        errors = now["agent_tool_errors"] - last.get("agent_tool_errors", 0)
+        out.update({"agent/tool_errors_per_call": errors / max(calls, 1),
+                    "agent/env_step_s_per_turn": (now["agent_env_step_s"] - last.get("agent_env_step_s", 0.0)) / turns})
+    return out
 
 
 class RunLog:

@@ -29,6 +29,11 @@ GroupStatus = Literal["ok", "failed"]
 #: (the value names the filter): the Trainer trains none of it and records it as dropped, reason
 #: ``filtered`` (`asyncrl.rollouter.filters`).
 FILTERED_KEY = "group_filter_dropped"
+#: `Group.meta` key of a group whose responses have several trajectories each, in varying number
+#: (an endpoint agent's branches, ``rollout.agent.endpoint_branches=all``): a list holding, for each
+#: trajectory index ``0..expected-1``, the response (episode) it belongs to. Advantages are taken
+#: per episode (`episode_of`); without the key every trajectory is its own episode.
+EPISODES_KEY = "episodes"
 
 _SAMPLE_ID = re.compile(r"^sample_(\d+)_(\d+)$")
 
@@ -249,6 +254,20 @@ class Group:
             and self.meta == other.meta
             and self.trajectories == other.trajectories
         )
+
+
+def episode_of(group: Group) -> list[int]:
+    """The episode of each of ``group``'s trajectories, in trajectory index order (`EPISODES_KEY`;
+    without it, each trajectory is its own episode). ValueError when the key does not fit the group."""
+    ts = sorted(group.trajectories, key=lambda t: t.index)
+    episodes = group.meta.get(EPISODES_KEY)
+    if episodes is None:
+        return list(range(len(ts)))
+    if (not isinstance(episodes, list) or len(episodes) != len(ts) or any(type(e) is not int for e in episodes)
+            or [t.index for t in ts] != list(range(len(ts)))):
+        raise ValueError(f"group {group.sample_id}: meta[{EPISODES_KEY!r}] must list one int episode per trajectory "
+                         f"index 0..{len(ts) - 1}, got {str(episodes)[:200]} for indices {[t.index for t in ts][:20]}")
+    return list(episodes)
 
 
 @dataclass

@@ -23,6 +23,11 @@ Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands eac
   episode's last model turn (the last run of ``loss_mask`` 1; nothing when there is none).
 - Sessions: every run of the loop must return ``rollout.agent.sessions`` trajectories (default 1);
   response ``k``'s session ``s`` is trajectory ``k * sessions + s`` of a group of ``n * sessions``.
+  An endpoint agent's run returns one trajectory per branch of its episode (``endpoint_branches=all``,
+  `Agent.branches`), main branch first, each with the episode's reward (the main branch's when the
+  task's reward function scores it): `flatten_runs` numbers the group's trajectories in response
+  order and records each one's episode (`asyncrl.types.EPISODES_KEY`), so that the Trainer takes
+  advantages per episode; the group holds as many trajectories as the episodes had branches.
   Another count is the loop's error (`SessionCountError`), as is a loop or env that raises
   (`AgentLoopError`, naming it, the error and the prompt): both are `UserCodeError`s, which
   ``rollout.on_user_error`` stops the run on or drops the group for (`asyncrl.usercode`); an
@@ -76,8 +81,14 @@ class Agent:
     name: str
     """What the config named (``rollout.agent.env=...`` / ``rollout.agent.loop=...``), for errors."""
     sessions: int = 1
+    branches: bool = False
+    """A run returns one or more trajectories (an endpoint episode's branches), not ``sessions``."""
     runner: Any = None
     """The `ToolRunner` every `ToolEnv` episode shares (None: no env); `close` stops it."""
+
+    def __post_init__(self) -> None:
+        if type(self.loop).__name__ == "EndpointLoop" and getattr(self.loop, "branches", None) == "all":
+            self.branches = True  # however the Agent was built (a bench builds its own)
 
     def close(self) -> None:
         if self.runner is not None:
@@ -100,7 +111,7 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     if cfg.endpoint:
         from asyncrl.agent.endpoint.config import build_endpoint_loop
 
-        return Agent(build_endpoint_loop(cfg, tokenizer), cfg.spec)
+        return Agent(build_endpoint_loop(cfg, tokenizer), cfg.spec)  # branches: from the loop
     if cfg.env is None:
         return None
     env_class = load_env_class(cfg.env)
@@ -255,7 +266,8 @@ async def validate_agent_response(agent: Agent, engine: Any, request_id: str, pr
     finally:
         await end_sessions(engine, llm.sessions)
     scored = []
-    for ep in out if isinstance(out, (list, tuple)) else [out]:
+    out = out if isinstance(out, (list, tuple)) else [out]
+    for ep in out[:1] if agent.branches else out:  # an episode's branches are not several answers
         reward = ep.reward
         if reward is None:
             ids = last_turn(np.asarray(ep.response_ids), np.asarray(ep.loss_mask))
@@ -278,12 +290,39 @@ async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int,
     finally:
         await llm.end_sessions()
     episodes = out if isinstance(out, (list, tuple)) else [out]
+    if agent.branches and episodes:  # one episode's branches: the main one's reward is everyone's
+        reward = _reward(r, prompt, episodes[0])
+        return [(to_trajectory(ep, sample_id=sample_id, index=b, reward=0.0, age=llm.age), llm.replica, reward)
+                for b, ep in enumerate(episodes)]
     if len(episodes) != agent.sessions:
         raise SessionCountError(f"{sample_id}/{k}: {agent.name} returned {len(episodes)} trajectories, "
                                 f"rollout.agent.sessions={agent.sessions}", where=agent.name, sample_id=sample_id,
                                 prompt=getattr(prompt, "text", None))
     return [(to_trajectory(ep, sample_id=sample_id, index=k * agent.sessions + s, reward=0.0, age=llm.age),
              llm.replica, _reward(r, prompt, ep)) for s, ep in enumerate(episodes)]
+
+
+def flatten_runs(agent: Agent | None, outcomes: list) -> tuple[list, list[int] | None]:
+    """The group's entries in one list (a run of a loop gives a list, one per session or branch; an
+    error stays one entry) and, for an agent with branches, each trajectory's response (episode):
+    its trajectories are numbered ``0..`` in response order (`asyncrl.types.EPISODES_KEY`)."""
+    if agent is None:
+        return outcomes, None
+    flat, episodes = [], []
+    for k, o in enumerate(outcomes):
+        for x in o if isinstance(o, list) else [o]:
+            if agent.branches and isinstance(x, tuple):
+                x[0].index = len(episodes)
+                episodes.append(k)
+            flat.append(x)
+    return flat, episodes if agent.branches else None
+
+
+def first_of_episodes(entries: list, episodes: list[int] | None) -> list:
+    """``entries`` (all trajectories) less the later branches of each episode."""
+    if episodes is None:
+        return entries
+    return [x for i, x in enumerate(entries) if i == 0 or episodes[i] != episodes[i - 1]]
 
 
 def _reward(r: Rollouter, prompt: Prompt, episode: Any) -> Any:

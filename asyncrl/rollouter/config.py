@@ -36,6 +36,9 @@ class AgentConfig:
     endpoint_forks_path: str | None = None
     """JSONL file each endpoint fork's first differing message is appended to (the launcher sets
     ``<run_dir>/endpoint_forks.jsonl``); None: logged."""
+    endpoint_branches: str = "all"
+    """Which branches of an endpoint episode are trained: ``all`` (each its own trajectory with the
+    episode's reward and advantage; a group then holds n or more) or ``main`` (the last call's only)."""
     max_turns: int = 8
     """Most model turns per episode (``env``); an env not done by then ends with ``max_turns``."""
     max_tokens_per_turn: int = 512
@@ -73,6 +76,8 @@ class AgentConfig:
             raise ValueError("AgentConfig.command is empty: give the command line that runs one episode")
         if not self.endpoint_max_episode_s > 0:
             raise ValueError(f"AgentConfig.endpoint_max_episode_s must be > 0, got {self.endpoint_max_episode_s}")
+        if self.endpoint_branches not in ("all", "main"):
+            raise ValueError(f"AgentConfig.endpoint_branches must be all or main, got {self.endpoint_branches!r}")
         if self.sync_tools not in ("process", "thread"):
             raise ValueError(f"AgentConfig.sync_tools must be process or thread, got {self.sync_tools!r}")
         for name in ("max_turns", "max_tokens_per_turn", "max_context_tokens", "tool_concurrency", "sessions",

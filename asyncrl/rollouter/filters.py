@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncrl.types import FILTERED_KEY, Group
+from asyncrl.types import FILTERED_KEY, Group, episode_of
 from asyncrl.usercode import UserCodeError
 
 BUILTIN = ("none", "zero_std")
@@ -56,14 +56,18 @@ class GroupView:
     finish_reasons: tuple[str, ...]
     meta: dict
     """The prompt's text (``prompt``) and its dataset row's meta (a copy)."""
+    episodes: np.ndarray | None = None
+    """int64, the response (episode) of each trajectory: an endpoint agent's branches share their
+    episode's reward (`asyncrl.types.EPISODES_KEY`); 0..len-1 when each response is one trajectory."""
 
     @classmethod
     def of(cls, group: Group) -> GroupView:
         ts = sorted(group.trajectories, key=lambda t: t.index)
         rewards = np.array([t.reward for t in ts], dtype=np.float64)
         lengths = np.array([len(t.response_ids) for t in ts], dtype=np.int64)
-        rewards.flags.writeable = lengths.flags.writeable = False
-        return cls(group.sample_id, rewards, lengths, tuple(t.finish_reason for t in ts), dict(group.meta))
+        episodes = np.array(episode_of(group), dtype=np.int64)
+        rewards.flags.writeable = lengths.flags.writeable = episodes.flags.writeable = False
+        return cls(group.sample_id, rewards, lengths, tuple(t.finish_reason for t in ts), dict(group.meta), episodes)
 
 
 def zero_std(view: GroupView) -> bool:

@@ -64,7 +64,7 @@ import numpy as np
 
 from asyncrl.calls import call
 from asyncrl.rollouter.config import RolloutConfig
-from asyncrl.rollouter.agents import Agent, run_agent_response
+from asyncrl.rollouter.agents import Agent, first_of_episodes, flatten_runs, run_agent_response
 from asyncrl.rollouter.feed import Feed, Prompt, RolloutState, encode_prompts
 from asyncrl.rollouter.filters import GroupFilter, GroupFilterStalled
 from asyncrl.rollouter.heap import settle_gc
@@ -74,7 +74,7 @@ from asyncrl.rollouter.resumable import generate_resumable
 from asyncrl.rollouter.rewards import Rewards
 from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.skip import SkipManager, is_replayed
-from asyncrl.types import FILTERED_KEY, GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
+from asyncrl.types import EPISODES_KEY, FILTERED_KEY, GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
 from asyncrl.usercode import USER_ERROR_KEY, UserCodeError, UserErrors
 
 __all__ = ["Prompt", "RolloutConfig", "RolloutState", "RolloutStats", "Rollouter", "encode_prompts", "settle_gc"]
@@ -310,8 +310,7 @@ class Rollouter:
             )
         finally:
             await calls.close()
-        if self.agent is not None:  # a run of the loop: one entry per session
-            outcomes = [x for o in outcomes for x in (o if isinstance(o, list) else [o])]
+        outcomes, episodes = flatten_runs(self.agent, outcomes)  # a run of a loop: one entry per session or branch
         for k, o in enumerate(outcomes):  # the rewards, started as each response ended; most are done by now
             if isinstance(o, tuple):
                 try:
@@ -324,14 +323,15 @@ class Rollouter:
             raise user
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
         trajectories = [o[0] for o in outcomes if isinstance(o, tuple)]
-        meta = {"prompt": prompt.text, **prompt.meta}
+        meta = {"prompt": prompt.text, **prompt.meta, **({EPISODES_KEY: episodes} if episodes else {})}
         if errors:
             return Group(sample_id=sample_id, trajectories=trajectories, expected=self._group_size, status="failed",
                          error="; ".join(errors), meta=meta)
-        group = Group(sample_id=sample_id, trajectories=trajectories, expected=self._group_size, meta=meta)
+        group = Group(sample_id=sample_id, trajectories=trajectories, meta=meta,
+                      expected=len(episodes) if episodes else self._group_size)  # branches: n or more
         if self._lockstep and group.complete:
             per_replica: dict[int, int] = {}
-            for _, replica, _ in outcomes:
+            for _, replica, _ in first_of_episodes(outcomes, episodes):  # an episode's branches count once
                 per_replica[replica] = per_replica.get(replica, 0) + 1
             self._reports[sample_id] = per_replica
         return group

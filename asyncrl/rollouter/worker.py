@@ -133,7 +133,8 @@ class RolloutWorker:
             data=prompts_fingerprint((p.prompt_ids for p in self.prompts),
                                      data_spec.train or f"builtin:{data_spec.task}:seed={data_spec.seed}"),
             reward=data_spec.reward or "builtin",
-            **({"agent": cfg.agent.env or cfg.agent.loop or cfg.agent.spec} if cfg.agent.enabled else {})))
+            **({"agent": cfg.agent.env or cfg.agent.loop or cfg.agent.spec} if cfg.agent.enabled else {}),
+            **({"endpoint_branches": cfg.agent.endpoint_branches} if cfg.agent.endpoint else {})))
         if resume is None:
             self.state = RolloutState()
         else:

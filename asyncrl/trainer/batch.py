@@ -20,7 +20,7 @@ key                 shape   meaning
 ``position_ids``    [B, L]  0.. over real tokens
 ``old_logprobs``    [B, L]  behaviour log-prob of token t at position t (0 off the mask)
 ``versions``        [B, L]  policy version that produced token t (-1 where no policy wrote one)
-``advantages``      [B, L]  the sequence's GRPO advantage on its masked-in tokens
+``advantages``      [B, L]  its episode's GRPO advantage (`episode_advantages`) on masked-in tokens
 ``rewards``         [B]     scalar reward of the sequence
 ``group_index``     [B]     which group of the batch the row came from
 ==================  ======  =====================================================
@@ -48,7 +48,7 @@ import torch
 from tensordict import TensorDict
 
 from asyncrl.trainer.algorithm import grpo_advantages
-from asyncrl.types import FILTERED_KEY, Group
+from asyncrl.types import FILTERED_KEY, Group, episode_of
 from asyncrl.usercode import USER_ERROR_KEY
 
 BATCH_KEYS: tuple[str, ...] = (
@@ -130,11 +130,7 @@ def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std:
     if incomplete:
         raise IncompleteGroupError(incomplete)
     rows = [t for g in groups for t in sorted(g.trajectories, key=lambda t: t.index)]
-    seq_adv = torch.cat([
-        grpo_advantages(torch.tensor([[t.reward for t in sorted(g.trajectories, key=lambda t: t.index)]],
-                                     dtype=torch.float32), norm_by_std=norm_adv_by_std)[0]
-        for g in groups
-    ])
+    seq_adv = torch.cat([episode_advantages(g, norm_adv_by_std) for g in groups])
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in rows)
     b = len(rows)
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
@@ -177,19 +173,54 @@ def assemble(groups: Sequence[Group], *, pad_token_id: int = 0, norm_adv_by_std:
     )
 
 
-def shard_rows(batch: TensorDict, world_size: int, rank: int) -> TensorDict:
-    """Rank ``rank``'s contiguous share of ``batch``; rows must divide evenly over ranks.
+def episode_advantages(group: Group, norm_by_std: bool = True) -> torch.Tensor:
+    """The GRPO advantage of each of ``group``'s trajectories (index order), taken per episode.
 
-    Every rank must run the same number of forward/backward passes (FSDP's collectives pair
-    up), so an uneven split is an error naming the fix rather than a silent imbalance.
+    The reward is the episode's: the rewards of the group's episodes (`asyncrl.types.episode_of`;
+    an episode's trajectories, its branches, share one) are normalised over the episodes, and
+    every trajectory gets its episode's advantage. An episode with three branches thus counts
+    once in the group's mean and std, not three times. Without branches: plain GRPO.
+    """
+    ts = sorted(group.trajectories, key=lambda t: t.index)
+    episodes = episode_of(group)
+    order = sorted(set(episodes))
+    rewards = [float(np.mean([t.reward for t, e in zip(ts, episodes) if e == ep])) for ep in order]
+    per_episode = grpo_advantages(torch.tensor([rewards], dtype=torch.float32), norm_by_std=norm_by_std)[0]
+    at = {ep: i for i, ep in enumerate(order)}
+    return per_episode[[at[e] for e in episodes]]
+
+
+def pad_rows(batch: TensorDict, multiple: int, pad_token_id: int = 0) -> TensorDict:
+    """``batch`` with rows appended until its row count is a multiple of ``multiple``.
+
+    Groups of varying size (an endpoint agent's branches) make a mini-batch's row count anything;
+    ranks need equal shares. A pad row is one real pad token (an all-masked row could give NaN
+    attention) with ``response_mask`` 0: it adds nothing to the loss, its denominator or any
+    statistic. ``group_index`` -1 marks it.
     """
     b = batch.batch_size[0]
-    if b % world_size:
-        raise ValueError(
-            f"a mini-batch of {b} sequences does not split over world_size={world_size} ranks; "
-            "choose groups_per_batch so that groups_per_batch * n is a multiple of world_size"
-        )
-    share = b // world_size
+    extra = -b % multiple
+    if not extra:
+        return batch
+    width = batch["input_ids"].shape[1]
+    pad = {k: torch.zeros((extra, width), dtype=v.dtype) for k, v in batch.items() if v.dim() == 2}
+    pad["input_ids"].fill_(pad_token_id)
+    pad["attention_mask"][:, 0] = 1
+    pad["versions"].fill_(-1)
+    pad.update(rewards=torch.zeros(extra), group_index=torch.full((extra,), -1, dtype=torch.long))
+    padding = TensorDict(pad, batch_size=[extra])
+    return torch.cat([batch, padding])
+
+
+def shard_rows(batch: TensorDict, world_size: int, rank: int) -> TensorDict:
+    """Rank ``rank``'s contiguous share of ``batch``, padded (`pad_rows`) to split evenly over ranks.
+
+    Every rank must run the same number of forward/backward passes (FSDP's collectives pair
+    up), so the shares are equal; the pad rows weigh nothing (groups of varying size, an endpoint
+    agent's branches, make a mini-batch's row count anything).
+    """
+    batch = pad_rows(batch, world_size)
+    share = batch.batch_size[0] // world_size
     return batch[rank * share:(rank + 1) * share]
 
 

@@ -56,3 +56,57 @@ async def test_a_function_agent_trains_on_policy_with_exact_tokens(tmp_path):
     counts = agent.loop.counts
     assert counts["http_forks"] == 0 and counts["http_failed_episodes"] == 0
     assert counts["http_calls"] >= CALLS * 3 * 2 * 4  # (episodes still in flight at the end were cancelled)
+
+
+async def summarising_agent(row, client):
+    """Two echoed calls; then every other episode replaces its history with a summary (a second branch)."""
+    c = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    for k in range(2):
+        r = await c.chat.completions.create(model=client.model, messages=msgs, max_tokens=6)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"go on {k}"}]
+    episode = int(client.base_url.split("/s/")[1].split("-")[1])  # {sample_id}-{k}-{hex}
+    if episode % 2 == 0:
+        summary = [{"role": "user", "content": "so far: " + (r.choices[0].message.content or "")}]
+        await c.chat.completions.create(model=client.model, messages=summary, max_tokens=6)
+    return float(episode % 3 == 0)
+
+
+async def test_every_branch_of_an_edited_history_trains_on_policy(tmp_path):
+    """Episodes 0 and 2 of each group of 4 fork: 6 trajectories per group, all trained, ratio still 1."""
+    import json
+
+    from asyncrl.agent.tiny_chat import build_chat_model
+    from asyncrl.models import load_tokenizer
+    from asyncrl.rollouter.agents import build_agent
+    from asyncrl.rollouter.config import AgentConfig
+    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
+    from asyncrl.rollouter.feed import Prompt
+    from asyncrl.rollouter.rollouter import RolloutConfig
+    from asyncrl.trainer.config import OptimConfig, TrainerConfig, WorkerConfig
+    from tests.unit.inprocess import train_steps
+
+    torch.set_num_threads(1)
+    path = str(build_chat_model(tmp_path / "model"))
+    tok = load_tokenizer(path)
+    prompts = [Prompt(text=f"q{i}", prompt_ids=np.asarray(tok.encode(f"q{i}"), np.int64), meta={}) for i in range(16)]
+    agent = build_agent(AgentConfig(function="tests.integration.test_endpoint_train:summarising_agent", max_turns=3,
+                                    max_tokens_per_turn=6, max_context_tokens=512), tok)
+    samples = tmp_path / "samples.jsonl"
+    tcfg = TrainerConfig(worker=WorkerConfig(model_path=path, pad_token_id=tok.pad_token_id, optim=OptimConfig(lr=1e-3)),
+                         groups_per_batch=2, recv_timeout_s=120, samples_path=str(samples))
+    rcfg = RolloutConfig(n=4, max_tokens=6, groups_per_sync=tcfg.groups_per_sync, staleness_threshold=0.0)
+    try:
+        results, _, _, _ = await train_steps(tcfg, rcfg, TorchEngine(path, seed=0), prompts,
+                                             lambda p, ids: 0.0, 2, agent=agent)
+    finally:
+        await agent.aclose()
+    for r in results:
+        m = r.metrics
+        assert m["is_ratio_max"] == pytest.approx(1.0, abs=1e-3) and m["is_ratio_min"] == pytest.approx(1.0, abs=1e-3)
+        assert m["reward_mean"] == pytest.approx(3 / 6)  # per trained row: episode 0's two branches and episode 3
+    trained = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(trained) == 4 and all(s["status"] == "trained" for s in trained)
+    # each group: episode 0 (summary 1 turn, then its 2-turn branch), episode 1, episode 2 (1 + 2), episode 3
+    assert all(s["turns"] == [1, 2, 2, 1, 2, 2] for s in trained)
+    assert agent.loop.counts["http_forks"] >= 4 and agent.loop.counts["http_trajectories"] >= 4 * 6

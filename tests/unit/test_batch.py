@@ -91,12 +91,37 @@ def test_stale_groups_dropped_only_when_gap_set():
     assert len(kept) == 2 and dropped == []
 
 
-def test_shard_rows_even_split_and_error():
+def test_shard_rows_even_split_and_pad_rows_for_an_uneven_one():
     b = assemble([group("sample_0_1"), group("sample_0_2")])
     halves = [shard_rows(b, 2, r) for r in range(2)]
     assert torch.equal(torch.cat([h["input_ids"] for h in halves]), b["input_ids"])
-    with pytest.raises(ValueError, match="groups_per_batch"):
-        shard_rows(b, 3, 0)
+    thirds = [shard_rows(b, 3, r) for r in range(3)]  # 4 rows (a group of varying size) over 3 ranks
+    assert [t.batch_size[0] for t in thirds] == [2, 2, 2]
+    padded = torch.cat(thirds)
+    assert torch.equal(padded[:4]["input_ids"], b["input_ids"])
+    pads = padded[4:]
+    assert pads["response_mask"].sum() == 0 and pads["attention_mask"].sum(-1).tolist() == [1, 1]
+    assert pads["group_index"].tolist() == [-1, -1] and (pads["versions"] == -1).all()
+    assert (pads["advantages"] == 0).all() and (pads["old_logprobs"] == 0).all()
+
+
+def test_advantages_are_taken_per_episode_when_responses_have_branches():
+    from asyncrl.trainer.algorithm import grpo_advantages
+    from asyncrl.trainer.batch import episode_advantages
+    from asyncrl.types import EPISODES_KEY
+
+    sid = "sample_0_1"
+    ts = [traj(sid, k, [5], [7], reward=r) for k, r in enumerate([1.0, 1.0, 1.0, 0.0, 0.5])]
+    g = Group(sample_id=sid, expected=5, trajectories=ts, meta={EPISODES_KEY: [0, 0, 0, 1, 2]})
+    per_episode = grpo_advantages(torch.tensor([[1.0, 0.0, 0.5]]))[0]
+    assert torch.allclose(episode_advantages(g), per_episode[[0, 0, 0, 1, 2]])
+    as_rows = grpo_advantages(torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.5]]))[0]
+    assert not torch.allclose(episode_advantages(g), as_rows)  # episode 0's three branches count once
+    plain = Group(sample_id=sid, expected=5, trajectories=ts)
+    assert torch.allclose(episode_advantages(plain), as_rows)  # without branches: GRPO per trajectory
+    bad = Group(sample_id=sid, expected=5, trajectories=ts, meta={EPISODES_KEY: [0, 1]})
+    with pytest.raises(ValueError, match="one int episode per trajectory"):
+        assemble([bad])
 
 
 def test_micro_batches_trim_padding_columns():

@@ -218,7 +218,7 @@ async def agent_two_calls(row, spec: ClientSpec):
 async def test_a_function_agent_runs_as_an_agent_loop():
     loop = EndpointLoop(TOK, function=agent_two_calls)
     try:
-        traj = await loop.run({"prompt": "6*7"}, ScriptedLLM([CALL, "42"]))
+        traj = await loop.run({"prompt": "6*7"}, ScriptedLLM([CALL, "42"]))  # one branch: one trajectory
         assert traj.reward == 0.5 and traj.turns == 2 and traj.final_text == "42"
         none = await loop.run({"prompt": "6*7", "task_reward": True}, ScriptedLLM([CALL, "42"]))
         assert none.reward is None  # the task's reward function scores it
@@ -227,6 +227,13 @@ async def test_a_function_agent_runs_as_an_agent_loop():
     finally:
         await loop.aclose()
     assert loop.counts["http_calls"] == 4 and loop.counts["episodes"] == 2
+    # one tool call in each episode's first answer, none in its second: counted without a transcript
+    assert loop.counts["tool_calls"] == 2 and loop.counts["http_tool_call_turns"] == 2 and loop.counts["turns"] == 4
+    from asyncrl.progress import _agent_step_metrics  # the step's tool use, as the Rollouter's stats report it
+
+    step = _agent_step_metrics({}, {f"agent_{k}": v for k, v in loop.counts.items()})
+    assert step == {"agent/step_turns": 4.0, "agent/step_tool_calls": 2.0, "agent/tool_calls_per_turn": 0.5}
+    assert loop.counts["http_trajectories"] == 2
 
 
 async def _no_call(row, spec):

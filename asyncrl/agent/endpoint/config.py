@@ -70,4 +70,5 @@ def build_endpoint_loop(cfg: Any, tokenizer: Any) -> EndpointLoop:
     function = load_agent_function(cfg.function) if cfg.function is not None else None
     return EndpointLoop(tokenizer, function=function, command=cfg.command, limits=limits_of(cfg),
                         host=cfg.endpoint_host, port=cfg.endpoint_port, model=cfg.endpoint_model,
-                        forks_path=cfg.endpoint_forks_path, name=cfg.spec)
+                        forks_path=cfg.endpoint_forks_path, name=cfg.spec,
+                        branches=cfg.endpoint_branches)

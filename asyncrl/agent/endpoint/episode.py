@@ -104,6 +104,10 @@ class Episode:
         self.parser = HermesParser()
         self.deadline = time.monotonic() + limits.max_episode_s
         self.calls = 0
+        self.tool_calls = 0
+        """Tool calls parsed into the answers (``tool_calls`` of each assistant turn)."""
+        self.tool_call_turns = 0
+        """Answers that carried at least one tool call."""
         self.reward: float | None = None
         """A reward posted to ``/s/{episode}/reward`` (None: none yet)."""
         self.ended: str | None = None
@@ -185,6 +189,8 @@ class Episode:
             raise
         message, calls_finish = self._message(text, tools is not None and body.get("tool_choice") != "none")
         self.history.commit(placement, turn, Sampled(text, message))
+        self.tool_calls += len(message.get("tool_calls") or ())
+        self.tool_call_turns += bool(message.get("tool_calls"))
         finish = calls_finish or ("length" if turn.finish_reason == "length" and not stopped else "stop")
         return self._body("chat.completion", {"index": 0, "message": message, "finish_reason": finish,
                                               "logprobs": None}, placement, turn)

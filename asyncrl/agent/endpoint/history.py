@@ -157,7 +157,7 @@ class History:
         self.divergences: list[tuple[int, Message | None]] = []
         """Per fork: the index of its first message that differs from every branch, and that message."""
         self.last: Branch | None = None
-        """The branch of the last call that finished (the episode's main trajectory)."""
+        """The branch of the last call that finished (the episode's main branch, its first trajectory)."""
 
     def place(self, messages: list[Message], tools: list | None) -> Placement:
         """The branch ``messages`` extend (marked busy), else a new one rendered from them."""

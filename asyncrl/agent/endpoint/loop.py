@@ -15,11 +15,14 @@ Two ways in (beside ``rollout.agent.env`` and ``rollout.agent.loop``):
 Each episode opens a path on the process's `EndpointServer` (started on the event loop at the
 first episode, stopped by `aclose`) whose calls go to the `LLM` the loop got for that response:
 in a run, `RolloutLLM`, so pause-keep across a weight sync, per-token versions and partial
-rollout apply per call. The episode's trajectory is its main branch (the branch of its last
-call; `asyncrl.agent.endpoint.history`); other branches are counted (``agent/http_forks``),
-their first differing message written to ``forks_path`` (or logged), and not trained: a group
-holds one trajectory per episode. An episode with no call, or no reward, fails its group
-(`EpisodeFailed`: the run goes on).
+rollout apply per call. Each branch of the episode (`asyncrl.agent.endpoint.history`) is a
+trajectory: with ``branches="all"`` (``rollout.agent.endpoint_branches``) `run` returns them all
+(a list when there are several), the main branch (the branch of its last call) first, the others in
+the order they began, each with the episode's reward; with ``"main"`` only the main branch, the
+others counted and not trained.
+Forks are counted (``agent/http_forks``), their first differing message written to ``forks_path``
+(or logged). An episode with no call, or no reward, fails its group (`EpisodeFailed`: the run
+goes on).
 """
 
 from __future__ import annotations
@@ -83,11 +86,15 @@ class EndpointLoop(AgentLoop):
 
     def __init__(self, tokenizer: Any, *, function: Any = None, command: str | None = None,
                  limits: EpisodeLimits | None = None, host: str = "127.0.0.1", port: int = 0, model: str = "policy",
-                 forks_path: str | None = None, name: str = "endpoint agent", renderer: Any = None):
+                 forks_path: str | None = None, name: str = "endpoint agent", renderer: Any = None,
+                 branches: str = "all"):
         from asyncrl.agent.render import ChatRenderer
 
         if (function is None) == (command is None):
             raise ValueError("EndpointLoop: give a function or a command, one of them")
+        if branches not in ("all", "main"):
+            raise ValueError(f"EndpointLoop: branches must be all or main (rollout.agent.endpoint_branches), got {branches!r}")
+        self.branches = branches
         self.function, self.command, self.name = function, command, name
         self.renderer = renderer or ChatRenderer(tokenizer)
         self.limits = limits or EpisodeLimits()
@@ -95,8 +102,11 @@ class EndpointLoop(AgentLoop):
         self.model, self.forks_path = model, forks_path
         self._started: asyncio.Lock | None = None
         self._up = False
-        self.counts = {"episodes": 0, "http_calls": 0, "http_forks": 0, "http_failed_episodes": 0}
-        """Totals (reported as ``agent/*``)."""
+        self.counts = {"episodes": 0, "http_calls": 0, "http_forks": 0, "http_failed_episodes": 0,
+                       "http_trajectories": 0, "turns": 0, "tool_calls": 0, "http_tool_call_turns": 0}
+        """Totals (reported as ``agent/*``): trajectories returned (branches trained); answers sampled
+        (``turns``), the tool calls they carried (``tool_calls``, as an env loop's: the step's
+        ``agent/tool_calls_per_turn`` needs no transcript parsing) and answers that carried any."""
 
     async def start(self) -> EndpointServer:
         """The server, started on this event loop at the first call."""
@@ -115,7 +125,7 @@ class EndpointLoop(AgentLoop):
             self._up = False
             await self.server.close()
 
-    async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory:
+    async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory | list[AgentTrajectory]:
         server = await self.start()
         if hasattr(llm, "abort_on_cancel"):
             llm.abort_on_cancel = True  # a call given up (client gone, episode ended) aborts its engine request
@@ -134,6 +144,9 @@ class EndpointLoop(AgentLoop):
             server.remove(ep, "the agent returned")
             await asyncio.gather(*ep.in_flight, return_exceptions=True)
             self.counts["http_calls"] += ep.calls
+            self.counts["turns"] += sum(b.calls for b in ep.history.branches)
+            self.counts["tool_calls"] += ep.tool_calls
+            self.counts["http_tool_call_turns"] += ep.tool_call_turns
         return self._trajectory(ep, reward)
 
     async def _drive(self, row: dict, spec: ClientSpec) -> float | None:
@@ -144,7 +157,7 @@ class EndpointLoop(AgentLoop):
             return None if out is None else float(out)
         return await run_command(self.command, row, spec)
 
-    def _trajectory(self, ep: Episode, returned: float | None) -> AgentTrajectory:
+    def _trajectory(self, ep: Episode, returned: float | None) -> AgentTrajectory | list[AgentTrajectory]:
         history = ep.history
         self.counts["http_forks"] += history.forks
         if history.forks:
@@ -158,7 +171,13 @@ class EndpointLoop(AgentLoop):
             self.counts["http_failed_episodes"] += 1
             raise EpisodeFailed(f"episode {ep.id}: {self.name} gave no reward (post it to /s/<episode>/reward or "
                                 "print it as the last stdout line)")
-        return history.last.trajectory(reward)
+        if self.branches == "main":
+            self.counts["http_trajectories"] += 1
+            return history.last.trajectory(reward)
+        branches = [history.last, *(b for b in history.branches if b is not history.last)]
+        self.counts["http_trajectories"] += len(branches)
+        out = [b.trajectory(reward) for b in branches]
+        return out if len(out) > 1 else out[0]
 
     def _report_forks(self, ep: Episode) -> None:
         for index, message in ep.history.divergences:
