@@ -342,7 +342,7 @@ async def test_a_lockstep_round_ends_at_the_steps_kept_groups_not_at_any_complet
     r = Rollouter(cfg, engines, producer, make_prompts(8), odd_first_token, partial=partial, aggregator=aggregator)
     task = asyncio.create_task(r.run())
     try:
-        await until(lambda: r._round_closed, what="round 0 ended")
+        await until(lambda: r.rounds.closed, what="round 0 ended")
         kept = [g.sample_id for g in producer.groups if FILTERED_KEY not in g.meta]
         assert len(kept) >= 2 and r.filter.dropped >= 2, (kept, r.filter.dropped)
         assert all(parse_sample_id(sid)[1] % 3 == 0 for sid in kept)
