@@ -7,7 +7,7 @@ conversations in flight at once (``n`` per prompt, ``max_concurrent`` prompts), 
 drawn, seeded, from a log-normal with median ``--tool-median-s`` and p99 ``--tool-p99-s``. Every
 turn is one engine request with its conversation's ``session_id``, so a replica prefills only
 the turn's new tokens (`asyncrl.rollouter.engines.sim_sessions`); the conversation is rendered
-with a real chat template (`asyncrl.agent.tiny_chat`) and the tool runs through the `ToolRunner`
+with a real chat template (`asyncrl.models.tiny_chat`) and the tool runs through the `ToolRunner`
 as an async tool (a task on the loop, under its timeout and concurrency bound).
 
 The feed admits ``--agent-rounds`` times the concurrency in all; the run ends when every
@@ -137,7 +137,7 @@ async def _lookup(seconds: float) -> str:
 def _agent(args: argparse.Namespace, counts: dict):
     """The Rollouter's `Agent`: `EnvLoop` over `SimToolEnv`, one `ToolRunner` for every episode."""
     from asyncrl.agent import EnvLoop, EnvLoopConfig, ToolRunner, ToolRunnerConfig, tool
-    from asyncrl.agent.tiny_chat import build_chat_tokenizer
+    from asyncrl.models.tiny_chat import build_chat_tokenizer
     from asyncrl.rollouter.agents import Agent
 
     # The runner's bound must let every conversation's tool run at once, or it, not the Rollouter, is the bound.

@@ -71,7 +71,7 @@ def http_agent(args: argparse.Namespace, counts: dict):
     from bench_scale_agent import ToolLatency
 
     from asyncrl.agent.endpoint import EndpointLoop, EpisodeLimits
-    from asyncrl.agent.tiny_chat import build_chat_tokenizer
+    from asyncrl.models.tiny_chat import build_chat_tokenizer
     from asyncrl.rollouter.agents import Agent
 
     fn = HttpAgent(args.agent_turns, ToolLatency(args.tool_median_s, args.tool_p99_s, args.seed), counts)
