@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.agent.base import Turn
+from asyncrl.agent.llm import SessionLLM
 from asyncrl.calls import call_within
 from asyncrl.rollouter.config import AgentConfig, RolloutConfig
 from asyncrl.rollouter.partial import PartialResponse
@@ -123,7 +124,7 @@ def turn_seed(response_seed: int, turn: int, age: int) -> int:
     return response_seed + 7919 * age + 104729 * turn
 
 
-class RolloutLLM:
+class RolloutLLM(SessionLLM):
     """The `LLM` one response's loop talks to: each turn a request through the group's calls.
 
     A loop that runs several conversations for one prompt calls `session` for each after the
@@ -132,13 +133,8 @@ class RolloutLLM:
     """
 
     def __init__(self, cfg: RolloutConfig, rounds: Rounds, calls: GroupCalls, sample_id: str, k: int, seed: int):
+        super().__init__(f"{sample_id}/{k}")
         self.cfg, self.rounds, self.calls, self.seed = cfg, rounds, calls, seed
-        self.base = f"{sample_id}/{k}"
-        self.episode_id = self.base
-        """What an `EnvLoop` gives its env (`Env.episode_id`): the same after a resume (tools' call keys)."""
-        self.session_id = self.base
-        self.sessions = [self.base]
-        self.turns = 0
         self.age = 0
         """Truncations its turns survived."""
         self.replica = -1
@@ -148,15 +144,8 @@ class RolloutLLM:
         """A turn cancelled by its loop aborts its engine request (an endpoint agent sets it: a client
         that disconnects gives its call up); otherwise a cancel is the group's and `Rollouter.stop` aborts."""
 
-    def session(self) -> str:
-        """Start another conversation (a multi-output loop): later turns go under a new session id."""
-        self.session_id = f"{self.base}/s{len(self.sessions)}"
-        self.sessions.append(self.session_id)
-        return self.session_id
-
     async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
-        cfg, turn = self.cfg, self.turns
-        self.turns += 1
+        cfg, turn = self.cfg, self._next_turn()
         prompt_ids = np.asarray(token_ids, dtype=np.int64)
         session_id = self.session_id
 
@@ -214,32 +203,21 @@ async def end_sessions(engine: Any, session_ids: list[str]) -> None:
             log.debug("end_session(%s) failed: %r", session_id, exc)
 
 
-class ValidationLLM:
+class ValidationLLM(SessionLLM):
     """The `LLM` of one validation conversation: greedy turns on one replica, request ids
     ``{request_id}/t{turn}`` under the session ``{request_id}`` (``/s{j}`` for a multi-output
     loop's later conversations), each under the request deadline. Never truncated: validation
     runs outside the rounds of partial rollout."""
 
     def __init__(self, engine: Any, request_id: str, timeout_s: float):
-        self.engine, self.base, self.timeout_s = engine, request_id, timeout_s
-        self.episode_id = request_id
-        self.session_id = request_id
-        self.sessions = [request_id]
-        self.turns = 0
-
-    def session(self) -> str:
-        """Start another conversation (as `RolloutLLM.session`)."""
-        self.session_id = f"{self.base}/s{len(self.sessions)}"
-        self.sessions.append(self.session_id)
-        return self.session_id
+        super().__init__(request_id)
+        self.engine, self.timeout_s = engine, timeout_s
 
     async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
-        request = GenerateRequest(request_id=f"{self.base}/t{self.turns}", prompt_ids=np.asarray(token_ids, np.int64),
-                                  max_tokens=max_tokens, session_id=self.session_id,
-                                  sampling=SamplingParams(greedy=True, stop_token_ids=tuple(stop)))
-        self.turns += 1
-        result = await call_within(self.engine, "generate", self.timeout_s, request)
-        return Turn(result.response_ids, result.logprobs, result.versions, result.finish_reason)
+        request = GenerateRequest(request_id=f"{self.base}/t{self._next_turn()}",
+                                  prompt_ids=np.asarray(token_ids, np.int64), max_tokens=max_tokens,
+                                  session_id=self.session_id, sampling=SamplingParams(greedy=True, stop_token_ids=tuple(stop)))
+        return self._turn(await call_within(self.engine, "generate", self.timeout_s, request))
 
 
 async def validate_agent_response(agent: Agent, engine: Any, request_id: str, prompt: Prompt, reward_fn: Any,
