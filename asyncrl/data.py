@@ -20,7 +20,6 @@ columns, prompt-length filtering.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from collections.abc import Callable
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from asyncrl.importpath import load_path
 
 BUILTIN_REWARDS = {"arithmetic": "asyncrl.tasks.arithmetic:reward", "calculator": "asyncrl.tasks.calculator:reward"}
 """Each built-in task's reward (``data.task``), used when no dataset is given."""
@@ -199,25 +200,9 @@ class Reward:
 _VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def import_callable(module: str, name: str, setting: str, error: type[Exception]) -> Callable:
-    """``module.name``, a user's callable; ``error`` (its message led by ``setting``, e.g.
-    ``"reward mymod:score"``) when the module does not import or ``name`` is not a callable in it."""
-    try:
-        mod = importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - any import-time failure of the user's module
-        raise error(f"{setting}: cannot import {module} ({type(e).__name__}: {e})") from None
-    fn = getattr(mod, name, None)
-    if not callable(fn):
-        raise error(f"{setting}: {module} has no callable {name!r}")
-    return fn
-
-
 def load_reward(spec: str) -> Reward:
     """``module:function`` -> `Reward`; `DataError` names a malformed spec, an import failure or a bad signature."""
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise DataError(f"reward must look like 'module:function', got {spec!r}")
-    fn = import_callable(module, name, f"reward {spec}", DataError)
+    fn = load_path(spec, "data.reward", DataError, want_callable=True)
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):

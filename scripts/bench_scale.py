@@ -658,7 +658,7 @@ def _summary(rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.agent and args.http:
-        return bench_scale_http.main(args)
+        return bench_scale_http.main(args, ray_replicas=_ray_replicas)
     if args.agent:
         return agent_main(args)
     load = os.getloadavg()
@@ -714,7 +714,7 @@ def agent_main(args: argparse.Namespace) -> dict:
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     runs = []
     for i in range(args.agent_repeats):
-        run = {**bench_scale_agent.run_on(loop_name, bench_scale_agent.agent_run(args)), "event_loop": loop_name}
+        run = {**bench_scale_agent.run_on(loop_name, bench_scale_agent.agent_run(args, ray_replicas=_ray_replicas)), "event_loop": loop_name}
         runs.append({k: round(v, 3) if isinstance(v, float) else v for k, v in run.items()})
         print(f"run {i + 1}/{args.agent_repeats}: {bench_scale_agent.report(runs[-1])}", flush=True)
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in bench_scale_agent.combine(runs).items()}

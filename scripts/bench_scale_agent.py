@@ -7,7 +7,7 @@ conversations in flight at once (``n`` per prompt, ``max_concurrent`` prompts), 
 drawn, seeded, from a log-normal with median ``--tool-median-s`` and p99 ``--tool-p99-s``. Every
 turn is one engine request with its conversation's ``session_id``, so a replica prefills only
 the turn's new tokens (`asyncrl.rollouter.engines.sim_sessions`); the conversation is rendered
-with a real chat template (`asyncrl.agent.tiny_chat`) and the tool runs through the `ToolRunner`
+with a real chat template (`asyncrl.models.tiny_chat`) and the tool runs through the `ToolRunner`
 as an async tool (a task on the loop, under its timeout and concurrency bound).
 
 The feed admits ``--agent-rounds`` times the concurrency in all; the run ends when every
@@ -137,7 +137,7 @@ async def _lookup(seconds: float) -> str:
 def _agent(args: argparse.Namespace, counts: dict):
     """The Rollouter's `Agent`: `EnvLoop` over `SimToolEnv`, one `ToolRunner` for every episode."""
     from asyncrl.agent import EnvLoop, EnvLoopConfig, ToolRunner, ToolRunnerConfig, tool
-    from asyncrl.agent.tiny_chat import build_chat_tokenizer
+    from asyncrl.models.tiny_chat import build_chat_tokenizer
     from asyncrl.rollouter.agents import Agent
 
     # The runner's bound must let every conversation's tool run at once, or it, not the Rollouter, is the bound.
@@ -209,8 +209,11 @@ def check_delivery(admitted: list[str], sent, n: int, turns: int) -> dict:
             + len(seen.keys() - wanted), "bad_turns": bad_turns, "failed": failed}
 
 
-async def agent_run(args: argparse.Namespace) -> dict:
-    """One run (see the module docstring): the figures as a dict."""
+async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=None) -> dict:
+    """One run (see the module docstring): the figures as a dict. ``make_agent(args, counts)``: the
+    Rollouter's `Agent` (default: the `EnvLoop` of `_agent`; ``bench_scale_http.http_agent`` for
+    ``--http``); ``ray_replicas``: how ``--agent-hosts`` Ray actors host the replicas
+    (``bench_scale._ray_replicas``, handed down by the script that imports this one)."""
     from asyncrl.rollouter.actor import EngineActor
     from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter, settle_gc
 
@@ -220,22 +223,16 @@ async def agent_run(args: argparse.Namespace) -> dict:
     concurrent = args.agent_conversations // n
     total = max(concurrent, round(concurrent * args.agent_rounds))
     counts = {"tool_calls": 0, "live": 0}
-    if getattr(args, "http", False):  # every episode an OpenAI-client agent over real HTTP (bench_scale_http)
-        from bench_scale_http import http_agent
-
-        agent = http_agent(args, counts)
-    else:
-        agent = _agent(args, counts)
+    agent = (make_agent or _agent)(args, counts)
     prefill = args.prefill_tokens_per_s or None
     hosts = []
     if args.agent_hosts:  # the replicas in Ray actor processes, as in a run (their schedulers leave this loop)
         from asyncrl.placement import start_local_ray
 
-        import bench_scale
-
+        if ray_replicas is None:
+            raise SystemExit("--agent-hosts runs the replicas in Ray actors: run it as scripts/bench_scale.py --agent")
         start_local_ray(num_cpus=2, log_to_driver=False)
-        engines, hosts = bench_scale._ray_replicas(args, args.agent_replicas, args.agent_hosts,
-                                                   prefill_tokens_per_s=prefill)
+        engines, hosts = ray_replicas(args, args.agent_replicas, args.agent_hosts, prefill_tokens_per_s=prefill)
     else:
         engines = [EngineActor(kind="sim", max_running=args.max_running, tokens_per_s=args.tokens_per_s,
                                prefill_tokens_per_s=prefill, seed=args.seed * 1000 + r) for r in range(args.agent_replicas)]

@@ -71,7 +71,7 @@ def http_agent(args: argparse.Namespace, counts: dict):
     from bench_scale_agent import ToolLatency
 
     from asyncrl.agent.endpoint import EndpointLoop, EpisodeLimits
-    from asyncrl.agent.tiny_chat import build_chat_tokenizer
+    from asyncrl.models.tiny_chat import build_chat_tokenizer
     from asyncrl.rollouter.agents import Agent
 
     fn = HttpAgent(args.agent_turns, ToolLatency(args.tool_median_s, args.tool_p99_s, args.seed), counts)
@@ -87,16 +87,15 @@ def http_agent(args: argparse.Namespace, counts: dict):
     return Agent(loop, "bench_scale --agent --http")
 
 
-def main(args: argparse.Namespace) -> dict:
-    """One in-process run, then one over HTTP; the JSON described in the module docstring."""
+def main(args: argparse.Namespace, ray_replicas=None) -> dict:
+    """One in-process run, then one over HTTP; the JSON described in the module docstring.
+    ``ray_replicas``: as `bench_scale_agent.agent_run`'s."""
     import bench_scale_agent as bench
 
     loop_name = bench.event_loop(args.event_loop)
-    args.http = False
-    inprocess = bench.run_on(loop_name, bench.agent_run(args))
+    inprocess = bench.run_on(loop_name, bench.agent_run(args, ray_replicas=ray_replicas))
     print(f"in-process: {bench.report(inprocess)}", flush=True)
-    args.http = True
-    http = bench.run_on(loop_name, bench.agent_run(args))
+    http = bench.run_on(loop_name, bench.agent_run(args, make_agent=http_agent, ray_replicas=ray_replicas))
     print(f"http: {bench.report(http)}", flush=True)
     result = {"http": True, "episodes": http["conversations_sent"], "loop_lag_p99_ms": round(http["loop_lag_p99_ms"], 3),
               "calls_s": round(http["turn_req_s"], 1), "cpu_ms_per_call": round(http["cpu_ms_per_turn"], 3),

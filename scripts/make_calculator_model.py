@@ -1,7 +1,7 @@
 """Rebuild the calculator task's shipped model, ``asyncrl/models/tiny_calc/``, with its warm-start recipe.
 
 Builds the tiny chat model from its config and seed, runs the two supervised phases of
-`asyncrl.models.calculator` (about 5 minutes on one CPU core), measures its reward and tool-call
+`asyncrl.demos.calculator` (about 5 minutes on one CPU core), measures its reward and tool-call
 rate through the agent loop (greedy and sampled at T=1) on held-out problems, and writes the
 weights, the tokenizer files and ``warm_start.json`` into ``--out``. It refuses to replace the
 shipped model with one whose sampled reward lies outside the demo's band
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from asyncrl.models import CALCULATOR_MODEL_DIR
-from asyncrl.models.calculator import DEMO_SAMPLED_BAND, CalculatorWarmStartConfig, warm_start
+from asyncrl.demos.calculator import DEMO_SAMPLED_BAND, CalculatorWarmStartConfig, warm_start
 
 SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "chat_template.jinja", "warm_start.json")

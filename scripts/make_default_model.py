@@ -1,7 +1,7 @@
 """Rebuild the shipped default model, ``asyncrl/models/tiny_arith/``, with the warm-start recipe.
 
 Builds the tiny model from its config and seed, runs the noisy supervised phase of
-`asyncrl.models.warm_start` (about 1-2 minutes on one CPU core), measures its greedy and
+`asyncrl.demos.warm_start` (about 1-2 minutes on one CPU core), measures its greedy and
 sampled rewards on held-out problems, and writes the weights, the tokenizer files and
 ``warm_start.json`` (settings, rewards, the weights' sha256, the torch build) into ``--out``.
 It refuses to replace the shipped model with one whose rewards lie outside the band the demo
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from asyncrl.models import DEFAULT_MODEL_DIR
-from asyncrl.models.warm_start import WarmStartConfig, check_demo_band, warm_start
+from asyncrl.demos.warm_start import WarmStartConfig, check_demo_band, warm_start
 from asyncrl.tasks.arithmetic import ArithmeticTaskConfig
 
 SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

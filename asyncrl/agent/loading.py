@@ -7,9 +7,10 @@ without ``run``, a chat template that cannot show tools when a `ToolEnv` is used
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
+
+from asyncrl.importpath import load_path
 
 
 class AgentSpecError(ValueError):
@@ -17,21 +18,9 @@ class AgentSpecError(ValueError):
 
 
 def load_object(path: str, *, field: str = "path") -> Any:
-    """``"package.module:Name"`` (or ``"package.module:Outer.Inner"``) -> the object."""
-    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise AgentSpecError(f"{field}={path!r}: expected 'module:Name' (e.g. mypkg.envs:MyEnv)")
-    module_name, attr = path.split(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's, reported in one line
-        raise AgentSpecError(f"{field}={path!r}: module {module_name!r} does not import "
-                             f"({type(e).__name__}: {e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AgentSpecError(f"{field}={path!r}: {getattr(obj, '__name__', module_name)!r} has no attribute "
-                                 f"{part!r}")
-        obj = getattr(obj, part)
-    return obj
+    """``"package.module:Name"`` (or ``"package.module:Outer.Inner"``) -> the object
+    (`asyncrl.importpath.load_path`, its errors `AgentSpecError`)."""
+    return load_path(path, field, AgentSpecError)
 
 
 def _require_async_methods(cls: Any, path: str, field: str, names: tuple[str, ...], what: str) -> None:

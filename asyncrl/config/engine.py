@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrl.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from asyncrl.config.root import RunConfig
 
 
 @dataclass(kw_only=True)
@@ -103,25 +100,6 @@ def check_engine(e: EngineConfig, kind: str) -> None:
     if ignored:
         raise ConfigError(f"{ignored} only apply to the built-in engine (vLLM's prefix cache serves a conversation's "
                           "next turn), and this run's engine is engine.kind=vllm: leave them unset")
-
-
-def engine_kwargs(cfg: RunConfig, model_path: str) -> dict:
-    """Keyword settings of one engine replica (`make_engine(kind, **these)`)."""
-    e = cfg.engine
-    if cfg.engine_kind == "vllm":
-        nccl = {"weight_transfer": "nccl"} if cfg.weight_sync.method == "vllm" else {}
-        seqs = {"max_num_seqs": e.max_running} if e.max_running is not None else {}
-        return dict(model_path=model_path, seed=cfg.seed, tensor_parallel_size=e.tensor_parallel_size,
-                    gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
-                    enforce_eager=e.enforce_eager, dtype=e.dtype, kv_cache_mb=e.kv_cache_mb,
-                    engine_kwargs=dict(e.engine_kwargs), **nccl, **seqs)
-    # A long-tail workload ends each response at its own budget, not at the model's EOS.
-    eos = {"eos_token_ids": ()} if cfg.data.long_tail > 1 else {}
-    # With GPUs reserved for the Rollouter, Ray gives each replica its own (CUDA_VISIBLE_DEVICES).
-    device = "cuda" if cfg.gpu else "cpu"
-    slots = {"max_running": e.max_running} if e.max_running is not None else {}
-    return dict(model_path=model_path, seed=cfg.seed, max_model_len=e.max_model_len, device=device, dtype=e.dtype,
-                session_idle_s=e.session_idle_s, session_max_blocks=e.session_max_blocks, **slots, **eos)
 
 
 def workers_per_engine(kind: str, rollouter_gpus: int, tensor_parallel_size: int) -> int:

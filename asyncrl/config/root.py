@@ -3,27 +3,29 @@ and the checks across sections."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
 from omegaconf import DictConfig
 
 from asyncrl.config.data import DataConfig, ModelConfig, check_data
-from asyncrl.config.engine import EngineConfig, check_engine, engine_kwargs, workers_per_engine
+from asyncrl.config.engine import EngineConfig, check_engine, workers_per_engine
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.flags import named
 from asyncrl.config.placement import PlacementConfig, check_placement
 from asyncrl.config.skip import RunSkipConfig
 from asyncrl.config.stream import check_stream
 from asyncrl.config.sync import WeightSyncSection, weight_sync_config
-from asyncrl.config.trainer import TrainerSection, check_trainer, trainer_config
+from asyncrl.config.section import values
+from asyncrl.config.trainer import _FROM_PLACEMENT_OR_RUN, _WORKER_KEYS, TrainerSection, check_trainer
 from asyncrl.metrics.config import MetricsConfig
 from asyncrl.modes import check_mode
 from asyncrl.queue.protocol import StreamConfig
 from asyncrl.rollouter.partial import PartialRolloutConfig
 from asyncrl.rollouter.rollouter import RolloutConfig
 from asyncrl.sync.config import WeightSyncConfig
-from asyncrl.trainer.config import TrainerConfig
+from asyncrl.trainer.config import AlgorithmConfig, TrainerConfig, WorkerConfig
 
 
 @dataclass(kw_only=True)
@@ -116,9 +118,21 @@ class RunConfig:
     def trainer_config(self, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None,
                        samples_path: str | None = None, eos_token_id: int | None = None,
                        transcripts_path: str | None = None) -> TrainerConfig:
-        """The Trainer's own config (`asyncrl.config.trainer.trainer_config`)."""
-        return trainer_config(self, model_path=model_path, pad_token_id=pad_token_id, checkpoint_dir=checkpoint_dir,
-                              samples_path=samples_path, eos_token_id=eos_token_id, transcripts_path=transcripts_path)
+        """The Trainer's own config: the section plus what placement and the run decide."""
+        t = self.trainer
+        # The engines run past EOS on a long-tail workload (`engine_kwargs`); what follows it is not trained.
+        stop = eos_token_id if self.data.long_tail > 1 else None
+        # The loss divides logits by the temperature the engines sampled at: the rollout's, never another.
+        algorithm = AlgorithmConfig(temperature=self.rollout.temperature, **values(t.algorithm))
+        knobs = {k: getattr(t, k) for k in _WORKER_KEYS} | {"algorithm": algorithm}
+        worker = WorkerConfig(model_path=model_path, pad_token_id=pad_token_id, stop_token_id=stop, seed=self.seed,
+                              **knobs)
+        loop = {f.name: getattr(t, f.name) for f in dataclasses.fields(TrainerConfig)
+                if f.name not in _FROM_PLACEMENT_OR_RUN}
+        return TrainerConfig(worker=worker, world_size=self.trainer_world_size,
+                             gpus_per_rank=1.0 if self.placement.trainer_gpus else 0.0,
+                             checkpoint_dir=checkpoint_dir, samples_path=samples_path,
+                             transcripts_path=transcripts_path, **loop)
 
     @property
     def workers_per_engine(self) -> int:
@@ -134,7 +148,21 @@ class RunConfig:
 
     def engine_kwargs(self, model_path: str) -> dict:
         """Keyword settings of one engine replica (`make_engine(kind, **these)`)."""
-        return engine_kwargs(self, model_path)
+        e = self.engine
+        if self.engine_kind == "vllm":
+            nccl = {"weight_transfer": "nccl"} if self.weight_sync.method == "vllm" else {}
+            seqs = {"max_num_seqs": e.max_running} if e.max_running is not None else {}
+            return dict(model_path=model_path, seed=self.seed, tensor_parallel_size=e.tensor_parallel_size,
+                        gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
+                        enforce_eager=e.enforce_eager, dtype=e.dtype, kv_cache_mb=e.kv_cache_mb,
+                        engine_kwargs=dict(e.engine_kwargs), **nccl, **seqs)
+        # A long-tail workload ends each response at its own budget, not at the model's EOS.
+        eos = {"eos_token_ids": ()} if self.data.long_tail > 1 else {}
+        # With GPUs reserved for the Rollouter, Ray gives each replica its own (CUDA_VISIBLE_DEVICES).
+        device = "cuda" if self.gpu else "cpu"
+        slots = {"max_running": e.max_running} if e.max_running is not None else {}
+        return dict(model_path=model_path, seed=self.seed, max_model_len=e.max_model_len, device=device, dtype=e.dtype,
+                    session_idle_s=e.session_idle_s, session_max_blocks=e.session_max_blocks, **slots, **eos)
 
 
 def check(cfg: RunConfig, given: DictConfig | None = None) -> None:

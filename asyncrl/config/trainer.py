@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import TYPE_CHECKING
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.section import section_of, values
+from asyncrl.config.section import section_of
 from asyncrl.trainer.config import AlgorithmConfig, TrainerConfig, WorkerConfig
-
-if TYPE_CHECKING:
-    from asyncrl.config.root import RunConfig
 
 _FROM_PLACEMENT_OR_RUN = {"worker", "world_size", "gpus_per_rank", "checkpoint_dir", "samples_path", "transcripts_path",
                           "model_path", "pad_token_id", "stop_token_id", "seed"}
@@ -31,26 +27,6 @@ TrainerSection = section_of(
     defaults=_SECTION_DEFAULTS, types={"algorithm": AlgorithmSection},
     doc="The Trainer: its loop (TrainerConfig) and per-rank computing (WorkerConfig).")
 _WORKER_KEYS = [f.name for f in dataclasses.fields(WorkerConfig) if f.name not in _FROM_PLACEMENT_OR_RUN]
-
-
-def trainer_config(cfg: RunConfig, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None,
-                   samples_path: str | None = None, eos_token_id: int | None = None,
-                   transcripts_path: str | None = None) -> TrainerConfig:
-    """The Trainer's own config: the section plus what placement and the run decide."""
-    t = cfg.trainer
-    # The engines run past EOS on a long-tail workload (`engine_kwargs`); what follows it is not trained.
-    stop = eos_token_id if cfg.data.long_tail > 1 else None
-    # The loss divides logits by the temperature the engines sampled at: the rollout's, never another.
-    algorithm = AlgorithmConfig(temperature=cfg.rollout.temperature, **values(t.algorithm))
-    knobs = {k: getattr(t, k) for k in _WORKER_KEYS} | {"algorithm": algorithm}
-    worker = WorkerConfig(model_path=model_path, pad_token_id=pad_token_id, stop_token_id=stop, seed=cfg.seed,
-                          **knobs)
-    loop = {f.name: getattr(t, f.name) for f in dataclasses.fields(TrainerConfig)
-            if f.name not in _FROM_PLACEMENT_OR_RUN}
-    return TrainerConfig(worker=worker, world_size=cfg.trainer_world_size,
-                         gpus_per_rank=1.0 if cfg.placement.trainer_gpus else 0.0,
-                         checkpoint_dir=checkpoint_dir, samples_path=samples_path,
-                         transcripts_path=transcripts_path, **loop)
 
 
 def check_trainer(t) -> None:

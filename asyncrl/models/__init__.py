@@ -1,4 +1,7 @@
-"""The tiny default model (`asyncrl.models.tiny`), shipped warm-started (`asyncrl.models.warm_start`).
+"""The tiny models (`asyncrl.models.tiny`, the chat one `asyncrl.models.tiny_chat`), how a model
+directory's tokenizer loads, and the default models, shipped warm-started (their recipes are
+`asyncrl.demos.warm_start` and `asyncrl.demos.calculator`: they import the tasks, the agent loop
+and the engines, so they live above the library, not here).
 
 The demo's starting policy is a checkpoint inside this package (``asyncrl/models/tiny_arith/``:
 HF config, safetensors weights, tokenizer files and ``warm_start.json`` with the rewards it was
@@ -14,7 +17,7 @@ from typing import Any
 
 #: The shipped warm-started model: a local Hugging Face model directory (package data).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "tiny_arith"
-#: The calculator task's shipped model (`asyncrl.models.calculator`).
+#: The calculator task's shipped model (`asyncrl.demos.calculator`).
 CALCULATOR_MODEL_DIR = Path(__file__).resolve().parent / "tiny_calc"
 _SHIPPED = {"arithmetic": (DEFAULT_MODEL_DIR, "scripts/make_default_model.py"),
             "calculator": (CALCULATOR_MODEL_DIR, "scripts/make_calculator_model.py")}
@@ -23,7 +26,7 @@ _SHIPPED = {"arithmetic": (DEFAULT_MODEL_DIR, "scripts/make_default_model.py"),
 
 def default_model_path(task: str = "arithmetic") -> Path:
     """The shipped warm-started tiny model's directory of a built-in task (nothing is trained or
-    downloaded): the addition demo's, or the calculator task's (`asyncrl.models.calculator`)."""
+    downloaded): the addition demo's, or the calculator task's (`asyncrl.demos.calculator`)."""
     if task not in _SHIPPED:
         raise ValueError(f"no built-in task {task!r} ({', '.join(_SHIPPED)})")
     path, script = _SHIPPED[task]

@@ -47,12 +47,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.agent.base import Turn
+from asyncrl.agent.llm import SessionLLM
 from asyncrl.calls import call_within
-from asyncrl.rollouter.config import AgentConfig
+from asyncrl.rollouter.config import AgentConfig, RolloutConfig
 from asyncrl.rollouter.partial import PartialResponse
 from asyncrl.rollouter.pool import GroupCalls
-from asyncrl.rollouter.rewards import score
-from asyncrl.rollouter.resumable import generate_resumable
+from asyncrl.rollouter.rewards import Rewards, score
+from asyncrl.rollouter.resumable import Rounds, generate_resumable
 from asyncrl.turns import to_trajectory
 from asyncrl.usercode import UserCodeError
 from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
@@ -60,7 +61,6 @@ from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
 if TYPE_CHECKING:
     from asyncrl.agent import AgentLoop
     from asyncrl.rollouter.feed import Prompt
-    from asyncrl.rollouter.rollouter import Rollouter
 
 log = logging.getLogger("asyncrl.rollouter")
 
@@ -135,21 +135,17 @@ def turn_seed(response_seed: int, turn: int, age: int) -> int:
     return response_seed + 7919 * age + 104729 * turn
 
 
-class RolloutLLM:
+class RolloutLLM(SessionLLM):
     """The `LLM` one response's loop talks to: each turn a request through the group's calls.
 
     A loop that runs several conversations for one prompt calls `session` for each after the
-    first; turns then go under that session's id.
+    first; turns then go under that session's id. ``cfg`` gives the sampling settings, ``rounds``
+    partial rollout's rounds (`generate_resumable`).
     """
 
-    def __init__(self, r: Rollouter, calls: GroupCalls, sample_id: str, k: int, seed: int):
-        self.r, self.calls, self.seed = r, calls, seed
-        self.base = f"{sample_id}/{k}"
-        self.episode_id = self.base
-        """What an `EnvLoop` gives its env (`Env.episode_id`): the same after a resume (tools' call keys)."""
-        self.session_id = self.base
-        self.sessions = [self.base]
-        self.turns = 0
+    def __init__(self, cfg: RolloutConfig, rounds: Rounds, calls: GroupCalls, sample_id: str, k: int, seed: int):
+        super().__init__(f"{sample_id}/{k}")
+        self.cfg, self.rounds, self.calls, self.seed = cfg, rounds, calls, seed
         self.age = 0
         """Truncations its turns survived."""
         self.replica = -1
@@ -159,15 +155,8 @@ class RolloutLLM:
         """A turn cancelled by its loop aborts its engine request (an endpoint agent sets it: a client
         that disconnects gives its call up); otherwise a cancel is the group's and `Rollouter.stop` aborts."""
 
-    def session(self) -> str:
-        """Start another conversation (a multi-output loop): later turns go under a new session id."""
-        self.session_id = f"{self.base}/s{len(self.sessions)}"
-        self.sessions.append(self.session_id)
-        return self.session_id
-
     async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
-        cfg, turn = self.r.cfg, self.turns
-        self.turns += 1
+        cfg, turn = self.cfg, self._next_turn()
         prompt_ids = np.asarray(token_ids, dtype=np.int64)
         session_id = self.session_id
 
@@ -184,7 +173,7 @@ class RolloutLLM:
         sent: list[str] = []
         try:
             result, self.replica = await generate_resumable(
-                self.r, self.calls, lambda p: _noted(make_request(p), sent), parts, max_tokens)
+                self.rounds, self.calls, lambda p: _noted(make_request(p), sent), parts, max_tokens)
         except asyncio.CancelledError:
             if self.abort_on_cancel:  # the loop gave the turn up (an endpoint client went away): free the engine
                 await self._abort(sent[-1:])
@@ -201,14 +190,14 @@ class RolloutLLM:
         """Abort a cancelled turn's request on the group's replica (a no-op for one that never went out)."""
         if request_ids and self.calls.replica is not None:
             try:
-                await call_within(self.r.pool.handle(self.calls.replica), "abort", 10.0, request_ids)
+                await call_within(self.calls.pool.handle(self.calls.replica), "abort", 10.0, request_ids)
             except Exception as exc:  # noqa: BLE001 - the engine may be gone, and the request with it
                 log.debug("abort(%s) failed: %r", request_ids, exc)
 
     async def end_sessions(self) -> None:
         """Let the engine drop what it keeps for this response's conversations (a no-op where it keeps nothing)."""
         if self.calls.replica is not None:
-            await end_sessions(self.r.pool.handle(self.calls.replica), self.sessions)
+            await end_sessions(self.calls.pool.handle(self.calls.replica), self.sessions)
 
 
 def _noted(request: GenerateRequest, sent: list[str]) -> GenerateRequest:
@@ -225,32 +214,21 @@ async def end_sessions(engine: Any, session_ids: list[str]) -> None:
             log.debug("end_session(%s) failed: %r", session_id, exc)
 
 
-class ValidationLLM:
+class ValidationLLM(SessionLLM):
     """The `LLM` of one validation conversation: greedy turns on one replica, request ids
     ``{request_id}/t{turn}`` under the session ``{request_id}`` (``/s{j}`` for a multi-output
     loop's later conversations), each under the request deadline. Never truncated: validation
     runs outside the rounds of partial rollout."""
 
     def __init__(self, engine: Any, request_id: str, timeout_s: float):
-        self.engine, self.base, self.timeout_s = engine, request_id, timeout_s
-        self.episode_id = request_id
-        self.session_id = request_id
-        self.sessions = [request_id]
-        self.turns = 0
-
-    def session(self) -> str:
-        """Start another conversation (as `RolloutLLM.session`)."""
-        self.session_id = f"{self.base}/s{len(self.sessions)}"
-        self.sessions.append(self.session_id)
-        return self.session_id
+        super().__init__(request_id)
+        self.engine, self.timeout_s = engine, timeout_s
 
     async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
-        request = GenerateRequest(request_id=f"{self.base}/t{self.turns}", prompt_ids=np.asarray(token_ids, np.int64),
-                                  max_tokens=max_tokens, session_id=self.session_id,
-                                  sampling=SamplingParams(greedy=True, stop_token_ids=tuple(stop)))
-        self.turns += 1
-        result = await call_within(self.engine, "generate", self.timeout_s, request)
-        return Turn(result.response_ids, result.logprobs, result.versions, result.finish_reason)
+        request = GenerateRequest(request_id=f"{self.base}/t{self._next_turn()}",
+                                  prompt_ids=np.asarray(token_ids, np.int64), max_tokens=max_tokens,
+                                  session_id=self.session_id, sampling=SamplingParams(greedy=True, stop_token_ids=tuple(stop)))
+        return self._turn(await call_within(self.engine, "generate", self.timeout_s, request))
 
 
 async def validate_agent_response(agent: Agent, engine: Any, request_id: str, prompt: Prompt, reward_fn: Any,
@@ -276,11 +254,11 @@ async def validate_agent_response(agent: Agent, engine: Any, request_id: str, pr
     return scored
 
 
-async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int, prompt: Prompt, calls: GroupCalls,
-                             seed: int) -> list[tuple[Trajectory, int, Any]]:
+async def run_agent_response(agent: Agent, sample_id: str, k: int, prompt: Prompt, calls: GroupCalls, seed: int, *,
+                             cfg: RolloutConfig, rounds: Rounds, rewards: Rewards) -> list[tuple[Trajectory, int, Any]]:
     """Response ``k`` as one run of the loop: its trajectories (``agent.sessions`` of them), each
-    with the replica of its last turn and its reward under way."""
-    llm = RolloutLLM(r, calls, sample_id, k, seed)
+    with the replica of its last turn and its reward under way (started on ``rewards``)."""
+    llm = RolloutLLM(cfg, rounds, calls, sample_id, k, seed)
     try:
         out = await agent.loop.run(prompt, llm)
     except Exception as exc:
@@ -291,7 +269,7 @@ async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int,
         await llm.end_sessions()
     episodes = out if isinstance(out, (list, tuple)) else [out]
     if agent.branches and episodes:  # one episode's branches: the main one's reward is everyone's
-        reward = _reward(r, prompt, episodes[0])
+        reward = _reward(rewards, prompt, episodes[0])
         return [(to_trajectory(ep, sample_id=sample_id, index=b, reward=0.0, age=llm.age), llm.replica, reward)
                 for b, ep in enumerate(episodes)]
     if len(episodes) != agent.sessions:
@@ -299,7 +277,7 @@ async def run_agent_response(r: Rollouter, agent: Agent, sample_id: str, k: int,
                                 f"rollout.agent.sessions={agent.sessions}", where=agent.name, sample_id=sample_id,
                                 prompt=getattr(prompt, "text", None))
     return [(to_trajectory(ep, sample_id=sample_id, index=k * agent.sessions + s, reward=0.0, age=llm.age),
-             llm.replica, _reward(r, prompt, ep)) for s, ep in enumerate(episodes)]
+             llm.replica, _reward(rewards, prompt, ep)) for s, ep in enumerate(episodes)]
 
 
 def flatten_runs(agent: Agent | None, outcomes: list) -> tuple[list, list[int] | None]:
@@ -325,13 +303,13 @@ def first_of_episodes(entries: list, episodes: list[int] | None) -> list:
     return [x for i, x in enumerate(entries) if i == 0 or episodes[i] != episodes[i - 1]]
 
 
-def _reward(r: Rollouter, prompt: Prompt, episode: Any) -> Any:
+def _reward(rewards: Rewards, prompt: Prompt, episode: Any) -> Any:
     """The env's reward as a done future, else the task's reward of the last model turn, started."""
     if episode.reward is not None:
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(float(episode.reward))
         return done
-    return r.rewards.start(prompt, last_turn(np.asarray(episode.response_ids), np.asarray(episode.loss_mask)))
+    return rewards.start(prompt, last_turn(np.asarray(episode.response_ids), np.asarray(episode.loss_mask)))
 
 
 def last_turn(response_ids: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:

@@ -85,9 +85,9 @@ def load(spec: str) -> Callable[[GroupView], bool] | None:
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"rollout.group_filter must be none, zero_std or module:function, got {spec!r}")
-    from asyncrl.data import import_callable
+    from asyncrl.importpath import load_path
 
-    return import_callable(module, name, f"rollout.group_filter={spec}", ValueError)
+    return load_path(spec, "rollout.group_filter", ValueError, want_callable=True)
 
 
 class GroupFilter:

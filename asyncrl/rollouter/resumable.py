@@ -7,25 +7,45 @@ partial buffer for the next round, and it goes again as prompt + partial with th
 agent loops' turns (`asyncrl.rollouter.agents`) run through it, so truncation means the same
 thing for both.
 
-``keep`` names the response in the Rollouter's ``_truncated`` (what a checkpoint saves, so that a
-resume continues the response from its parts); agent turns pass None: a conversation in flight at
-a crash is generated again from its start, which keeps exactly once without saving tool state.
+It works against `Rounds`, the round state the Rollouter owns and moves (the weight version, the
+round's end), never against the Rollouter itself. ``keep`` names the response in
+`Rounds.truncated` (what a checkpoint saves, so that a resume continues the response from its
+parts); agent turns pass None: a conversation in flight at a crash is generated again from its
+start, which keeps exactly once without saving tool state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-from asyncrl.rollouter.partial import PartialResponse
+from asyncrl.rollouter.partial import PartialBuffer, PartialResponse
 from asyncrl.rollouter.pool import GroupCalls
+from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.types import GenerateRequest, GenerateResult
 
-if TYPE_CHECKING:
-    from asyncrl.rollouter.rollouter import Rollouter
+
+@dataclass(eq=False)
+class Rounds:
+    """Partial rollout's rounds as a resumable generation reads and writes them. The Rollouter owns
+    one (`Rollouter.rounds`): it sets ``version`` at each weight sync and ``closed`` when the
+    aggregator says the round's step has its groups."""
+
+    partials: PartialBuffer
+    """Where a truncated response waits for the next round."""
+    stats: RolloutStats
+    """Counts ``truncated`` and ``resumed`` responses."""
+    max_age: int = 0
+    """Truncations a response may survive; 0: rounds truncate nothing (no aggregator)."""
+    truncated: dict[str, dict[int, PartialResponse]] = field(default_factory=dict)
+    """Truncated responses not yet finished, of groups not yet sent: what a checkpoint saves."""
+    version: int = 0
+    """The weight version the engines serve (the round)."""
+    closed: bool = False
+    """The round ended: nothing truncatable goes out until the next sync."""
 
 
-async def generate_resumable(r: Rollouter, calls: GroupCalls, make_request: Callable[[PartialResponse], GenerateRequest],
+async def generate_resumable(r: Rounds, calls: GroupCalls, make_request: Callable[[PartialResponse], GenerateRequest],
                              parts: PartialResponse, budget: int, *, resuming: bool = False,
                              keep: tuple[str, int] | None = None) -> tuple[GenerateResult, int]:
     """Generate into ``parts`` until it ends or holds ``budget`` tokens; the last result and its replica.
@@ -33,8 +53,8 @@ async def generate_resumable(r: Rollouter, calls: GroupCalls, make_request: Call
     ``resuming``: ``parts`` came from a checkpoint (its first dispatch counts as a resume)."""
     owed = False  # released by the partial buffer (counted undispatched there) and not yet dispatched
     while True:
-        truncatable = r.aggregator is not None and parts.age < r.partial.max_age
-        if truncatable and r._round_closed:
+        truncatable = parts.age < r.max_age
+        if truncatable and r.closed:
             # The round ended before this went out (its engines idle until the sync): wait for the next.
             if owed:
                 r.partials.dispatched()
@@ -57,7 +77,7 @@ async def generate_resumable(r: Rollouter, calls: GroupCalls, make_request: Call
             parts.age += 1
             r.stats.truncated += 1
             if keep is not None:
-                r._truncated.setdefault(keep[0], {})[keep[1]] = parts
+                r.truncated.setdefault(keep[0], {})[keep[1]] = parts
             resuming = True
         # (Stopped before its first token, by the synchronous workflow's round end: it waits
         # for the next round as it was.) The round it was stopped in: never later than its

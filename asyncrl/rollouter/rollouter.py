@@ -70,7 +70,7 @@ from asyncrl.rollouter.filters import GroupFilter, GroupFilterStalled
 from asyncrl.rollouter.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
-from asyncrl.rollouter.resumable import generate_resumable
+from asyncrl.rollouter.resumable import Rounds, generate_resumable
 from asyncrl.rollouter.rewards import Rewards
 from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.skip import SkipManager, is_replayed
@@ -116,7 +116,6 @@ class Rollouter:
         self.producer = producer
         self.reward_fn = reward_fn
         self.aggregator = aggregator if self.partial.by_count else None
-        self.version = 0
         self.admitted = self.sent = self.state.done
         self.failed = 0
         self.given_back: set[str] = set()
@@ -128,19 +127,22 @@ class Rollouter:
         """Groups the ``async_rollout`` skip role answered from dumps (no engine request)."""
         self._gate = asyncio.Condition()
         self._groups: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
-        self._truncated: dict[str, dict[int, PartialResponse]] = {
-            sid: dict(responses) for sid, responses in self.state.partials.items()}
-        """Truncated responses not yet finished, of groups not yet sent: what `snapshot` saves."""
+        self.rounds = Rounds(self.partials, self.stats, self.partial.max_age if self.aggregator is not None else 0,
+                             {sid: dict(responses) for sid, responses in self.state.partials.items()})
+        """The version, the round's end and the truncated responses (`snapshot` saves them)."""
         self._stopping = False
         self._lockstep = self.aggregator is not None
         """The RFC's synchronous workflow: rounds end by count and admit until they do."""
-        self._round_closed = False
         self._round_opened = False
         self._finished = 0
         """Groups this run generated or replayed (complete or failed), counted before their send."""
         self._reports: dict[str, dict[int, int]] = {}  # lockstep: a group's trajectories per replica, until kept
         self.rewards = Rewards(reward_fn, cfg.reward_workers)
         self.user_errors = UserErrors(cfg.on_user_error)
+
+    @property
+    def version(self) -> int:  # the weight version the engines serve (`on_sync`)
+        return self.rounds.version
 
     # ------------------------------------------------------------------ control
 
@@ -154,7 +156,7 @@ class Rollouter:
         self.pool.on_resume()
         async with self._gate:
             if version > self.version:
-                self.version = version
+                self.rounds.version = version
                 if self._lockstep:
                     await self._open_round()
                 self.partials.release(version)
@@ -184,7 +186,7 @@ class Rollouter:
         # the next truncation (surplus groups from a race at the last round's end go first).
         need = max(lacking, 1) * self._group_size
         await call(self.aggregator, "start_round", self.version, max(need, self.partial.threshold or 0))
-        self._round_closed, self._round_opened = False, True
+        self.rounds.closed, self._round_opened = False, True
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Drain: admit nothing more, cancel in-flight groups, abort their requests on the engines.
@@ -203,15 +205,15 @@ class Rollouter:
         unacked = getattr(self.producer, "unacked", None)
         return {
             **self.feed.position(),
-            "in_flight": sorted(self._groups, key=_index_of),
+            "in_flight": sorted(self._groups, key=lambda sample_id: parse_sample_id(sample_id)[1]),
             "unacked": [g.sample_id for g in unacked] if unacked is not None else [],
             "partials": {sid: {str(k): parts.to_json() for k, parts in responses.items()}
-                         for sid, responses in self._truncated.items() if responses},
+                         for sid, responses in self.rounds.truncated.items() if responses},
         }
 
     def _admissible(self) -> bool:
         if self._lockstep:  # the round, not a count, bounds what is admitted
-            return (not self._round_closed and self.admitted - self.sent < self.cfg.max_concurrent
+            return (not self.rounds.closed and self.admitted - self.sent < self.cfg.max_concurrent
                     and self.partials.undispatched == 0)
         budget = (self.version + 1 + self.cfg.staleness_threshold) * self.cfg.groups_per_sync
         # Groups dropped before a resume gave their budget back too.
@@ -276,10 +278,10 @@ class Rollouter:
             elif sample_id in self._reports:  # lockstep: a kept group counts in the round
                 version = self.version
                 if await call(self.aggregator, "report", version, self._reports.pop(sample_id)) and version == self.version:
-                    self._round_closed = True  # the step has its groups: admit nothing until the sync
+                    self.rounds.closed = True  # the step has its groups: admit nothing until the sync
             t0 = time.monotonic()
             await self.producer.send(group)
-            self._truncated.pop(sample_id, None)  # its parts are in the group now (or it failed)
+            self.rounds.truncated.pop(sample_id, None)  # its parts are in the group now (or it failed)
             self.stats.credit_blocked_s += time.monotonic() - t0
             async with self._gate:
                 self.sent += 1
@@ -363,15 +365,16 @@ class Rollouter:
         and its reward under way (`Rewards.start`). With an agent loop, the loop's run instead
         (`asyncrl.rollouter.agents`): a list, one entry per session."""
         if self.agent is not None:
-            return await run_agent_response(self, self.agent, sample_id, k, prompt, calls, self._seed(index, k))
+            return await run_agent_response(self.agent, sample_id, k, prompt, calls, self._seed(index, k),
+                                            cfg=self.cfg, rounds=self.rounds, rewards=self.rewards)
         budget = prompt.max_tokens or self.cfg.max_tokens
-        parts = self._truncated.get(sample_id, {}).get(k)
+        parts = self.rounds.truncated.get(sample_id, {}).get(k)
         resuming = parts is not None  # only a resume puts parts there before this call
         parts = parts or PartialResponse()
         result, replica = await generate_resumable(
-            self, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), parts, budget,
+            self.rounds, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), parts, budget,
             resuming=resuming, keep=(sample_id, k))
-        self._truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
+        self.rounds.truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
         response_ids, logprobs, versions = parts.joined()
         finish = result.finish_reason if result.finish_reason != "truncated" else "length"
         trajectory = Trajectory(
@@ -394,7 +397,3 @@ class Rollouter:
         if counts:  # an EnvLoop's totals (a user's own AgentLoop keeps none)
             out.update({f"agent_{k}": v for k, v in counts.items()})
         return out
-
-
-def _index_of(sample_id: str) -> int:
-    return parse_sample_id(sample_id)[1]

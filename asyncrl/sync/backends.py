@@ -8,11 +8,11 @@ receiver drives a receiver inside them (`asyncrl.sync.vllm_broadcast`).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 
+from asyncrl.importpath import load_path
 from asyncrl.sync.base import ReceiverInit, SenderInit, WeightReceiver, WeightSender
 from asyncrl.sync.config import SYNC_METHODS
 
@@ -31,8 +31,7 @@ RECEIVERS = {
 
 
 def _load(path: str):
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+    return load_path(path, "weight_sync.method", ImportError)
 
 
 def make_sender(model: torch.nn.Module, *, rank: int, init: SenderInit) -> WeightSender:

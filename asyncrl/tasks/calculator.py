@@ -6,7 +6,7 @@ conversation is: the question, the model's turn (a tool call, or a guess), the t
 the model's final answer. The reward is the task's rule on the last model turn: 1.0 when its
 text (stripped) is exactly the product, else 0.0. So a policy earns its reward by calling the
 tool and copying the result, which is what RL has to find: the shipped warm-started model
-(`asyncrl.models.calculator`) calls the tool on only part of its samples.
+(`asyncrl.demos.calculator`) calls the tool on only part of its samples.
 
 The tool's latency is a setting (`ToolLatency`: none, fixed, or log-normal from a median and a
 p99, seeded per call), so the same task serves as the agentic benchmark where tool time is the

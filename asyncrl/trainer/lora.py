@@ -14,15 +14,12 @@ base weight it adapts; the engines merge ``W = W_base + scale * B @ A`` (`asyncr
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from asyncrl.sync.lora_wire import _PEFT_PREFIX, adapter_name, adapter_params, is_lora, spec  # noqa: F401 - re-exported
 from asyncrl.trainer.config import LoraConfig
 from asyncrl.trainer.fsdp import decoder_blocks
 
-_PEFT_PREFIX = "base_model.model."
-_ADAPTER = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<which>lora_[AB])\.default\.weight$")
 
 
 def block_linear_names(model: torch.nn.Module) -> list[str]:
@@ -74,40 +71,6 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
             if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
                 module.weight.requires_grad_(True)
     return model
-
-
-def is_lora(model: torch.nn.Module) -> bool:
-    """True for a model `wrap` built (a peft model, sharded or not)."""
-    return hasattr(model, "peft_config")
-
-
-def adapter_name(peft_name: str) -> str | None:
-    """``<module>.lora_A`` / ``<module>.lora_B`` for a peft adapter parameter's name, else None."""
-    m = _ADAPTER.match(peft_name)
-    return f"{m['module']}.{m['which']}" if m else None
-
-
-def adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """What a LoRA sync carries, by wire name, in model order: the adapters (`adapter_name`) and
-    any other trainable parameter (``train_norms``) under its checkpoint name."""
-    out = {}
-    for name, p in model.named_parameters():
-        wire = adapter_name(name)
-        if wire is not None:
-            out[wire] = p
-        elif p.requires_grad:
-            out[name.removeprefix(_PEFT_PREFIX)] = p
-    return out
-
-
-def spec(model: torch.nn.Module) -> dict:
-    """What an engine needs to merge the adapters: rank, scale (alpha / rank), the adapted modules,
-    and the weights trained in full (``full``: checkpoint names, loaded as they come)."""
-    cfg = model.peft_config["default"]
-    names = list(adapter_params(model))
-    modules = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith((".lora_A", ".lora_B"))})
-    full = [n for n in names if not n.endswith((".lora_A", ".lora_B"))]
-    return {"rank": int(cfg.r), "scale": float(cfg.lora_alpha) / float(cfg.r), "modules": modules, "full": full}
 
 
 def set_dropout(model: torch.nn.Module, active: bool) -> None:

@@ -38,7 +38,7 @@ def unused(prompt, response):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sync_mode_trains_a_function_agent_with_exact_tokens(tmp_path):
-    from asyncrl.agent.tiny_chat import build_chat_model
+    from asyncrl.models.tiny_chat import build_chat_model
 
     model = build_chat_model(tmp_path / "model")
     (tmp_path / "ep_agent.py").write_text(AGENT)

@@ -46,7 +46,7 @@ def spans(mask: np.ndarray) -> list[tuple[int, int]]:
 async def test_a_sync_mid_call_keeps_the_call_and_versions_its_tokens(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.agent.tiny_chat import build_chat_model
+    from asyncrl.models.tiny_chat import build_chat_model
     from asyncrl.models import load_tokenizer
     from asyncrl.queue.memory import MemorySink
     from asyncrl.rollouter.actor import EngineActor

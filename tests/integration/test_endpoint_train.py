@@ -25,7 +25,7 @@ async def three_call_agent(row, client):
 
 
 async def test_a_function_agent_trains_on_policy_with_exact_tokens(tmp_path):
-    from asyncrl.agent.tiny_chat import build_chat_model
+    from asyncrl.models.tiny_chat import build_chat_model
     from asyncrl.models import load_tokenizer
     from asyncrl.rollouter.agents import build_agent
     from asyncrl.rollouter.config import AgentConfig

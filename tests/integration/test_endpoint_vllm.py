@@ -33,7 +33,7 @@ async def three_calls(row, client):
 async def test_a_function_agents_calls_on_vllm_match_the_trainers_recompute(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.agent.tiny_chat import build_chat_model
+    from asyncrl.models.tiny_chat import build_chat_model
     from asyncrl.models import load_tokenizer
     from asyncrl.queue.memory import MemorySink
     from asyncrl.rollouter.actor import EngineActor

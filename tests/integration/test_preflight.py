@@ -106,7 +106,7 @@ def test_rewards_checked_before_ray(tmp_path, launch):
     ok = tmp_path / "train.jsonl"
     ok.write_text(json.dumps({"prompt": "1+2="}) + "\n")
     assert_usage_error(launch("--dataset", str(ok), "--reward", "no_such_pkg_xyz.rewards:score"),
-                       "reward no_such_pkg_xyz.rewards:score: cannot import no_such_pkg_xyz.rewards")
+                       "data.reward='no_such_pkg_xyz.rewards:score': module 'no_such_pkg_xyz.rewards' does not import")
     assert_usage_error(launch("--dataset", str(ok), "--reward", "asyncrl.tasks.arithmetic:missing"),
                        "has no callable 'missing'")
     assert_usage_error(launch("--dataset", str(ok)), "data.train (--dataset)", "data.reward (--reward)")

@@ -12,7 +12,7 @@ from asyncrl.agent.base import Turn
 from asyncrl.agent.endpoint.episode import Episode, EpisodeLimits
 from asyncrl.agent.endpoint.server import EndpointServer
 from asyncrl.agent.render import ChatRenderer
-from asyncrl.agent.tiny_chat import build_chat_tokenizer
+from asyncrl.models.tiny_chat import build_chat_tokenizer
 
 TOK = build_chat_tokenizer()
 RENDERER = ChatRenderer(TOK)

@@ -14,7 +14,7 @@ ENVS = "tests.unit.agent_envs"
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    from asyncrl.agent.tiny_chat import build_chat_model
+    from asyncrl.models.tiny_chat import build_chat_model
 
     return str(build_chat_model(tmp_path_factory.mktemp("chat") / "m"))
 

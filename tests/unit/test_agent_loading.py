@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.agent import (AgentSpecError, check_tool_template, load_agent_loop_class, load_env_class,
                            load_object)
-from asyncrl.agent.tiny_chat import build_chat_tokenizer
+from asyncrl.models.tiny_chat import build_chat_tokenizer
 
 USER_CODE = """
 from asyncrl.agent import AgentLoop, Env, Step
@@ -134,7 +134,7 @@ def test_a_saved_tiny_chat_model_keeps_its_tokenizer(tmp_path):
     tiny chat tokenizer's spaces; `load_tokenizer` honours the class the checkpoint declares."""
     from transformers import AutoTokenizer
 
-    from asyncrl.agent.tiny_chat import build_chat_model, build_chat_tokenizer
+    from asyncrl.models.tiny_chat import build_chat_model, build_chat_tokenizer
     from asyncrl.models import load_tokenizer
 
     path = build_chat_model(tmp_path / "m")

@@ -2,7 +2,7 @@
 token out.
 
 The model is a tiny Qwen2 built from a config over a character-level ChatML tokenizer whose chat
-template shows tools (`asyncrl.agent.tiny_chat`), trained here for a few seconds to hold one
+template shows tools (`asyncrl.models.tiny_chat`), trained here for a few seconds to hold one
 tool-using conversation: ask ``lookup`` for ``ab``, then for ``cd``, then answer ``AB CD``. Greedy
 decoding then replays it, so every turn, observation and marker is known to the token.
 """
@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from asyncrl.agent import (OBSERVATION_VERSION, EngineLLM, Env, EnvLoop, EnvLoopConfig, SingleTurnLoop, Step,
                            ToolEnv, tool)
-from asyncrl.agent.tiny_chat import build_chat_tokenizer
+from asyncrl.models.tiny_chat import build_chat_tokenizer
 from asyncrl.rollouter import TorchEngine
 from asyncrl.types import SamplingParams
 

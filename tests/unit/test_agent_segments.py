@@ -7,7 +7,7 @@ import random
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from asyncrl.agent.segments import CHECKED, SegmentEncoder
-from asyncrl.agent.tiny_chat import CHARS, TAGS, build_chat_tokenizer
+from asyncrl.models.tiny_chat import CHARS, TAGS, build_chat_tokenizer
 
 MARKERS = ["<|im_start|>", "<|im_end|>", *TAGS]
 

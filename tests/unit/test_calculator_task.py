@@ -13,13 +13,13 @@ import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.models import CALCULATOR_MODEL_DIR, default_model_path, load_tokenizer
-from asyncrl.models.calculator import (
+from asyncrl.demos.calculator import (
     DEMO_SAMPLED_BAND,
     MAX_CONTEXT_TOKENS,
     conversation,
     measure,
 )
-from asyncrl.models.warm_start import file_sha256
+from asyncrl.demos.warm_start import file_sha256
 from asyncrl.tasks.calculator import (
     CalculatorEnv,
     CalculatorTaskConfig,

@@ -178,10 +178,11 @@ async def test_a_slow_plain_reward_runs_off_the_rollouters_event_loop(tmp_path, 
 
 
 @pytest.mark.parametrize("spec, expected", [
-    ("nocolon", "must look like 'module:function'"),
-    ("no_such_module_xyz:f", "cannot import no_such_module_xyz (ModuleNotFoundError"),
+    ("nocolon", "data.reward='nocolon': expected 'module:Name'"),
+    ("no_such_module_xyz:f", "data.reward='no_such_module_xyz:f': module 'no_such_module_xyz' does not import "
+                             "(ModuleNotFoundError"),
     ("{mod}:missing", "has no callable 'missing'"),
-    ("{mod}:not_callable", "has no callable 'not_callable'"),
+    ("{mod}:not_callable", "has no callable 'not_callable' (its value is of type int)"),
     ("{mod}:three", "takes (a, b, c)"),
 ])
 def test_bad_rewards_are_named(reward_module, spec, expected):

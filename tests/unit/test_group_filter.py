@@ -112,10 +112,10 @@ def test_config_errors_name_the_field(user_filters):
         RolloutConfig(group_filter="zero-std")
     with pytest.raises(ValueError, match="RolloutConfig.max_filtered_in_a_row must be >= 1"):
         RolloutConfig(max_filtered_in_a_row=0)
-    with pytest.raises(ValueError, match=r"rollout.group_filter=no_such_mod:f: cannot import no_such_mod"):
+    with pytest.raises(ValueError, match=r"rollout.group_filter='no_such_mod:f': module 'no_such_mod' does not import"):
         filters.load("no_such_mod:f")
-    with pytest.raises(ValueError, match="rollout.group_filter=user_filters:not_callable: user_filters has no "
-                                         "callable 'not_callable'"):
+    with pytest.raises(ValueError, match="rollout.group_filter='user_filters:not_callable': module 'user_filters' has "
+                                         "no callable 'not_callable'"):
         filters.load(f"{user_filters}:not_callable")
     assert filters.load(f"{user_filters}:drop_all")(None) is False and filters.load("none") is None
 
@@ -128,7 +128,8 @@ def test_the_launcher_refuses_a_filter_that_does_not_import_before_ray_starts(ca
     assert (cfg.rollout.group_filter, cfg.rollout.max_filtered_in_a_row) == ("zero_std", 5)
     assert main(["rollout.group_filter=no_such_mod:keep"]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("asyncrl: error: rollout.group_filter=no_such_mod:keep: cannot import")
+    assert len(err) == 1 and err[0].startswith("asyncrl: error: rollout.group_filter='no_such_mod:keep': module 'no_such_mod' does not "
+                                         "import")
     assert main(["rollout.group_filter=zero-std"]) == EXIT_USAGE
     assert "rollout.group_filter must be none, zero_std or module:function" in capsys.readouterr().err
 
@@ -342,7 +343,7 @@ async def test_a_lockstep_round_ends_at_the_steps_kept_groups_not_at_any_complet
     r = Rollouter(cfg, engines, producer, make_prompts(8), odd_first_token, partial=partial, aggregator=aggregator)
     task = asyncio.create_task(r.run())
     try:
-        await until(lambda: r._round_closed, what="round 0 ended")
+        await until(lambda: r.rounds.closed, what="round 0 ended")
         kept = [g.sample_id for g in producer.groups if FILTERED_KEY not in g.meta]
         assert len(kept) >= 2 and r.filter.dropped >= 2, (kept, r.filter.dropped)
         assert all(parse_sample_id(sid)[1] % 3 == 0 for sid in kept)

@@ -163,20 +163,20 @@ async def test_sync_workflow_admits_nothing_once_the_round_has_its_groups_until_
         # while the round is open): once two groups are complete it ends, what runs is truncated
         # with its tokens (sample 0 among them), and nothing more is admitted.
         # (A short group may finish in the same decode step as the second: it is sent too.)
-        await until(lambda: r._round_closed and len(r.partials) >= N and len(producer.groups) >= GROUPS_PER_SYNC,
+        await until(lambda: r.rounds.closed and len(r.partials) >= N and len(producer.groups) >= GROUPS_PER_SYNC,
                     what="round 0 ended, sample 0 truncated")
         admitted = r.admitted
         await asyncio.sleep(0.3)  # the engine idles now; a gate that admitted would have done it by then
         assert r.admitted == admitted <= 4 + len(producer.groups) and r.admitted - r.sent <= 4
         assert aggregator.truncated_rounds[0] >= N and aggregator.round_threshold == 2 * N
-        assert "sample_0_0" in r._truncated
+        assert "sample_0_0" in r.rounds.truncated
         assert all(len(g.trajectories[0].response_ids) == SHORT for g in producer.groups), [
             (g.sample_id, g.status, g.error, [len(t.response_ids) for t in g.trajectories]) for g in producer.groups]
 
         # The Trainer drops all sent groups but one by policy: the step lacks one, the round goes on.
         count = aggregator.count
         await r.on_dropped([g.sample_id for g in producer.groups[1:]])
-        assert not r._round_closed and aggregator.round_threshold == count + N and not aggregator.signalled
+        assert not r.rounds.closed and aggregator.round_threshold == count + N and not aggregator.signalled
         await until(lambda: r.admitted > admitted, what="a replacement admitted")
 
         # The sync: the truncated responses go first, then the new round admits again, and ends
@@ -184,10 +184,10 @@ async def test_sync_workflow_admits_nothing_once_the_round_has_its_groups_until_
         await r.on_pause()
         await sync_engines(engines, 1, {})
         await r.on_sync(1)
-        await until(lambda: r._round_closed and r._truncated.get("sample_0_0", {}).get(0, PartialResponse()).age == 2,
+        await until(lambda: r.rounds.closed and r.rounds.truncated.get("sample_0_0", {}).get(0, PartialResponse()).age == 2,
                     what="round 1 ended, sample 0 truncated again")
         assert r.stats.resumed >= N and aggregator.truncated_rounds[1] >= N
-        for parts in r._truncated["sample_0_0"].values():
+        for parts in r.rounds.truncated["sample_0_0"].values():
             ids, _, versions = parts.joined()
             assert parts.age == 2 and set(versions.tolist()) == {0, 1} and len(ids) < LONG
     finally:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.models import DEFAULT_MODEL_DIR, default_model_path
 from asyncrl.models.tiny import TINY_CONFIG, build_tokenizer
-from asyncrl.models.warm_start import (
+from asyncrl.demos.warm_start import (
     DEMO_GREEDY_BAND,
     WarmStartConfig,
     check_demo_band,

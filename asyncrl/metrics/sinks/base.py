@@ -7,13 +7,13 @@ the run go on.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from asyncrl.importpath import load_path
 from asyncrl.metrics.config import MetricsConfig
 from asyncrl.metrics.events import MetricEvent
 
@@ -94,9 +94,8 @@ def open_sinks(cfg: MetricsConfig, run_dir: str | Path, **options) -> SinkSet:
     """
     out = SinkSet([])
     for name in (s for s in cfg.sinks if s in BACKENDS):
-        module, _, cls_name = BACKENDS[name].partition(":")
         try:
-            cls = getattr(importlib.import_module(module), cls_name)
+            cls = load_path(BACKENDS[name], f"metrics.sinks[{name}]", ImportError)
             out.sinks.append(cls(cfg, Path(run_dir), **options))
         except Exception as e:  # SinkUnavailable, OSError (port taken, disk), ImportError
             out.report(name, f"cannot open: {type(e).__name__}: {e}")

@@ -33,8 +33,8 @@ from asyncrl.sync.broadcast.header import encode_header
 from asyncrl.sync.buckets import NUM_BUFFERS, BucketBuffers, BucketLayout, model_param_metas, pack, plan_buckets
 from asyncrl.sync.group import WeightSyncGroup
 from asyncrl.sync.wire import WeightSyncError
-from asyncrl.trainer.lora import adapter_params, is_lora
-from asyncrl.trainer.lora import spec as lora_spec
+from asyncrl.sync.lora_wire import adapter_params, is_lora
+from asyncrl.sync.lora_wire import spec as lora_spec
 
 
 def _abandon(group: WeightSyncGroup, inflight: list) -> None:

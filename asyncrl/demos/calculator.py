@@ -2,10 +2,10 @@
 
 ``default_model_path("calculator")`` is the result as shipped (``asyncrl/models/tiny_calc/``);
 ``scripts/make_calculator_model.py`` runs this recipe to rebuild it. Like the addition demo's
-model (`asyncrl.models.warm_start`), it is built once and shipped, not trained at first use.
+model (`asyncrl.demos.warm_start`), it is built once and shipped, not trained at first use.
 
 The model is the tiny Qwen2 of `asyncrl.models.tiny` over the tiny chat tokenizer
-(`asyncrl.agent.tiny_chat`, its template naming the tools in one line). The supervised phase
+(`asyncrl.models.tiny_chat`, its template naming the tools in one line). The supervised phase
 shows it whole conversations, token for token as the agent loop renders them
 (`asyncrl.agent.ChatRenderer`): on a fraction ``tool_rate`` of them the first turn calls the
 calculator with the question's expression and the second copies the tool's result; on the
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.models.tiny import TINY_CONFIG
-from asyncrl.models.warm_start import file_sha256, sft_step
+from asyncrl.demos.warm_start import file_sha256, sft_step
 from asyncrl.tasks.calculator import CalculatorEnv, CalculatorTaskConfig, generate_dataset, make_problem
 
 RECIPE_VERSION = 1
@@ -80,7 +80,7 @@ def build_calculator_model(path: str | Path, seed: int = 0) -> Path:
     """The tiny Qwen2 with random weights over the tool-names chat tokenizer, saved to ``path``."""
     from transformers import Qwen2Config
 
-    from asyncrl.agent.tiny_chat import CHATML_TOOL_NAMES_TEMPLATE, build_chat_tokenizer
+    from asyncrl.models.tiny_chat import CHATML_TOOL_NAMES_TEMPLATE, build_chat_tokenizer
     from asyncrl.models.tiny import save_random_model
 
     tok = build_chat_tokenizer(CHATML_TOOL_NAMES_TEMPLATE)
