@@ -15,24 +15,29 @@ Resume: when ``<run_dir>/checkpoints`` holds a checkpoint, the ranks load it (mo
 step, version, committed set); the stream's consumer starts from that committed set; the
 engines get the restored weights (`WeightSyncCoordinator.republish`) before the Rollouter
 starts; the coordinator and the Rollouter continue at the restored version (one more when the
-run stopped in a weight sync: `Trainer.catch_up_sync` runs that sync instead); the Rollouter
+run stopped in a weight sync: `asyncrl.starters.start_sync` runs that sync instead); the Rollouter
 regenerates, by id, every id it had admitted that the checkpoint does not hold as trained or
 dropped, then feeds new ids from ``next_index`` (`RolloutState.resume`).
 
-Close: the Rollouter is drained (no new prompts, in-flight requests aborted), then the stream,
-the ranks and the engines are closed, in that order; a hard stop kills them all at once.
+Start and close: one starter per part (`asyncrl.starters`) starts it and registers its close on
+``Processes.stack`` in the same place, so `Processes.close` closes them in the reverse order of
+their start: restarts under way (cancelled, reported), the Rollouter (drained: no new prompts,
+in-flight requests aborted), the aggregator, the stream, the ranks, the engines, the dashboard,
+the metrics, the placement groups; a hard stop kills them without asking. The `Trainer` is built
+last, once, with everything it uses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from asyncrl.restarts import EngineRestarter, FeedState, NotifyingSyncer  # noqa: F401 - their old home
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -54,6 +59,12 @@ class Processes:
     """The run's `asyncrl.metrics.MetricsService` (None when ``metrics.enabled`` is false)."""
     dashboard: Any = None
     """The live `asyncrl.dashboard.server.DashboardServer` on the metric stream (``metrics.dashboard``)."""
+    stack: contextlib.AsyncExitStack = dataclasses.field(default_factory=contextlib.AsyncExitStack)
+    """Each part's close, registered by its starter (`asyncrl.starters`) as it starts."""
+    drain: bool = True
+    """How the closes run (set by `close`): drained (asked first), or killed at once."""
+    timeout_s: float = 30.0
+    """Deadline of each drained close (set by `close`)."""
 
     async def validate(self, step: int) -> dict[str, float]:
         """Score the validation file with the current weights (``val/`` metrics; {} without one)."""
@@ -71,271 +82,24 @@ class Processes:
                 f"replayed {progress.get('replayed', 0)} from skip dumps; engines served {requests} requests{skip}")
 
     async def close(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
-        """Stop everything: drain the Rollouter, close the stream, the ranks, the engines (in that
-        order, each under ``timeout_s``); ``drain=False`` kills them at once."""
-        import ray
-
-        if self.rollouter is not None:
-            if drain:
-                try:
-                    await asyncio.wait_for(self.rollouter.stop.remote(), timeout_s)
-                except Exception as e:  # noqa: BLE001 - a dead or wedged Rollouter is killed below
-                    log.warning("the Rollouter did not drain (%s: %s)", type(e).__name__, e)
-            ray.kill(self.rollouter)
-        if self.aggregator is not None:
-            ray.kill(self.aggregator)
-        if self.consumer is not None:
-            await self.consumer.close()
-        if self.ranks is not None:
-            self.ranks.close()
-        if drain and self.engines:
-            await asyncio.wait([asyncio.ensure_future(_quietly(e.close.remote())) for e in self.engines],
-                               timeout=timeout_s)
-        for e in self.engines:
-            ray.kill(e)
-        self.plan.release()
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.dashboard is not None:
-            self.dashboard.close()
-
-
-async def _quietly(ref) -> None:
-    try:
-        await ref
-    except Exception:  # noqa: BLE001 - closing an engine that already died
-        pass
-
-
-class EngineRestarter:
-    """Starts a dead engine replica again in its own placement bundle (``max_restarts`` times each,
-    ``backoff_s`` x k before restart k); `NotifyingSyncer` adds it back at the next sync.
-
-    A start that fails (the new actor dies, or ``start_engine`` raises) uses up a restart like a
-    death does: the replica, still dead to the coordinator, is started again at the next
-    `notice`, and past ``max_restarts`` it is left out with a line naming it and why."""
-
-    def __init__(self, start_engine: Callable[[int], Any], max_restarts: int, backoff_s: float):
-        self.start_engine, self.max_restarts, self.backoff_s = start_engine, max_restarts, backoff_s
-        self.restarts: dict[int, int] = {}
-        self.starting: dict[int, asyncio.Task] = {}
-        self.died_at: dict[int, float] = {}
-        self.left_out: set[int] = set()
-        self.start_errors: dict[int, BaseException] = {}
-        """Replica -> why its last start failed (cleared when a start succeeds)."""
-
-    def notice(self, dead: dict[str, str]) -> None:
-        """Start again every replica in ``dead`` (the coordinator's) not yet being started."""
-        from asyncrl.sync.coordinator import engine_index
-
-        for name, why in dead.items():
-            i = engine_index(name)
-            if i is None or i in self.starting or i in self.left_out:
-                continue
-            failed_start = self.start_errors.get(i)
-            what = f"did not start again ({failed_start!r})" if failed_start is not None else f"died ({why})"
-            k = self.restarts.get(i, 0) + 1
-            if k > self.max_restarts:
-                self.left_out.add(i)
-                print(f"asyncrl: {name} {what}; left out: engine.max_restarts={self.max_restarts} used",
-                      flush=True)
-                continue
-            self.restarts[i] = k
-            if failed_start is None:  # (a retry keeps the time it was first found dead)
-                self.died_at[i] = time.monotonic()
-            print(f"asyncrl: {name} {what}; starting it again ({k}/{self.max_restarts}) in "
-                  f"{self.backoff_s * k:g} s", flush=True)
-            self.starting[i] = asyncio.ensure_future(self._start(i, self.backoff_s * k))
-
-    async def _start(self, i: int, wait: float) -> Any:
-        await asyncio.sleep(wait)
-        handle = self.start_engine(i)
-        await handle.ready.remote()
-        return handle
-
-    def ready(self) -> dict[int, Any]:
-        """Replicas started and ready since the last call (a failed start is noticed again later)."""
-        out = {}
-        for i, task in list(self.starting.items()):
-            if not task.done():
-                continue
-            del self.starting[i]
-            if task.exception() is not None:
-                self.start_errors[i] = task.exception()
-                log.warning("engine[%d] did not start again: %r", i, task.exception())
-                print(f"asyncrl: engine[{i}] did not start again ({task.exception()!r})", flush=True)
-                continue
-            self.start_errors.pop(i, None)
-            out[i] = task.result()
-        return out
-
-
-class NotifyingSyncer:
-    """Tell the Rollouter a sync pauses the engines, run the coordinator's sync, then tell it
-    which version the engines now serve.
-
-    An engine that died is dropped by the coordinator; while live engines took the new weights
-    the run goes on with them (the Rollouter stops using a dead engine on its own). With a
-    `EngineRestarter`, a dead replica is started again and, once ready, joins the next sync: it
-    gets that sync's weights before the Rollouter sends it a request."""
-
-    def __init__(self, coordinator: Any, rollouter: Any, restarter: EngineRestarter | None = None,
-                 on_engine: Callable[[int, Any], None] | None = None):
-        self.coordinator, self.rollouter, self.restarter, self.on_engine = coordinator, rollouter, restarter, on_engine
-
-    async def sync(self) -> int:
-        from asyncrl.sync import WeightSyncError
-        from asyncrl.sync.coordinator import engine_name
-
-        c = self.coordinator
-        joining = self.restarter.ready() if self.restarter else {}
-        for i, handle in joining.items():
-            c.add_engine(engine_name(i), handle)
-        await self.rollouter.on_pause.remote()
-        try:
-            version = await c.sync()
-        except WeightSyncError as e:
-            if not c.engines or not set(c.last.failed) <= set(c.dead) or c.version != c.last.version:
-                raise
-            log.warning("weight sync to version %d went on without dead engines: %s", c.version, e)
-            print(f"asyncrl: engine(s) {', '.join(c.last.failed)} died; going on with {len(c.engines)}", flush=True)
-            version = c.version
-        for i, handle in joining.items():
-            if engine_name(i) in c.engines:  # it took this sync's weights: it serves from now on
-                if self.on_engine is not None:
-                    self.on_engine(i, handle)
-                await self.rollouter.replace_engine.remote(i, handle)
-                print(f"asyncrl: engine[{i}] serves again at version {version}, "
-                      f"{time.monotonic() - self.restarter.died_at[i]:.1f} s after it was found dead", flush=True)
-        await self.rollouter.on_sync.remote(version)
-        if self.restarter is not None:
-            self.restarter.notice(c.dead)
-        return version
-
-
-class FeedState:
-    """The Rollouter's feed state for each checkpoint; if the Rollouter cannot answer (it died),
-    the last answer it gave, marked stale (`RolloutState.resume` moves a stale position past the
-    committed ids)."""
-
-    def __init__(self, rollouter: Any, last: dict | None = None, timeout_s: float = 60.0):
-        self.rollouter, self.last, self.timeout_s = rollouter, dict(last or {}), timeout_s
-
-    async def __call__(self) -> dict:
-        try:
-            self.last = await asyncio.wait_for(self.rollouter.feed_state.remote(), self.timeout_s)
-        except Exception as e:  # noqa: BLE001 - any failure to answer leaves the last known state
-            log.warning("the Rollouter did not give its feed state (%s: %s); the checkpoint keeps its last one",
-                        type(e).__name__, e)
-            return {**self.last, "stale": True}
-        return self.last
+        """Stop everything in the reverse order of its start: restarts under way, the Rollouter
+        (drained), the aggregator, the stream, the ranks, the engines, the dashboard, the metrics,
+        the placement groups (each drained close under ``timeout_s``); ``drain=False`` kills at once."""
+        self.drain, self.timeout_s = drain, timeout_s
+        await self.stack.aclose()
 
 
 async def start(cfg, plan, run_dir: Path) -> Processes:
     """Reserve the plan's placement groups and start engines, ranks, stream and Rollouter on them."""
-    import ray
-
-    from asyncrl.queue import StreamConsumer
-    from asyncrl.rollouter.actor import remote_engine_actor
-    from asyncrl.rollouter.aggregator import remote_aggregator_actor
-    from asyncrl.rollouter.worker import DataSpec, RolloutWorker
-    from asyncrl.skip.config import absolute_dump_dirs
-    from asyncrl.sync import WeightSyncCoordinator
-    from asyncrl.trainer.ranks import RankGroup
-    from asyncrl.trainer.trainer import Trainer
-
-    model_path = cfg.model_path
-    print(f"asyncrl: run dir {run_dir}; model {model_path}; {cfg.engine_replicas} engine replica(s), "
+    print(f"asyncrl: run dir {run_dir}; model {cfg.model_path}; {cfg.engine_replicas} engine replica(s), "
           f"{cfg.trainer_world_size} trainer rank(s)", flush=True)
     print(plan.describe(), flush=True)
     plan.reserve()
     procs = Processes(plan=plan, engines=[])
+    procs.stack.callback(plan.release)
     try:
-        if cfg.metrics.enabled:  # metrics (#16): the run's metric stream, its sinks, the dashboard
-            from asyncrl.metrics.service import MetricsService
-
-            procs.metrics = MetricsService(cfg.metrics, run_dir)
-            if cfg.metrics.dashboard:
-                from asyncrl.dashboard.server import DashboardServer, StreamFeed
-
-                procs.dashboard = DashboardServer(StreamFeed(procs.metrics.endpoints.subscribe), host=cfg.metrics.host,
-                                                  port=cfg.metrics.dashboard_port, title=run_dir.name)
-                print(f"asyncrl: live dashboard at {procs.dashboard.url}", flush=True)
-        kind = cfg.engine_kind
-        procs.engines = [remote_engine_actor(**plan.options(slot)).remote(kind=kind, **cfg.engine_kwargs(model_path))
-                         for slot in plan.engines]
-        engines_ready = [e.ready.remote() for e in procs.engines]  # they start while the ranks do
-
-        net = addresses(cfg, plan)
-        pad_id, eos_id = _special_token_ids(model_path)
-        tcfg = cfg.trainer_config(model_path=model_path, pad_token_id=pad_id, eos_token_id=eos_id,
-                                  checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"),
-                                  transcripts_path=str(run_dir / "transcripts.jsonl") if cfg.rollout.agent.enabled else None)
-        procs.ranks = RankGroup.start_ray(tcfg, actor_options=[plan.options(s) for s in plan.ranks],
-                                          across_nodes=net.ranks_across_nodes)
-        await _ready(engines_ready, plan.ready_timeout_s, "engine replicas")
-        procs.trainer = trainer = Trainer(tcfg, procs.ranks, source=None)
-        resume = None
-        if await trainer.restore():
-            resume = {"saved": trainer.restored_rollouter_state, "committed": trainer.committed.to_json(),
-                      "dropped": trainer.dropped}
-            partials = sum(len(r) for r in trainer.restored_rollouter_state.get("partials", {}).values())
-            print(f"asyncrl: resumed at step {trainer.step}, version {trainer.version}; "
-                  f"{len(trainer.committed)} groups done"
-                  + (f"; {partials} truncated responses go on from their saved parts" if partials else ""),
-                  flush=True)
-
-        procs.consumer = StreamConsumer(net.consumer_stream, committed=trainer.committed)
-        await procs.consumer.start()
-        print(f"asyncrl: sample stream on {procs.consumer.endpoint}"
-              f"{' (CURVE: authenticated, encrypted)' if net.curve else ' (loopback)'}", flush=True)
-        # Producers get the endpoint the consumer bound and the keys without the server's secret.
-        stream = dataclasses.replace(net.consumer_stream, endpoint=procs.consumer.endpoint,
-                                     curve=net.curve.for_producer() if net.curve else None)
-
-        partial = cfg.partial_rollout
-        if partial.by_count:
-            # Sync mode's rounds end by count (the Rollouter sets each round's threshold). Async
-            # mode's end at the sync, inside the engines (the coordinator's clear_cache below).
-            threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
-            procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
-        data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
-                        long_tail=cfg.data.long_tail, task=cfg.data.task)
-        procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
-            cfg.rollout, procs.engines, stream, model_path, data, resume,
-            metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
-            metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip.skip_config()),
-            partial=partial, aggregator=procs.aggregator)
-        await _ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
-
-        coordinator = WeightSyncCoordinator(procs.ranks.workers, procs.engines, net.weight_sync,
-                                            version=trainer.version, clear_cache=partial.at_sync,
-                                            rpc=cfg.rollout.engine_calls == "zmq")
-        # The engines serve the restored weights before they generate: the sync the restored run
-        # stopped in (its version counts), else the restored version again.
-        if resume is not None and not await trainer.catch_up_sync(coordinator):
-            await coordinator.republish()
-        await procs.rollouter.on_sync.remote(trainer.version)
-        procs.rollout_run = procs.rollouter.run.remote()
-        source = procs.consumer
-        if procs.metrics is not None:  # metrics (#16): time the Trainer's waits, report each step
-            from asyncrl.metrics.report import MeteredSource, TrainerReporter
-
-            source = MeteredSource(procs.consumer)
-            procs.metrics.reporter = TrainerReporter(procs.metrics.emitter("trainer"), source, coordinator,
-                                                     procs.consumer)
-        trainer.source = source
-        def start_engine(i: int):
-            return remote_engine_actor(**plan.options(plan.engines[i])).remote(kind=kind, **cfg.engine_kwargs(model_path))
-
-        def on_engine(i: int, handle) -> None:
-            procs.engines[i] = handle  # closed with the others
-
-        restarter = EngineRestarter(start_engine, cfg.engine.max_restarts, cfg.engine.restart_backoff_s)
-        trainer.syncer = NotifyingSyncer(coordinator, procs.rollouter, restarter, on_engine)
-        trainer.rollouter_state = FeedState(procs.rollouter, last=trainer.restored_rollouter_state)
-        trainer.on_dropped = lambda ids: procs.rollouter.on_dropped.remote(ids)
-        print(f"asyncrl: mode {cfg.mode}" + (", partial rollout" if partial.enable else ""), flush=True)
+        await _start_parts(procs, cfg, plan, run_dir)
+        print(f"asyncrl: mode {cfg.mode}" + (", partial rollout" if cfg.partial_rollout.enable else ""), flush=True)
         return procs
     except TimeoutError as e:  # a process that does not come up: say where each one waits
         where = where_they_wait(run_dir, f"start-up: {e}")
@@ -344,6 +108,41 @@ async def start(cfg, plan, run_dir: Path) -> Processes:
     except BaseException:
         await procs.close(drain=False)
         raise
+
+
+async def _start_parts(procs: Processes, cfg, plan, run_dir: Path) -> None:
+    """Every part, in start order (each starter registers its close), then the Trainer, built once."""
+    from asyncrl import starters
+    from asyncrl.trainer.trainer import Trainer
+
+    starters.start_metrics(procs, cfg, run_dir)
+    engines_ready = starters.start_engines(procs, cfg, plan)  # they start while the ranks do
+    net = addresses(cfg, plan)
+    tcfg = _trainer_config(cfg, run_dir)
+    starters.start_ranks(procs, tcfg, plan, net.ranks_across_nodes)
+    await _ready(engines_ready, plan.ready_timeout_s, "engine replicas")
+    state = await starters.restore(procs, tcfg)
+    stream = await starters.start_stream(procs, net, state)
+    starters.start_aggregator(procs, cfg)
+    await starters.start_rollouter(procs, cfg, plan, stream, state, _ready)
+    coordinator, state = await starters.start_sync(procs, cfg, net, state)
+    version = state.version if state is not None else 0
+    await procs.rollouter.on_sync.remote(version)
+    procs.rollout_run = procs.rollouter.run.remote()
+    source = starters.start_reporter(procs, coordinator)
+    syncer = starters.start_restarter(procs, cfg, plan, coordinator)
+    rollouter = procs.rollouter
+    procs.trainer = Trainer(tcfg, procs.ranks, source, syncer, restored=state,
+                            rollouter_state=FeedState(rollouter, last=state.rollouter_state if state else None),
+                            on_dropped=lambda ids: rollouter.on_dropped.remote(ids))
+
+
+def _trainer_config(cfg, run_dir: Path):
+    """The ranks' and the Trainer's config: the model's special token ids, the run's files."""
+    pad_id, eos_id = _special_token_ids(cfg.model_path)
+    return cfg.trainer_config(model_path=cfg.model_path, pad_token_id=pad_id, eos_token_id=eos_id,
+                              checkpoint_dir=str(run_dir / "checkpoints"), samples_path=str(run_dir / "samples.jsonl"),
+                              transcripts_path=str(run_dir / "transcripts.jsonl") if cfg.rollout.agent.enabled else None)
 
 
 def where_they_wait(run_dir: Path, reason: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,6 +19,10 @@ import numpy as np
 from asyncrl.usercode import UserCodeError
 
 Pending = asyncio.Task | concurrent.futures.Future
+
+_OWNER: contextvars.ContextVar[set[Pending] | None] = contextvars.ContextVar("asyncrl_reward_owner", default=None)
+"""The rewards started under one `Rewards.owned` call: its tasks (the group's response tasks)
+copy this context, so every reward they start lands in the same set."""
 
 
 class Rewards:
@@ -38,12 +43,32 @@ class Rewards:
             self._threads = None
 
     def start(self, prompt: Any, response_ids: np.ndarray) -> Pending:
-        """Start one response's reward: a coroutine function as a task, a plain one on the threads."""
+        """Start one response's reward: a coroutine function as a task, a plain one on the threads
+        (owned by the `owned` call it runs under, if any: cancelled with that group)."""
         if inspect.iscoroutinefunction(self.reward_fn):
-            return asyncio.ensure_future(self.reward_fn(prompt, response_ids))
-        if self._threads is None:
+            pending: Pending = asyncio.ensure_future(self.reward_fn(prompt, response_ids))
+        elif self._threads is None:
             raise RuntimeError("Rewards.start before open(): the reward threads are not running")
-        return self._threads.submit(self.reward_fn, prompt, response_ids)
+        else:
+            pending = self._threads.submit(self.reward_fn, prompt, response_ids)
+        owner = _OWNER.get()
+        if owner is not None:
+            owner.add(pending)
+            pending.add_done_callback(owner.discard)
+        return pending
+
+    @staticmethod
+    async def owned(group: Awaitable[Any]) -> Any:
+        """Await one group's work (run it as its own task), owning the rewards started under it:
+        if it fails or is cancelled, those not done are cancelled with it (none is orphaned)."""
+        owner: set[Pending] = set()
+        _OWNER.set(owner)  # this task's own context: the group's response tasks copy it
+        try:
+            return await group
+        except BaseException:
+            for pending in list(owner):
+                pending.cancel()
+            raise
 
     @staticmethod
     async def value(pending: Pending) -> float:

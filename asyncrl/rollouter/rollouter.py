@@ -246,7 +246,7 @@ class Rollouter:
                         # Draw only once admitted: every index below next_index was admitted.
                         sample_id, prompt = self._draw()
                         self.admitted += 1
-                        self._groups[sample_id] = tg.create_task(self._one_group(sample_id, prompt))
+                        self._groups[sample_id] = tg.create_task(Rewards.owned(self._one_group(sample_id, prompt)))
                     self.stats.gate_blocked_s += time.monotonic() - t0
                     # A sync opens the gate for a whole step at once: start its groups a few at a time,
                     # one event-loop turn apart, so a pause or resume waits behind a few groups' start.

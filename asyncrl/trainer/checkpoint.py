@@ -23,8 +23,13 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from asyncrl.trainer.config import TrainerConfig
+    from asyncrl.trainer.ranks import RankGroup
 
 SIDECAR = "trainer_state.json"
 LATEST = "latest"
@@ -128,3 +133,20 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+async def load_latest(cfg: TrainerConfig, ranks: RankGroup) -> TrainerState | None:
+    """Load the latest checkpoint under ``checkpoint_dir`` into the ranks (model, optimizer); its
+    state, for ``Trainer(restored=...)``, or None without one (``samples.jsonl`` then lists
+    nothing: a run started again before its first checkpoint made nothing durable)."""
+    found = latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if found is None:
+        from asyncrl.trainer import audit
+        from asyncrl.types import CommittedSet
+
+        if cfg.samples_path:
+            audit.SampleLog(cfg.samples_path).repair(CommittedSet(), ())
+        return None
+    path, state = found
+    await ranks.call("load_checkpoint", timeout=cfg.step_timeout_s, path=str(path))
+    return state

@@ -84,10 +84,12 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig, ranks: RankGroup, source: GroupSource,
                  syncer: WeightSyncer | None = None, *,
                  rollouter_state: Callable[[], dict | Awaitable[dict]] | None = None,
-                 on_dropped: Callable[[list[str]], Awaitable[None] | None] | None = None):
+                 on_dropped: Callable[[list[str]], Awaitable[None] | None] | None = None,
+                 restored: checkpoint.TrainerState | None = None):
         """``rollouter_state`` is called at each checkpoint; what it returns (a JSON-able dict)
         is stored in the sidecar's ``rollouter_state`` slot. ``on_dropped(sample_ids)`` is
-        called as soon as groups are dropped by policy (tell the Rollouter's gate)."""
+        called as soon as groups are dropped by policy (tell the Rollouter's gate). ``restored``:
+        the state `checkpoint.load_latest` loaded into the ranks (the Trainer goes on from it)."""
         if ranks.world_size != cfg.world_size:
             raise ValueError(f"world_size={cfg.world_size} but {ranks.world_size} ranks were given")
         self.cfg = cfg
@@ -114,6 +116,8 @@ class Trainer:
         self.sync_due = False
         """A weight sync was due after ``step`` and has not finished (set while it runs, and after
         a restore of a run that stopped in it); a checkpoint records it, `catch_up_sync` runs it."""
+        if restored is not None:
+            self._go_on_from(restored)
 
     async def restore(self) -> bool:
         """Load the latest checkpoint under ``checkpoint_dir`` if there is one; True if it did.
@@ -122,15 +126,12 @@ class Trainer:
         ``committed`` to the stream (``StreamConsumer(cfg, committed=trainer.committed)``) so
         replays of committed groups are acked, not delivered. The Rollouter's saved state is in
         ``restored_rollouter_state``. ``samples.jsonl`` is repaired to list exactly the groups
-        the checkpoint made durable (see `asyncrl.trainer.audit`).
-        """
-        found = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
-        if found is None:
-            if self._log is not None:  # a run started again before its first checkpoint: nothing is durable
-                self._log.repair(CommittedSet(), ())
-            return False
-        path, state = found
-        await self.ranks.call("load_checkpoint", timeout=self.cfg.step_timeout_s, path=str(path))
+        the checkpoint made durable (see `asyncrl.trainer.audit`)."""
+        if (state := await checkpoint.load_latest(self.cfg, self.ranks)) is not None:
+            self._go_on_from(state)
+        return state is not None
+
+    def _go_on_from(self, state: checkpoint.TrainerState) -> None:
         self.step, self.version, self.dropped = state.step, state.version, state.dropped
         self.sync_due = state.sync_due
         self.committed = CommittedSet.from_json(state.committed)
@@ -139,7 +140,6 @@ class Trainer:
         self.restored_rollouter_state = state.rollouter_state
         if self._log is not None:
             self._log.repair(self.committed, state.records)
-        return True
 
     async def catch_up_sync(self, syncer: WeightSyncer) -> bool:
         """After `restore`: run the weight sync the restored run stopped in, if any; True if it ran.

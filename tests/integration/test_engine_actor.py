@@ -115,3 +115,54 @@ async def test_actor_class_in_process(model_path):
             EngineActor(kind="tpu")
     finally:
         await actor.close()
+
+
+async def _gone(handle, timeout_s: float = 60.0) -> bool:
+    """True once the actor is gone (its ``ready`` call fails with an actor error)."""
+    try:
+        await asyncio.wait_for(handle.ready.remote(), timeout_s)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+async def test_a_restart_in_progress_at_shutdown_is_cancelled_killed_and_reported(ray_cluster, capsys):
+    """`EngineRestarter` closed with the run (`Processes.stack`, as `asyncrl.starters.start_restarter`
+    registers it): a restart under way (a real actor Ray cannot place: it asks for a resource the
+    cluster lacks) is cancelled and its actor killed; a failed one (its engine cannot be built) is
+    reported with why; both named; nothing of either outlives the close."""
+    from types import SimpleNamespace
+
+    from asyncrl.processes import Processes
+    from asyncrl.restarts import EngineRestarter
+
+    started: dict[int, object] = {}
+
+    def start_engine(i: int):
+        if i == 1:  # still waiting for its placement when the run closes
+            actor = remote_engine_actor(num_cpus=0, resources={"no-such-accelerator": 1})
+        else:  # its engine cannot be built: the start fails
+            actor = remote_engine_actor(num_cpus=0.1)
+        started[i] = actor.remote(kind="no-such-kind")
+        return started[i]
+
+    released: list[bool] = []
+    procs = Processes(plan=SimpleNamespace(release=lambda: released.append(True)), engines=[])
+    procs.stack.callback(procs.plan.release)
+    restarter = EngineRestarter(start_engine, max_restarts=1, backoff_s=0.0)
+    procs.stack.push_async_callback(restarter.close, ray.kill)  # as `asyncrl.starters.start_restarter` does
+
+    restarter.notice({"engine[1]": "actor died", "engine[2]": "actor died"})  # a sync found both dead
+    tasks = dict(restarter.starting)
+    await asyncio.wait_for(asyncio.gather(tasks[2], return_exceptions=True), 60)  # engine[2]'s start failed
+    assert set(started) == {1, 2} and not tasks[1].done()  # engine[1]'s restart is under way
+    await asyncio.wait_for(procs.close(), 60)
+
+    assert tasks[1].cancelled() and not restarter.starting and released == [True]  # closed, then the plan
+    assert await _gone(started[1]) and await _gone(started[2])  # neither actor outlives the run
+    out = capsys.readouterr().out
+    assert "asyncrl: engine[1] its restart was under way at shutdown: cancelled" in out
+    assert "asyncrl: engine[2] did not start again (" in out and "no-such-kind" in out
+    assert isinstance(restarter.start_errors[2], ray.exceptions.RayActorError)
+    restarter.notice({"engine[1]": "actor died"})  # a sync racing the close starts nothing more
+    assert not restarter.starting and len(started) == 2
