@@ -23,13 +23,12 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from asyncrl.trainer.config import TrainerConfig
-    from asyncrl.trainer.ranks import RankGroup
 
 SIDECAR = "trainer_state.json"
 LATEST = "latest"
@@ -135,7 +134,13 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-async def load_latest(cfg: TrainerConfig, ranks: RankGroup) -> TrainerState | None:
+class RankCalls(Protocol):
+    """What `load_latest` needs of the ranks (`asyncrl.trainer.ranks.RankGroup`): one call on each."""
+
+    async def call(self, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any: ...
+
+
+async def load_latest(cfg: TrainerConfig, ranks: RankCalls) -> TrainerState | None:
     """Load the latest checkpoint under ``checkpoint_dir`` into the ranks (model, optimizer); its
     state, for ``Trainer(restored=...)``, or None without one (``samples.jsonl`` then lists
     nothing: a run started again before its first checkpoint made nothing durable)."""
