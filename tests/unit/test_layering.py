@@ -238,22 +238,6 @@ def test_weight_sync_backends_are_chosen_in_one_place():
     assert not any(backend_of(m) for m in imported_modules(sync / "base.py"))
 
 
-def test_no_module_or_function_of_weight_sync_outgrows_its_size():
-    """STYLE.md sizes for `asyncrl/sync/` and its backends' subpackages: modules <= 400 lines,
-    functions < 60 (counted as for the Rollouter)."""
-    files = sorted((PACKAGE / "sync").rglob("*.py"))
-    assert len(files) >= 15  # the interface, registry, coordinator and every backend's files
-    too_long = {}
-    for f in files:
-        src = f.read_text()
-        if len(src.splitlines()) > 400:
-            too_long[str(f.relative_to(PACKAGE))] = len(src.splitlines())
-        for node in ast.walk(ast.parse(src)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
-                too_long[f"{f.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
-    assert too_long == {}
-
-
 ENGINES = PACKAGE / "rollouter" / "engines"
 ENGINE_BACKENDS = ("asyncrl.rollouter.engines.builtin", "asyncrl.rollouter.engines.vllm", "asyncrl.rollouter.engines.sim")
 
@@ -295,17 +279,25 @@ def test_engine_backends_are_chosen_in_one_place():
     assert not any(m.startswith(ENGINE_BACKENDS) for m in imported_modules(ENGINES / "base.py"))
 
 
-def test_no_module_or_function_of_the_rollouter_outgrows_its_size():
-    """STYLE.md: around 400 lines a module is a sign to split, a function over 60 hides two."""
+# The one function allowed past 60 lines: the loss, whose commented math reads best in one piece.
+_LONG_ON_PURPOSE = {"trainer/algorithm.py:policy_loss"}
+
+
+def test_no_module_or_function_of_the_package_outgrows_its_size():
+    """STYLE.md, over all of `asyncrl/`: around 400 lines a module is a sign to split, a function
+    over 60 hides two."""
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) >= 150
     too_long = {}
-    for f in sorted((PACKAGE / "rollouter").rglob("*.py")):
+    for f in files:
         src = f.read_text()
         if len(src.splitlines()) > 400:
             too_long[str(f.relative_to(PACKAGE))] = len(src.splitlines())
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 too_long[f"{f.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
-    assert too_long == {}
+    assert set(too_long) - _LONG_ON_PURPOSE == set(), too_long
+    assert _LONG_ON_PURPOSE <= set(too_long)  # drop the exception when it no longer applies
 
 
 def test_the_call_layer_is_split_by_concern_and_shares_the_streams_pump():
