@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl import placement
+from asyncrl.rpc.auth import RUN_KEY_ENV, run_env
 
 RAY_TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the raylet "
                         "failed to startup or the GCS has become overloaded.")
@@ -68,13 +69,17 @@ def test_the_local_ray_s_workers_keep_the_launcher_s_priority_unless_the_environ
 def test_the_benchmarks_and_tests_start_their_local_ray_the_same_way(monkeypatch, capsys):
     # `start_local_ray` (the launcher's start, for the benchmarks' and tests' own local Rays): a new
     # local instance, no dashboard, the caller's system config with the workers' priority merged in,
-    # and the same fresh start after a raylet slow to register.
+    # the run's call key handed to every process of it, and the same fresh start after a raylet slow
+    # to register.
     monkeypatch.delenv("RAY_worker_niceness", raising=False)
     calls = _stand_in(monkeypatch, [RAY_TIMEOUT])
     said = []
     placement.start_local_ray(num_cpus=2, log_to_driver=False, _system_config={"a": 1}, say=said.append)
     init = calls[-1]
     assert calls[1] == "shutdown" and len(calls) == 3 and len(said) == 1 and "did not start in time" in said[0]
+    key = run_env()[RUN_KEY_ENV]
+    assert len(bytes.fromhex(key)) >= 32
     assert init == {"address": "local", "include_dashboard": False, "num_cpus": 2, "log_to_driver": False,
-                    "_system_config": {"a": 1, "worker_niceness": 0}}
+                    "_system_config": {"a": 1, "worker_niceness": 0},
+                    "runtime_env": {"env_vars": {RUN_KEY_ENV: key}}}
     assert capsys.readouterr().out == ""  # retries are told through `say` only
