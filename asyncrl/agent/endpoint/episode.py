@@ -94,6 +94,28 @@ def check_request(body: dict, *, chat: bool) -> None:
         raise EndpointError(400, "prompt must be a text or a list of token ids", param="prompt")
 
 
+@dataclass
+class Answer:
+    """A chat call's result, before it is written in an API's schema."""
+
+    message: dict
+    """The assistant message (``content``, ``tool_calls`` with ``call_`` ids and JSON-text arguments)."""
+    finish: str
+    """``tool_calls``, ``stop`` or ``length``."""
+    stop: str | None
+    """The request's stop text that ended the turn (None: none did)."""
+    placement: Placement
+    turn: Turn
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.placement.context)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.turn.token_ids)
+
+
 class Episode:
     """One episode's endpoint state: serve its calls on ``llm``, record them in its `History`."""
 
@@ -145,15 +167,15 @@ class Episode:
             raise EndpointError(400, "stop must be a non-empty text or a list of them", param="stop")
         return stops
 
-    async def _generate(self, context: np.ndarray, budget: int, stops: list[str]) -> tuple[Turn, str, bool]:
-        """The turn (cut after a stop text), its text (cut before it) and whether a stop text ended it."""
+    async def _generate(self, context: np.ndarray, budget: int, stops: list[str]) -> tuple[Turn, str, str | None]:
+        """The turn (cut after a stop text), its text (cut before it) and the stop text that ended it (or None)."""
         turn = await self.llm.generate(context, max_tokens=budget, stop=tuple(self.renderer.stop_ids))
         ids = turn.token_ids.tolist()
         text = self.renderer.turn_text(ids)
-        hits = [(text.find(s), len(s)) for s in stops if s in text]
+        hits = [(text.find(s), len(s), s) for s in stops if s in text]
         if not hits:
-            return turn, text, False
-        cut_at, n = min(hits)
+            return turn, text, None
+        cut_at, n, hit = min(hits)
         lo, hi = 1, len(ids)  # the fewest tokens whose text holds the whole stop text: kept, the rest dropped
         while lo < hi:
             mid = (lo + hi) // 2
@@ -162,7 +184,7 @@ class Episode:
             else:
                 lo = mid + 1
         kept = Turn(turn.token_ids[:lo], turn.logprobs[:lo], turn.versions[:lo], "stop")
-        return kept, text[:cut_at], True
+        return kept, text[:cut_at], hit
 
     def _message(self, text: str, tools_on: bool) -> tuple[dict, str]:
         """The assistant message for a turn's text, and whether it calls tools."""
@@ -176,6 +198,13 @@ class Episode:
 
     async def chat(self, body: dict) -> dict:
         """``POST /chat/completions``: the response body (OpenAI's ``chat.completion``)."""
+        a = await self.answer(body)
+        return self._body("chat.completion", {"index": 0, "message": a.message, "finish_reason": a.finish,
+                                              "logprobs": None}, a.placement, a.turn)
+
+    async def answer(self, body: dict) -> Answer:
+        """One chat call (a ``chat/completions`` body), sampled and recorded: what every chat-shaped
+        route (chat completions, the Responses and Messages APIs) answers from."""
         check_request(body, chat=True)
         self.admit()
         stops = self._stops(body)
@@ -192,8 +221,7 @@ class Episode:
         self.tool_calls += len(message.get("tool_calls") or ())
         self.tool_call_turns += bool(message.get("tool_calls"))
         finish = calls_finish or ("length" if turn.finish_reason == "length" and not stopped else "stop")
-        return self._body("chat.completion", {"index": 0, "message": message, "finish_reason": finish,
-                                              "logprobs": None}, placement, turn)
+        return Answer(message, finish, stopped, placement, turn)
 
     async def complete(self, body: dict) -> dict:
         """``POST /completions`` (a text or token-id prompt): continued as is, recorded as its own branch."""
