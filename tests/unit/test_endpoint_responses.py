@@ -125,3 +125,4 @@ async def test_a_wrong_key_is_401_and_a_long_input_names_input():
             await client(server, ep).responses.create(model="p", input="y" * 300)
     assert e.value.body["param"] == "input" and e.value.body["code"] == "context_length_exceeded"
     assert llm.prompts == []
+

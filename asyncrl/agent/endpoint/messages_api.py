@@ -145,8 +145,8 @@ def message_body(a: Answer, model: str) -> dict:
     if msg.get("content") or not msg.get("tool_calls"):
         content.append({"type": "text", "text": msg.get("content") or ""})
     for c in msg.get("tool_calls") or ():
-        content.append({"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"), "name": c["function"]["name"],
-                        "input": arguments_object(c["function"]["arguments"])})
+        content.append({"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
+                        "name": c["function"]["name"], "input": arguments_object(c["function"]["arguments"])})
     reason = "stop_sequence" if a.stop is not None and a.finish == "stop" else _STOP[a.finish]
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": a.stop if reason == "stop_sequence" else None,

@@ -132,8 +132,9 @@ def response_body(request: dict, a: Answer, model: str) -> dict:
             "temperature": None, "top_p": None, "text": {"format": {"type": "text"}},
             "tool_choice": request.get("tool_choice") or "auto", "tools": request.get("tools") or [],
             "truncation": "disabled", "metadata": request.get("metadata") or {}, "user": request.get("user"),
-            "usage": {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": n_out,
-                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}}
+            "usage": {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": n_in + n_out}}
 
 
 def stream_events(response: dict) -> list[dict]:

@@ -241,7 +241,7 @@ def build_app(server: EndpointServer):
         ep = server.lookup(episode, request.headers.get("authorization"))
         return {"reward": ep.post_reward(await body_of(request))}
 
-    from asyncrl.agent.endpoint import messages_api, responses_api  # OpenAI Responses, Anthropic Messages (docs/endpoint.md)
+    from asyncrl.agent.endpoint import messages_api, responses_api  # (docs/endpoint.md)
 
     responses_api.add_routes(app, server, _serve_call)
     messages_api.add_routes(app, server, _serve_call)
