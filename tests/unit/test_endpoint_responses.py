@@ -103,6 +103,7 @@ async def test_streaming_gives_responses_events():
     ({"include": ["message.output_text.logprobs"]}, "include"), ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"), ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
 ])
 async def test_each_refused_field_is_a_400_naming_it(kwargs, param):

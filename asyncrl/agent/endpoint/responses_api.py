@@ -102,6 +102,9 @@ def _messages(body: dict) -> list[dict]:
             assistant.setdefault("tool_calls", []).append(
                 {"id": item.get("call_id"), "type": "function",
                  "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}})
+        elif kind == "message":
+            raise EndpointError(400, f"{where}.role must be user, system, developer or assistant, got "
+                                f"{item.get('role')!r}", param=f"{where}.role")
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": text_of(item.get("output"), _PARTS, f"{where}.output")})
