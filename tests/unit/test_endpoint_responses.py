@@ -96,8 +96,25 @@ async def test_streaming_gives_responses_events():
     assert done == ["message", "function_call"] and events[-1].response.usage.output_tokens == len(llm.turns[0])
 
 
+async def test_previous_response_id_continues_the_stored_conversation_on_one_branch():
+    llm = ScriptedLLM(["Let me see." + CALL, "It is 42.", "Again."])
+    async with serving(llm) as (server, ep):
+        c = client(server, ep)
+        r = await c.responses.create(model="policy", instructions="Be brief.", input="6*7?", tools=TOOLS)
+        assert r.store is True
+        call = r.output[1]
+        r2 = await c.responses.create(model="policy", instructions="Be brief.", previous_response_id=r.id, tools=TOOLS,
+                                      input=[{"type": "function_call_output", "call_id": call.call_id, "output": "42"}])
+        assert r2.output_text == "It is 42." and r2.previous_response_id == r.id
+        assert_one_exact_trajectory(ep, llm)
+        unstored = await c.responses.create(model="policy", input="hi", store=False)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.responses.create(model="policy", input="more", previous_response_id=unstored.id)
+        assert e.value.body["param"] == "previous_response_id" and len(llm.prompts) == 3
+
+
 @pytest.mark.parametrize("kwargs, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"truncation": "auto"}, "truncation"), ({"text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"include": ["message.output_text.logprobs"]}, "include"), ({"tool_choice": "required"}, "tool_choice"),

@@ -11,9 +11,11 @@ forked, limited and recorded exactly as a chat call's (docs/endpoint.md):
 - ``tools`` (function tools, flat: ``{type: function, name, parameters}``), ``tool_choice``
   ``auto`` / ``none``, ``max_output_tokens``, ``stream`` (the answer as Responses events once it is
   sampled: the engine returns a turn whole).
-- Refused with 400 naming the field: ``previous_response_id``, ``conversation`` and ``store: true``
-  (nothing is stored: send the whole input, as ``store: false`` clients do), ``background``,
-  ``prompt``, ``top_logprobs``, ``max_tool_calls``, ``truncation: auto``, a ``text.format`` other
+- ``previous_response_id``: a response of the same episode is stored (unless ``store: false``)
+  as its conversation (input and answer, instructions left out, as OpenAI carries them), which a
+  later call's input continues: the same messages as sending the whole input, so the same branch.
+- Refused with 400 naming the field: an unknown ``previous_response_id``, ``conversation`` (kept
+  across episodes: send the input), ``background``, ``prompt``, ``top_logprobs``, ``max_tool_calls``, ``truncation: auto``, a ``text.format`` other
   than text, an ``include`` of log-probs, tools other than functions, a forced ``tool_choice``.
 - The run's sampling applies: ``temperature``, ``top_p``, ``reasoning`` and the like are ignored.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from typing import Any
 
 from fastapi import Request  # (module level: the route's annotations are resolved by name)
@@ -30,9 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from asyncrl.agent.endpoint.api_common import chat_tool, positive_int, read_json, refuse, sse, text_of
 from asyncrl.agent.endpoint.episode import Answer, EndpointError
 
-_REFUSED = {"previous_response_id": "nothing is stored; send the whole conversation as input",
-            "conversation": "nothing is stored; send the whole conversation as input",
-            "store": "nothing is stored; send store: false (or leave it out) and the whole conversation",
+_REFUSED = {"conversation": "conversations are not kept across episodes; send the input (or previous_response_id)",
             "background": "calls are answered in the foreground",
             "prompt": "prompt templates are not stored here; send instructions and input",
             "top_logprobs": "behaviour log-probs are the trainer's, not returned",
@@ -41,8 +42,13 @@ _PARTS = ("input_text", "output_text", "text", "refusal")
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}  # a chat-route error's field, renamed
 
 
-def to_chat(body: Any) -> dict:
-    """The ``chat/completions`` body a Responses request stands for (400 naming a refused field)."""
+_STORED: weakref.WeakKeyDictionary[Any, dict[str, list[dict]]] = weakref.WeakKeyDictionary()
+"""Per episode (dropped with it): each stored response's conversation, for ``previous_response_id``."""
+
+
+def to_chat(body: Any, earlier: list[dict] = ()) -> dict:
+    """The ``chat/completions`` body a Responses request stands for, its input continuing ``earlier``
+    (a previous response's conversation); 400 naming a refused field."""
     if not isinstance(body, dict):
         raise EndpointError(400, "the request body must be a JSON object")
     refuse(body, _REFUSED)
@@ -59,7 +65,7 @@ def to_chat(body: Any) -> dict:
     if choice not in (None, "auto", "none"):
         raise EndpointError(400, f"tool_choice={choice!r}: only auto or none (forcing a call would change what the "
                             "policy samples)", param="tool_choice")
-    chat: dict = {"messages": _messages(body), "tool_choice": choice}
+    chat: dict = {"messages": _messages(body, list(earlier)), "tool_choice": choice}
     tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(body.get("tools") or ())]
     if tools:
         chat["tools"] = tools
@@ -75,13 +81,14 @@ def _tool(t: Any, where: str) -> dict:
     return chat_tool(t.get("name"), t.get("description"), t.get("parameters"), where)
 
 
-def _messages(body: dict) -> list[dict]:
-    """``instructions`` + ``input`` as chat messages (the module docstring)."""
+def _messages(body: dict, earlier: list[dict]) -> list[dict]:
+    """``instructions`` + ``earlier`` + ``input`` as chat messages (the module docstring)."""
     out: list[dict] = []
     if body.get("instructions"):
         if not isinstance(body["instructions"], str):
             raise EndpointError(400, "instructions must be a text", param="instructions")
         out.append({"role": "system", "content": body["instructions"]})
+    out += earlier
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
@@ -131,7 +138,8 @@ def response_body(request: dict, a: Answer, model: str) -> dict:
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if done == "incomplete" else None,
             "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
             "model": model, "output": output, "parallel_tool_calls": request.get("parallel_tool_calls", True),
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+            "previous_response_id": request.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None}, "store": request.get("store") is not False,
             "temperature": None, "top_p": None, "text": {"format": {"type": "text"}},
             "tool_choice": request.get("tool_choice") or "auto", "tools": request.get("tools") or [],
             "truncation": "disabled", "metadata": request.get("metadata") or {}, "user": request.get("user"),
@@ -176,7 +184,13 @@ def add_routes(app: Any, server: Any, serve_call: Any) -> None:
     async def responses(episode: str, request: Request):
         ep = server.lookup(episode, request.headers.get("authorization"))
         body = await read_json(request)
-        chat = to_chat(body)
+        stored = _STORED.setdefault(ep, {})
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if previous is not None and previous not in stored:
+            raise EndpointError(400, f"previous_response_id={previous!r} is not a stored response of this episode "
+                                "(responses are kept for their episode, unless store: false)",
+                                param="previous_response_id")
+        chat = to_chat(body, stored.get(previous, ()))
         server.calls += 1
         try:
             answer = await serve_call(server, ep, request, ep.answer(chat))
@@ -184,6 +198,8 @@ def add_routes(app: Any, server: Any, serve_call: Any) -> None:
             e.param = _PARAMS.get(e.param, e.param)
             raise
         out = response_body(body, answer, ep.model)
+        if out["store"]:  # the conversation without this call's instructions (OpenAI does not carry them over)
+            stored[out["id"]] = chat["messages"][1 if body.get("instructions") else 0:] + [answer.message]
         if not body.get("stream"):
             return JSONResponse(out)
         return StreamingResponse(sse(stream_events(out)), media_type="text/event-stream")
