@@ -2,7 +2,8 @@
 
 HTTP-free: `Episode.chat` / `Episode.complete` take a request body (a dict in OpenAI's schema)
 and return the response body, or raise `EndpointError` (an HTTP status and a message naming
-the field). `asyncrl.agent.endpoint.server` maps them to routes.
+the field). `asyncrl.agent.endpoint.server` maps them to routes. `Episode.answer` is the chat call
+before OpenAI's schema: the Responses and Messages routes write it in theirs.
 
 Sampling rule: every token is sampled with the run's settings (``rollout.temperature``,
 ``top_p``, ``top_k``, through the `LLM` the episode got), so the behaviour log-probs are the
