@@ -18,13 +18,14 @@ here are the feed loop and group assembly.
   the snapshot) continues from its saved parts, served with its pending group.
 - `stop` drains: no new admissions, in-flight groups are cancelled and their requests aborted
   on the engines (a resume regenerates them), and `run` returns.
-- Staleness gate (async mode, `StalenessGate`; verl's fully-async knobs): after ``version`` weight syncs the Trainer will
-  have consumed ``version * groups_per_sync`` groups; the Rollouter admits a new prompt only
-  while ``admitted - given_back < (version + 1 + staleness_threshold) * groups_per_sync`` and
-  fewer than ``max_concurrent`` prompts are in flight. ``given_back`` counts groups that will
-  never be trained: failed ones, those the group filter dropped (at once, before their send),
-  and those the Trainer dropped by policy (`on_dropped`). ``staleness_threshold=0`` with one
-  step per sync is on-policy: generate a batch, train, sync, in lockstep. The Rollouter learns of a sync through `on_pause` (before)
+- Staleness gate (async mode, `StalenessGate`; verl's fully-async knobs): after ``version``
+  weight syncs the Trainer will have consumed ``version * groups_per_sync`` groups; the
+  Rollouter admits a new prompt only while ``admitted - given_back < (version + 1 +
+  staleness_threshold) * groups_per_sync`` and fewer than ``max_concurrent`` prompts are in
+  flight. ``given_back`` counts groups that will never be trained: failed ones, those the group
+  filter dropped (at once, before their send), and those the Trainer dropped by policy
+  (`on_dropped`). ``staleness_threshold=0`` with one step per sync is on-policy: generate a
+  batch, train, sync, in lockstep. The Rollouter learns of a sync through `on_pause` (before)
   and `on_sync` (after), called by whoever runs the weight sync.
 - Partial rollout (`asyncrl.rollouter.partial`): with an `AggregatorActor`, a round's
   unfinished requests are stopped when the round ends; each waits in the partial buffer for

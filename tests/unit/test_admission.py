@@ -111,4 +111,5 @@ def test_the_rollouter_picks_lockstep_rounds_only_with_an_aggregator():
     lockstep = Rollouter(cfg, engines, MemorySink(), prompts, lambda prompt, ids: 0.0, partial=partial,
                          aggregator=AggregatorActor(engines, None, rpc=False))
     assert isinstance(lockstep.admission, LockstepRounds)
-    assert (lockstep.admission.group_size, lockstep.admission.threshold, lockstep.admission.rounds) == (3, 4, lockstep.rounds)
+    admission = lockstep.admission
+    assert (admission.group_size, admission.threshold, admission.rounds) == (3, 4, lockstep.rounds)
