@@ -121,7 +121,7 @@ def start_aggregator(procs, cfg) -> None:
 
     partial = cfg.partial_rollout
     if partial.by_count:
-        threshold = partial.resolved_threshold(cfg.rollout.groups_per_sync, cfg.rollout.n)
+        threshold = partial.resolved_threshold(cfg.groups_per_sync, cfg.rollout.n)
         procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
         procs.stack.callback(ray.kill, procs.aggregator)
 
@@ -141,7 +141,7 @@ async def start_rollouter(procs, cfg, plan, stream, state, ready) -> None:
     data = DataSpec(train=cfg.data.train, val=cfg.data.val, reward=cfg.data.reward, seed=cfg.seed,
                     long_tail=cfg.data.long_tail, task=cfg.data.task)
     procs.rollouter = ray.remote(RolloutWorker).options(**plan.options(plan.rollouter)).remote(
-        cfg.rollout, procs.engines, stream, cfg.model_path, data, resume,
+        cfg.rollout_config(), procs.engines, stream, cfg.model_path, data, resume,
         metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
         metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip.skip_config()),
         partial=cfg.partial_rollout, aggregator=procs.aggregator)

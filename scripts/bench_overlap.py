@@ -202,7 +202,7 @@ async def generate_alone(cfg, engines: list, steps: int, until: asyncio.Future |
     # A run-ahead of every step at once: only max_concurrent bounds what is in flight, as with a
     # Trainer that takes each group and syncs at once.
     # (d) generates for as long as training runs: a budget no run reaches.
-    rollout = dataclasses.replace(cfg.rollout, staleness_threshold=float(steps if until is None else 10**9))
+    rollout = dataclasses.replace(cfg.rollout_config(), staleness_threshold=float(steps if until is None else 10**9))
     sink = TimedSink()
     rollouter = Rollouter(rollout, engines, sink, load_prompts(tokenizer, spec), make_reward_fn(tokenizer, spec))
     t0 = time.perf_counter()

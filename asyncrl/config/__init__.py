@@ -5,7 +5,7 @@
     steps, seed, run_dir, mode   (asyncrl.modes) async | sync
     model            ModelConfig             which weights (a local HF directory, or the tiny demo model)
     data             DataConfig              train / validation files, reward function
-    rollout          RolloutConfig           (asyncrl.rollouter) n, max_tokens, temperature, staleness
+    rollout          RolloutSection          (asyncrl.rollouter) RolloutConfig less groups_per_sync (the Trainer's)
     engine           EngineConfig            built-in torch engine or vLLM, tensor parallel size
     trainer          TrainerSection          (asyncrl.trainer) TrainerConfig's loop + WorkerConfig's optim/algorithm
     weight_sync      WeightSyncSection       (asyncrl.sync) WeightSyncConfig less workers_per_engine (computed)
@@ -18,14 +18,15 @@
 OmegaConf does the merging (`asyncrl.config.loader`): the dataclasses are the schema, a YAML file
 and dotted overrides (``trainer.optim.lr=1e-6 skip.async_rollout.steps=[3,4]``) merge into it with
 type coercion, and an unknown key or a value of the wrong type is an error naming its dotted path.
-Defaults that follow from others are interpolations (``rollout.groups_per_sync`` is
-``${trainer.groups_per_batch} * require_batches * trigger_parameter_sync_step``); a user may set
-one, and `check` then fails if it contradicts the values it follows from, naming both. Values
-that only follow from others are not keys at all: the loss's temperature is ``rollout.temperature``
-and the weight sync's workers per engine come from ``engine`` (`derived.COMPUTED`).
+Defaults that follow from others are interpolations (``stream.window`` follows from the batch,
+the checkpoint interval and the staleness); a user may set one, and `check` then fails if it
+contradicts the values it follows from, naming both. Values that only follow from others are not
+keys at all: the loss's temperature is ``rollout.temperature``, the weight sync's workers per
+engine come from ``engine``, and the Rollouter's ``groups_per_sync`` is the Trainer's
+(``trainer.groups_per_batch x require_batches x trigger_parameter_sync_step``; `derived.COMPUTED`).
 
 Modules: one per section it owns (``data``, ``engine``, ``placement``, ``skip``, ``stream``,
-``sync``, ``trainer``), each with the checks of its own fields (``section``: a section made from
+``rollout``, ``sync``, ``trainer``), each with the checks of its own fields (``section``: a section made from
 its owners' dataclasses, less what the run decides); ``root`` (`RunConfig` and the checks across
 sections), ``derived`` (interpolated defaults), ``presets`` (defaults by kind of run), ``flags``
 (the launcher's aliases, imported by `asyncrl.launch`), ``loader`` (`load_config`). The names
@@ -47,7 +48,7 @@ _EXPORTS: dict[str, str] = {
     "EngineConfig": "engine", "VLLM_ONLY_ENGINE_SETTINGS": "engine", "BUILTIN_ONLY_ENGINE_SETTINGS": "engine",
     "PlacementConfig": "placement", "RunSkipConfig": "skip",
     "TrainerSection": "trainer", "AlgorithmSection": "trainer", "_FROM_PLACEMENT_OR_RUN": "trainer",
-    "WeightSyncSection": "sync",
+    "WeightSyncSection": "sync", "RolloutSection": "rollout",
     "RunConfig": "root", "check": "root",
     "DERIVED": "derived", "COMPUTED": "derived",
     "RUN_DEFAULTS": "presets", "SYNC_MODE_DEFAULTS": "presets", "SYNC_PARTIAL_DEFAULTS": "presets",

@@ -36,7 +36,6 @@ _PER_STEP = "${asyncrl.mul:${trainer.groups_per_batch},${trainer.require_batches
 _PER_SYNC = ("${asyncrl.mul:${trainer.groups_per_batch},${trainer.require_batches},"
              "${trainer.trigger_parameter_sync_step}}")
 DERIVED: dict[str, str] = {
-    "rollout.groups_per_sync": _PER_SYNC,
     "rollout.max_concurrent": "${asyncrl.max:4,${trainer.groups_per_batch}}",
     "rollout.seed": "${seed}",
     "trainer.checkpoint_every": "${asyncrl.min:10,${steps}}",
@@ -53,6 +52,13 @@ def _workers(cfg: RunConfig) -> tuple[Any, str]:
                                     f"{e.tensor_parallel_size} has {cfg.workers_per_engine} worker(s) per replica")
 
 
+def _groups_per_sync(cfg: RunConfig) -> tuple[Any, str]:
+    t = cfg.trainer
+    return cfg.groups_per_sync, (f"trainer.groups_per_sync = trainer.groups_per_batch x trainer.require_batches x "
+                                 f"trainer.trigger_parameter_sync_step = {t.groups_per_batch} x {t.require_batches} x "
+                                 f"{t.trigger_parameter_sync_step} = {cfg.groups_per_sync}, which the Rollouter takes")
+
+
 def _temperature(cfg: RunConfig) -> tuple[Any, str]:
     return cfg.rollout.temperature, (f"{named('rollout.temperature')}={cfg.rollout.temperature}: the loss uses the "
                                      "temperature the engines sampled at; set that")
@@ -61,6 +67,7 @@ def _temperature(cfg: RunConfig) -> tuple[Any, str]:
 COMPUTED: dict[str, Callable[[RunConfig], tuple[Any, str]]] = {
     "weight_sync.workers_per_engine": _workers,
     "trainer.algorithm.temperature": _temperature,
+    "rollout.groups_per_sync": _groups_per_sync,
 }
 """Keys that are not settings (not in the schema): the value follows from others, given here as
 (value, what it follows from). A config.yaml printed before they left the schema holds them, so a

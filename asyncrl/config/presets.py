@@ -17,7 +17,8 @@ trains (the Rollouter alone defaults to on-policy)."""
 SYNC_MODE_DEFAULTS = {"rollout.staleness_threshold": 0.0, "partial_rollout.truncate_at": "threshold"}
 """``mode=sync`` is on-policy: no run-ahead unless the user asks for it (then `check` refuses);
 with partial rollout, rounds end at the step's groups (the RFC's workflow)."""
-SYNC_PARTIAL_DEFAULTS = {"rollout.max_concurrent": "${asyncrl.mul:2,${rollout.groups_per_sync}}"}
+SYNC_PARTIAL_DEFAULTS = {"rollout.max_concurrent": ("${asyncrl.mul:2,${trainer.groups_per_batch},"
+                                                     "${trainer.require_batches},${trainer.trigger_parameter_sync_step}}")}
 """``mode=sync`` with partial rollout: a round keeps twice the step's prompts in flight (the RFC's
 over-provisioned batch), so the step's groups are its fastest ones (docs/partial_rollout.md)."""
 DEMO_DEFAULTS = {"trainer.optim.lr": 1e-3, "steps": 150, "trainer.groups_per_batch": 16}

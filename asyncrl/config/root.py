@@ -14,6 +14,7 @@ from asyncrl.config.engine import EngineConfig, check_engine, workers_per_engine
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.flags import named
 from asyncrl.config.placement import PlacementConfig, check_placement
+from asyncrl.config.rollout import RolloutSection, rollout_config
 from asyncrl.config.skip import RunSkipConfig
 from asyncrl.config.stream import check_stream
 from asyncrl.config.sync import WeightSyncSection, weight_sync_config
@@ -23,7 +24,7 @@ from asyncrl.metrics.config import MetricsConfig
 from asyncrl.modes import check_mode
 from asyncrl.queue.protocol import StreamConfig
 from asyncrl.rollouter.partial import PartialRolloutConfig
-from asyncrl.rollouter.rollouter import RolloutConfig
+from asyncrl.rollouter.config import RolloutConfig
 from asyncrl.sync.config import WeightSyncConfig
 from asyncrl.trainer.config import AlgorithmConfig, TrainerConfig, WorkerConfig
 
@@ -58,7 +59,7 @@ class RunConfig:
     """Deadline of the first steps (first generation, compilation), before there is a median."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)  # type: ignore[valid-type]
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)  # type: ignore[valid-type]
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)  # type: ignore[valid-type]
@@ -114,6 +115,16 @@ class RunConfig:
     @property
     def groups_per_step(self) -> int:
         return self.trainer.groups_per_batch * self.trainer.require_batches
+
+    @property
+    def groups_per_sync(self) -> int:
+        """The Trainer's groups between two weight syncs (`TrainerConfig.groups_per_sync`), which the
+        Rollouter's config takes (`rollout_config`): the staleness budget's unit."""
+        return self.groups_per_step * self.trainer.trigger_parameter_sync_step
+
+    def rollout_config(self) -> RolloutConfig:
+        """The Rollouter's own config: the ``rollout`` section plus the Trainer's `groups_per_sync`."""
+        return rollout_config(self.rollout, self.groups_per_sync)
 
     def trainer_config(self, *, model_path: str, pad_token_id: int, checkpoint_dir: str | None,
                        samples_path: str | None = None, eos_token_id: int | None = None,
@@ -203,11 +214,6 @@ def _check_engines_and_sync(cfg: RunConfig) -> None:
 
 def _check_batches_and_mode(cfg: RunConfig) -> None:
     t, r = cfg.trainer, cfg.rollout
-    per_sync = cfg.groups_per_step * t.trigger_parameter_sync_step
-    if r.groups_per_sync != per_sync:
-        raise ConfigError(f"rollout.groups_per_sync={r.groups_per_sync} contradicts trainer.groups_per_batch x "
-                          f"trainer.require_batches x trainer.trigger_parameter_sync_step = {per_sync} "
-                          "(leave rollout.groups_per_sync unset: it follows from those)")
     held = cfg.groups_per_step * t.checkpoint_every
     if cfg.stream.window <= held:
         raise ConfigError(f"stream.window={cfg.stream.window} must exceed the groups of one checkpoint interval, "

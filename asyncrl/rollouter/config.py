@@ -128,7 +128,8 @@ class RolloutConfig:
     top_k: int = 0
     """Top-k sampling; 0 disables it."""
     groups_per_sync: int = 8
-    """Groups the Trainer consumes between two weight syncs (`TrainerConfig.groups_per_sync`)."""
+    """Groups the Trainer consumes between two weight syncs (`TrainerConfig.groups_per_sync`); a run passes
+    the Trainer's in (`RunConfig.rollout_config`): it is no key of the run's ``rollout`` section."""
     staleness_threshold: float = 0.0
     """Extra fraction of ``groups_per_sync`` that may be generated ahead of the next sync."""
     max_concurrent: int = 16

@@ -10,25 +10,27 @@ One asyncio loop, one task group::
 The feed is `asyncrl.rollouter.feed` (order, ``sample_id``, the position a checkpoint saves),
 the dispatch `asyncrl.rollouter.pool` (a group's requests in one call to the replica it sticks
 to, deadlines, dead replicas: ``request_timeout_s`` counts no weight-sync pause), rewards
-`asyncrl.rollouter.rewards`; here are the staleness gate and group assembly.
+`asyncrl.rollouter.rewards`, what bounds the admissions by mode `asyncrl.rollouter.admission`;
+here are the feed loop and group assembly.
 
 - Resume: the feed serves the ids admitted and not trained first (`RolloutState`); ``admitted``
   continues from the groups done. A response truncated before the checkpoint (``partials`` in
   the snapshot) continues from its saved parts, served with its pending group.
 - `stop` drains: no new admissions, in-flight groups are cancelled and their requests aborted
   on the engines (a resume regenerates them), and `run` returns.
-- Staleness gate (verl's fully-async knobs): after ``version`` weight syncs the Trainer will
-  have consumed ``version * groups_per_sync`` groups; the Rollouter admits a new prompt only
-  while ``admitted - given_back < (version + 1 + staleness_threshold) * groups_per_sync`` and
-  fewer than ``max_concurrent`` prompts are in flight. ``given_back`` counts groups that will
-  never be trained: failed ones, those the group filter dropped (at once, before their send),
-  and those the Trainer dropped by policy (`on_dropped`). ``staleness_threshold=0`` with one
-  step per sync is on-policy: generate a batch, train, sync, in lockstep. The Rollouter learns of a sync through `on_pause` (before)
+- Staleness gate (async mode, `StalenessGate`; verl's fully-async knobs): after ``version``
+  weight syncs the Trainer will have consumed ``version * groups_per_sync`` groups; the
+  Rollouter admits a new prompt only while ``admitted - given_back < (version + 1 +
+  staleness_threshold) * groups_per_sync`` and fewer than ``max_concurrent`` prompts are in
+  flight. ``given_back`` counts groups that will never be trained: failed ones, those the group
+  filter dropped (at once, before their send), and those the Trainer dropped by policy
+  (`on_dropped`). ``staleness_threshold=0`` with one step per sync is on-policy: generate a
+  batch, train, sync, in lockstep. The Rollouter learns of a sync through `on_pause` (before)
   and `on_sync` (after), called by whoever runs the weight sync.
 - Partial rollout (`asyncrl.rollouter.partial`): with an `AggregatorActor`, a round's
   unfinished requests are stopped when the round ends; each waits in the partial buffer for
   the next round and resumes from prompt + partial response. ``truncate_at="threshold"``
-  (sync mode, the RFC's workflow): the gate admits no count of prompts but keeps ``max_concurrent``
+  (sync mode, the RFC's workflow; `LockstepRounds`): the gate admits no count of prompts but keeps ``max_concurrent``
   prompts in flight while the round is open; the round ends once the aggregator has counted
   the complete groups the Trainer's step still lacks (``(version + 1) * groups_per_sync``
   less the usable groups finished so far, set at each `on_sync`), and no prompt is admitted
@@ -62,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.calls import call
+from asyncrl.rollouter.admission import Admission, LockstepRounds, StalenessGate
 from asyncrl.rollouter.config import RolloutConfig
 from asyncrl.rollouter.agents import Agent, first_of_episodes, flatten_runs, run_agent_response
 from asyncrl.rollouter.feed import Feed, Prompt, RolloutState, encode_prompts
@@ -131,12 +133,16 @@ class Rollouter:
                              {sid: dict(responses) for sid, responses in self.state.partials.items()})
         """The version, the round's end and the truncated responses (`snapshot` saves them)."""
         self._stopping = False
-        self._lockstep = self.aggregator is not None
-        """The RFC's synchronous workflow: rounds end by count and admit until they do."""
-        self._round_opened = False
         self._finished = 0
         """Groups this run generated or replayed (complete or failed), counted before their send."""
-        self._reports: dict[str, dict[int, int]] = {}  # lockstep: a group's trajectories per replica, until kept
+        self.admission: Admission = (
+            StalenessGate(cfg.staleness_threshold, cfg.groups_per_sync,
+                          lambda: self.admitted - len(self.given_back) - self.state.dropped)
+            if self.aggregator is None else  # the RFC's synchronous workflow: rounds end by count
+            LockstepRounds(self.aggregator, self.rounds, groups_per_sync=cfg.groups_per_sync,
+                           group_size=self._group_size, threshold=self.partial.threshold or 0,
+                           usable=lambda: self.state.done - self.state.dropped + self._finished - len(self.given_back)))
+        """What bounds the admissions by mode (`asyncrl.rollouter.admission`)."""
         self.rewards = Rewards(reward_fn, cfg.reward_workers)
         self.user_errors = UserErrors(cfg.on_user_error)
 
@@ -157,8 +163,7 @@ class Rollouter:
         async with self._gate:
             if version > self.version:
                 self.rounds.version = version
-                if self._lockstep:
-                    await self._open_round()
+                await self.admission.on_version(version)
                 self.partials.release(version)
             self._gate.notify_all()
 
@@ -171,22 +176,9 @@ class Rollouter:
         async with self._gate:
             before = len(self.given_back)
             self.given_back.update(sample_ids)
-            if self._lockstep and self._round_opened and len(self.given_back) > before:
-                await self._open_round(at_least_one=False)  # the step lacks them now: the round goes on
+            if len(self.given_back) > before:
+                await self.admission.on_given_back()
             self._gate.notify_all()
-
-    async def _open_round(self, at_least_one: bool = True) -> None:
-        """(Re)open the lockstep round of ``version``: it ends once it counts the complete groups
-        the Trainer's step still lacks (and ``partial.threshold`` trajectories, when set)."""
-        usable = self.state.done - self.state.dropped + self._finished - len(self.given_back)
-        lacking = (self.version + 1) * self.cfg.groups_per_sync - usable
-        if lacking <= 0 and not at_least_one:
-            return
-        # A new round counts at least one group, so what resumes in it makes progress before
-        # the next truncation (surplus groups from a race at the last round's end go first).
-        need = max(lacking, 1) * self._group_size
-        await call(self.aggregator, "start_round", self.version, max(need, self.partial.threshold or 0))
-        self.rounds.closed, self._round_opened = False, True
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Drain: admit nothing more, cancel in-flight groups, abort their requests on the engines.
@@ -212,13 +204,7 @@ class Rollouter:
         }
 
     def _admissible(self) -> bool:
-        if self._lockstep:  # the round, not a count, bounds what is admitted
-            return (not self.rounds.closed and self.admitted - self.sent < self.cfg.max_concurrent
-                    and self.partials.undispatched == 0)
-        budget = (self.version + 1 + self.cfg.staleness_threshold) * self.cfg.groups_per_sync
-        # Groups dropped before a resume gave their budget back too.
-        return (self.admitted - len(self.given_back) - self.state.dropped < budget
-                and self.admitted - self.sent < self.cfg.max_concurrent
+        return (self.admission.admissible() and self.admitted - self.sent < self.cfg.max_concurrent
                 and self.partials.undispatched == 0)  # released partials go before new prompts
 
     # ------------------------------------------------------------------ feed
@@ -230,9 +216,8 @@ class Rollouter:
         """Feed prompts until ``num_groups`` more groups were admitted (forever when None), or `stop`."""
         self.rewards.open()
         stop_at = None if num_groups is None else self.admitted + num_groups
-        if self._lockstep and not self._round_opened:
-            async with self._gate:
-                await self._open_round()
+        async with self._gate:
+            await self.admission.start()
         burst = 0
         weight = 1 if self.agent is None else self.cfg.n * self.agent.sessions  # what one admission starts
         try:
@@ -275,10 +260,8 @@ class Rollouter:
                 self.given_back.add(sample_id)  # with _finished, before any await: a round (re)opened counts neither
                 async with self._gate:
                     self._gate.notify_all()
-            elif sample_id in self._reports:  # lockstep: a kept group counts in the round
-                version = self.version
-                if await call(self.aggregator, "report", version, self._reports.pop(sample_id)) and version == self.version:
-                    self.rounds.closed = True  # the step has its groups: admit nothing until the sync
+            else:  # kept: in lockstep, a complete group counts in the round
+                await self.admission.on_kept(sample_id)
             t0 = time.monotonic()
             await self.producer.send(group)
             self.rounds.truncated.pop(sample_id, None)  # its parts are in the group now (or it failed)
@@ -292,7 +275,7 @@ class Rollouter:
                 self._gate.notify_all()
         finally:
             self._groups.pop(sample_id, None)  # sent, or cancelled by stop()
-            self._reports.pop(sample_id, None)
+            self.admission.forget(sample_id)
 
     @SkipManager.annotate(role="async_rollout")
     async def generate_group(self, sample_id: str, prompt: Prompt) -> Group:
@@ -331,11 +314,8 @@ class Rollouter:
                          error="; ".join(errors), meta=meta)
         group = Group(sample_id=sample_id, trajectories=trajectories, meta=meta,
                       expected=len(episodes) if episodes else self._group_size)  # branches: n or more
-        if self._lockstep and group.complete:
-            per_replica: dict[int, int] = {}
-            for _, replica, _ in first_of_episodes(outcomes, episodes):  # an episode's branches count once
-                per_replica[replica] = per_replica.get(replica, 0) + 1
-            self._reports[sample_id] = per_replica
+        if group.complete:  # an episode's branches count once
+            self.admission.on_complete(sample_id, (replica for _, replica, _ in first_of_episodes(outcomes, episodes)))
         return group
 
     def _request(self, sample_id: str, index: int, k: int, prompt: Prompt, parts: PartialResponse,

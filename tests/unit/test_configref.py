@@ -40,7 +40,8 @@ def test_defaults_and_docs_are_the_fields_own():
     assert by_path["trainer.optim.lr"].doc == "Peak learning rate."
     assert by_path["steps"].type == "int" and by_path["steps"].default == "100"
     assert by_path["model.path"].default == "null"
-    assert by_path["rollout.groups_per_sync"].default.startswith("${")  # derived unless given
+    assert by_path["stream.window"].default.startswith("${")  # derived unless given
+    assert "rollout.groups_per_sync" not in by_path  # the Trainer's, passed in: not a key
 
 
 def test_help_config_prints_one_section_without_torch_or_ray():
