@@ -141,7 +141,7 @@ def _agent(args: argparse.Namespace, counts: dict):
     from asyncrl.rollouter.agents import Agent
 
     # The runner's bound must let every conversation's tool run at once, or it, not the Rollouter, is the bound.
-    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=60.0, max_concurrent=args.agent_conversations))
+    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=60.0, tool_concurrency=args.agent_conversations))
     latency = ToolLatency(args.tool_median_s, args.tool_p99_s, args.seed)
     sleep_tool = tool(_lookup, name="lookup")
     loop = EnvLoop(lambda: SimToolEnv(runner, sleep_tool, args.agent_turns, latency, counts), build_chat_tokenizer(),

@@ -103,8 +103,7 @@ class Agent:
 
 def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     """The loop ``cfg`` names (None: plain generation). Raises `AgentSpecError` for bad paths."""
-    from asyncrl.agent import (EnvLoop, EnvLoopConfig, ToolEnv, ToolRunner, ToolRunnerConfig, load_agent_loop_class,
-                               load_env_class)
+    from asyncrl.agent import EnvLoop, ToolEnv, ToolRunner, load_agent_loop_class, load_env_class
 
     if cfg.loop is not None:
         return Agent(load_agent_loop_class(cfg.loop)(**cfg.kwargs), f"rollout.agent.loop={cfg.loop}", cfg.sessions)
@@ -115,8 +114,7 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     if cfg.env is None:
         return None
     env_class = load_env_class(cfg.env)
-    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=cfg.tool_timeout_s, max_concurrent=cfg.tool_concurrency,
-                                         sync_tools=cfg.sync_tools, sync_workers=cfg.sync_tool_workers))
+    runner = ToolRunner(cfg)  # an AgentConfig is a ToolRunnerConfig and an EnvLoopConfig, checked once
     kwargs = dict(cfg.kwargs)
 
     def make_env():
@@ -125,8 +123,7 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
             env.share_runner(runner)  # one bound and one thread pool for every episode of the process
         return env
 
-    loop = EnvLoop(make_env, tokenizer, EnvLoopConfig(max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                                                      max_context_tokens=cfg.max_context_tokens))
+    loop = EnvLoop(make_env, tokenizer, cfg)
     return Agent(loop, f"rollout.agent.env={cfg.env}", 1, runner)
 
 
