@@ -146,7 +146,7 @@ def _agent(args: argparse.Namespace, counts: dict):
     sleep_tool = tool(_lookup, name="lookup")
     loop = EnvLoop(lambda: SimToolEnv(runner, sleep_tool, args.agent_turns, latency, counts), build_chat_tokenizer(),
                    EnvLoopConfig(max_turns=args.agent_turns, max_tokens_per_turn=128, max_context_tokens=8192))
-    return Agent(loop, "bench_scale --agent", 1, runner)
+    return Agent(loop, "bench_scale --agent", runner=runner)
 
 
 def _reward(prompt, response_ids) -> float:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -81,9 +81,11 @@ class Agent:
     name: str
     """What the config named (``rollout.agent.env=...`` / ``rollout.agent.loop=...``), for errors."""
     sessions: int = 1
-    branches: bool = False
+    # Keyword-only: given by position, a runner once landed in ``branches`` (never closed, and an
+    # env's responses taken for an endpoint episode's branches).
+    branches: bool = field(default=False, kw_only=True)
     """A run returns one or more trajectories (an endpoint episode's branches), not ``sessions``."""
-    runner: Any = None
+    runner: Any = field(default=None, kw_only=True)
     """The `ToolRunner` every `ToolEnv` episode shares (None: no env); `close` stops it."""
 
     def __post_init__(self) -> None:
@@ -124,7 +126,7 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
         return env
 
     loop = EnvLoop(make_env, tokenizer, cfg)
-    return Agent(loop, f"rollout.agent.env={cfg.env}", 1, runner)
+    return Agent(loop, f"rollout.agent.env={cfg.env}", runner=runner)
 
 
 def turn_seed(response_seed: int, turn: int, age: int) -> int:

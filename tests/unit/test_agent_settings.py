@@ -77,8 +77,9 @@ def test_a_run_hands_its_checked_record_to_the_loop_and_the_runner():
     cfg = AgentConfig(env="tests.unit.agent_envs:LookupEnv", max_turns=3, tool_timeout_s=4.0, tool_concurrency=5)
     agent = build_agent(cfg, None)
     try:
-        assert isinstance(agent.loop, EnvLoop) and agent.loop.config is cfg
+        assert isinstance(agent.loop, EnvLoop) and agent.loop.config is cfg and agent.runner.config is cfg
+        assert not agent.branches  # an env's response is one trajectory, not an endpoint episode's branches
         env = agent.loop.make_env()
-        assert env.runner.config is cfg  # the process's one runner: the bound holds across its episodes
+        assert env.runner is agent.runner  # the process's one runner: the bound holds across its episodes
     finally:
         agent.close()
