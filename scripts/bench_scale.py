@@ -280,10 +280,11 @@ def _ray_replicas(args: argparse.Namespace, replicas: int, hosts_n: int | None =
         handles += [_Hosted(host, i) for i in range(count)]
     ray.get([host.ready.remote() for host in hosts], timeout=120)
     if args.engine_calls == "zmq":  # as `asyncrl.rpc.link` makes them for an EngineActor of this node
-        from asyncrl.rpc import RpcActor
+        from asyncrl.rpc import Links, RpcActor
 
         served = ray.get([host.serve_rpc.remote() for host in hosts], timeout=120)
-        handles = [RpcActor(hosts[h], served[h]["endpoint"], key=i)  # (signed with the run's key)
+        links = Links()  # a host's replicas share its socket (a caller that links them moves them onto its own)
+        handles = [RpcActor(hosts[h], served[h]["endpoint"], key=i, links=links)  # (signed with the run's key)
                    for h, count in enumerate(counts) for i in range(count)]
     return handles, hosts
 

@@ -141,12 +141,12 @@ def _agent(args: argparse.Namespace, counts: dict):
     from asyncrl.rollouter.agents import Agent
 
     # The runner's bound must let every conversation's tool run at once, or it, not the Rollouter, is the bound.
-    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=60.0, max_concurrent=args.agent_conversations))
+    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=60.0, tool_concurrency=args.agent_conversations))
     latency = ToolLatency(args.tool_median_s, args.tool_p99_s, args.seed)
     sleep_tool = tool(_lookup, name="lookup")
     loop = EnvLoop(lambda: SimToolEnv(runner, sleep_tool, args.agent_turns, latency, counts), build_chat_tokenizer(),
                    EnvLoopConfig(max_turns=args.agent_turns, max_tokens_per_turn=128, max_context_tokens=8192))
-    return Agent(loop, "bench_scale --agent", 1, runner)
+    return Agent(loop, "bench_scale --agent", runner=runner)
 
 
 def _reward(prompt, response_ids) -> float:

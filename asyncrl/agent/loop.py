@@ -27,30 +27,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from asyncrl.agent.base import OBSERVATION_VERSION, LLM, AgentLoop, AgentTrajectory, Env, Step, Turn
+from asyncrl.agent.limits import EnvLoopConfig
 from asyncrl.agent.render import ChatRenderer, PlainRenderer
-
-
-@dataclass(kw_only=True)
-class EnvLoopConfig:
-    """Limits of one episode."""
-
-    max_turns: int = 8
-    """Most model turns per episode; an env not done by then ends with ``max_turns``."""
-    max_tokens_per_turn: int = 512
-    """Token budget of one model turn; a turn that uses all of it ends the episode with ``length``."""
-    max_context_tokens: int = 4096
-    """Prompt + every turn and observation; what would not fit ends the episode with ``context``."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tokens_per_turn", "max_context_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class _Episode:

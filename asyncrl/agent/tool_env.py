@@ -7,14 +7,15 @@ one ``role="tool"`` message per call, in order, holding its output or its error:
 
 - async tools run as tasks on the loop, cancelled at their timeout;
 - sync tools run in worker processes (``sync_tools="process"``, the default: a pebble
-  ``ProcessPool`` of ``sync_workers`` forks of this process); a call past its timeout has its
+  ``ProcessPool`` of ``sync_tool_workers`` forks of this process); a call past its timeout has its
   worker killed (and replaced), so a tool that never returns ends only its call. The price: the
   function and its arguments are pickled (cloudpickle: closures work, a lock or socket does not),
   and a call runs in another process, so it cannot change this process's state (a global, an
   attribute of the env) and state kept in the worker is not seen by other calls. A tool that
   needs to share state in-process: make it ``async``, or ``sync_tools="thread"`` (a thread pool:
   a call that hangs keeps its thread for good; the pool's size bounds how many can);
-- every call runs under ``tool_timeout_s`` and at most ``max_concurrent`` run at once;
+- every call runs under ``tool_timeout_s`` and at most ``tool_concurrency`` run at once (the
+  settings are `ToolRunnerConfig`'s, `asyncrl.agent.limits`);
 - a tool that raises, outlives its timeout or returns something that is not text, an unknown
   tool name, malformed JSON, bad arguments: each gives an error observation for that call and
   the conversation goes on. A sync tool that cannot be sent to a worker (does not pickle) is the
@@ -37,38 +38,12 @@ import multiprocessing
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.agent.base import Env, Message, Step
+from asyncrl.agent.limits import ToolRunnerConfig
 from asyncrl.agent.parsers import HermesParser, ToolCall, ToolCallParser
 from asyncrl.agent.tools import CALL_KEY, Tool, ToolCallError, as_text, tool
-
-SYNC_TOOLS = ("process", "thread")
-
-
-@dataclass(kw_only=True)
-class ToolRunnerConfig:
-    """How tool calls run."""
-
-    tool_timeout_s: float = 30.0
-    """Deadline of one call; past it the call's observation is a timeout error."""
-    max_concurrent: int = 8
-    """Most calls running at once (with ``sync_tools="thread"``, also the thread pool's size)."""
-    sync_tools: str = "process"
-    """Where sync tools run: ``process`` (worker processes, a timed-out one killed) or ``thread``."""
-    sync_workers: int = 4
-    """Worker processes for sync tools (``sync_tools="process"``; started at the first sync call)."""
-
-    def __post_init__(self) -> None:
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}")
-        if self.max_concurrent < 1:
-            raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
-        if self.sync_tools not in SYNC_TOOLS:
-            raise ValueError(f"sync_tools must be process or thread, got {self.sync_tools!r}")
-        if self.sync_workers < 1:
-            raise ValueError(f"sync_workers must be >= 1, got {self.sync_workers}")
 
 
 def _run_pickled(blob: bytes) -> Any:
@@ -102,8 +77,8 @@ class ToolRunner:
             bound.arguments[CALL_KEY] = call_key
         kwargs = bound.kwargs
         if self._slots is None:
-            self._slots = asyncio.Semaphore(self.config.max_concurrent)
-            self._worker_slots = asyncio.Semaphore(self.config.sync_workers)
+            self._slots = asyncio.Semaphore(self.config.tool_concurrency)
+            self._worker_slots = asyncio.Semaphore(self.config.sync_tool_workers)
         timeout = self.config.tool_timeout_s
         async with self._slots:
             try:
@@ -149,7 +124,7 @@ class ToolRunner:
 
     def _thread_pool(self) -> ThreadPoolExecutor:
         if self._threads is None:
-            self._threads = ThreadPoolExecutor(self.config.max_concurrent, thread_name_prefix="asyncrl-tool")
+            self._threads = ThreadPoolExecutor(self.config.tool_concurrency, thread_name_prefix="asyncrl-tool")
         return self._threads
 
     def _process_pool(self) -> Any:
@@ -158,7 +133,7 @@ class ToolRunner:
 
             # fork: a worker starts in milliseconds (a killed one is replaced at once) and needs
             # nothing of this process's __main__; it only unpickles and runs the call.
-            self._processes = ProcessPool(max_workers=self.config.sync_workers,
+            self._processes = ProcessPool(max_workers=self.config.sync_tool_workers,
                                           context=multiprocessing.get_context("fork"))
         return self._processes
 
@@ -182,13 +157,16 @@ class ToolEnv(Env):
 
     ``ToolEnv(tools=[fn, ...])``: functions are made tools with `tool` (so they need type hints
     and a docstring); ``parser`` reads the calls (`HermesParser` by default); ``runner`` runs
-    them (a private one with ``tool_timeout_s`` / ``max_concurrent`` when not given);
+    them (a private one built from ``settings``, the `ToolRunnerConfig` fields ``tool_timeout_s``,
+    ``tool_concurrency``, ``sync_tools``, ``sync_tool_workers``, when not given);
     ``system`` is an optional system message put before the prompt.
     """
 
     def __init__(self, tools: Iterable[Any], *, parser: ToolCallParser | None = None,
-                 runner: ToolRunner | None = None, tool_timeout_s: float = 30.0, max_concurrent: int = 8,
-                 sync_tools: str = "process", system: str | None = None):
+                 runner: ToolRunner | None = None, system: str | None = None, **settings: Any):
+        if runner is not None and settings:
+            raise TypeError(f"ToolEnv: runner given and so are {', '.join(sorted(settings))}: a given runner's "
+                            "ToolRunnerConfig holds its settings; give one or the other")
         self._tools: dict[str, Tool] = {}
         for t in map(tool, tools):
             if t.name in self._tools:
@@ -197,8 +175,7 @@ class ToolEnv(Env):
         self.tools = tuple(t.schema for t in self._tools.values())
         self.parser = parser or HermesParser()
         self._own_runner = runner is None
-        self.runner = runner or ToolRunner(ToolRunnerConfig(tool_timeout_s=tool_timeout_s,
-                                                            max_concurrent=max_concurrent, sync_tools=sync_tools))
+        self.runner = runner or ToolRunner(ToolRunnerConfig.of(settings, "ToolEnv"))
         self.system = system
         self._turn = 0
         """Turns `step` answered: the turn part of each call's key."""

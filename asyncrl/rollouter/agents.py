@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -81,9 +81,11 @@ class Agent:
     name: str
     """What the config named (``rollout.agent.env=...`` / ``rollout.agent.loop=...``), for errors."""
     sessions: int = 1
-    branches: bool = False
+    # Keyword-only: given by position, a runner once landed in ``branches`` (never closed, and an
+    # env's responses taken for an endpoint episode's branches).
+    branches: bool = field(default=False, kw_only=True)
     """A run returns one or more trajectories (an endpoint episode's branches), not ``sessions``."""
-    runner: Any = None
+    runner: Any = field(default=None, kw_only=True)
     """The `ToolRunner` every `ToolEnv` episode shares (None: no env); `close` stops it."""
 
     def __post_init__(self) -> None:
@@ -103,8 +105,7 @@ class Agent:
 
 def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     """The loop ``cfg`` names (None: plain generation). Raises `AgentSpecError` for bad paths."""
-    from asyncrl.agent import (EnvLoop, EnvLoopConfig, ToolEnv, ToolRunner, ToolRunnerConfig, load_agent_loop_class,
-                               load_env_class)
+    from asyncrl.agent import EnvLoop, ToolEnv, ToolRunner, load_agent_loop_class, load_env_class
 
     if cfg.loop is not None:
         return Agent(load_agent_loop_class(cfg.loop)(**cfg.kwargs), f"rollout.agent.loop={cfg.loop}", cfg.sessions)
@@ -115,8 +116,7 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
     if cfg.env is None:
         return None
     env_class = load_env_class(cfg.env)
-    runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=cfg.tool_timeout_s, max_concurrent=cfg.tool_concurrency,
-                                         sync_tools=cfg.sync_tools, sync_workers=cfg.sync_tool_workers))
+    runner = ToolRunner(cfg)  # an AgentConfig is a ToolRunnerConfig and an EnvLoopConfig, checked once
     kwargs = dict(cfg.kwargs)
 
     def make_env():
@@ -125,9 +125,8 @@ def build_agent(cfg: AgentConfig, tokenizer: Any) -> Agent | None:
             env.share_runner(runner)  # one bound and one thread pool for every episode of the process
         return env
 
-    loop = EnvLoop(make_env, tokenizer, EnvLoopConfig(max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                                                      max_context_tokens=cfg.max_context_tokens))
-    return Agent(loop, f"rollout.agent.env={cfg.env}", 1, runner)
+    loop = EnvLoop(make_env, tokenizer, cfg)
+    return Agent(loop, f"rollout.agent.env={cfg.env}", runner=runner)
 
 
 def turn_seed(response_seed: int, turn: int, age: int) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asyncrl import rpc
+from asyncrl.rpc import Links
 from asyncrl.calls import call_within
 
 log = logging.getLogger("asyncrl.rollouter.aggregator")
@@ -50,6 +51,7 @@ class AggregatorActor:
         self._rpc = rpc
         self._linked: set[int] = set()
         """Replicas signalled over ZeroMQ (`asyncrl.rpc.link`, made from their first signal on)."""
+        self._links = Links()
         self._linking: asyncio.Future | None = None
         self.threshold = threshold
         self.signal_timeout_s = signal_timeout_s
@@ -111,7 +113,8 @@ class AggregatorActor:
 
     async def _link(self) -> None:
         todo = [i for i in range(len(self.engines)) if i not in self._linked]
-        self._linked |= await rpc.link_each(self.engines, todo, self.signal_timeout_s)  # the rest: at a later signal
+        # (the rest: at a later signal)
+        self._linked |= await rpc.link_each(self.engines, todo, self.signal_timeout_s, self._links)
 
     async def replace_engine(self, index: int, engine: Any) -> None:
         """Replica ``index`` was started again: signal the new one."""

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.agent.limits import EnvLoopConfig, ToolRunnerConfig
+
 
 @dataclass(kw_only=True)
-class AgentConfig:
-    """``rollout.agent``: run each response as an agent loop (`asyncrl.rollouter.agents`).
-
-    None of ``env``, ``loop``, ``function``, ``command`` set (the default): plain single-turn generation."""
+class AgentSource:
+    """What runs each episode of ``rollout.agent`` (the first keys of `AgentConfig`)."""
 
     env: str | None = None
     """``module:Class`` of an `asyncrl.agent.Env` (built with ``kwargs``, one per episode);
@@ -39,22 +39,16 @@ class AgentConfig:
     endpoint_branches: str = "all"
     """Which branches of an endpoint episode are trained: ``all`` (each its own trajectory with the
     episode's reward and advantage; a group then holds n or more) or ``main`` (the last call's only)."""
-    max_turns: int = 8
-    """Most model turns per episode (``env``); an env not done by then ends with ``max_turns``."""
-    max_tokens_per_turn: int = 512
-    """Token budget of one model turn (``env``)."""
-    max_context_tokens: int = 4096
-    """Prompt + every turn and observation (``env``); what would not fit ends with ``context``."""
-    tool_timeout_s: float = 30.0
-    """Deadline of one tool call of a `ToolEnv`; past it the call's observation is an error."""
-    tool_concurrency: int = 8
-    """Most tool calls running at once in the Rollouter process."""
-    sync_tools: str = "process"
-    """Where a `ToolEnv`'s sync tools run: ``process`` (worker processes; one past its timeout is
-    killed, so a hung tool ends only its call; tools must pickle and share no state in-process) or
-    ``thread`` (a pool of ``tool_concurrency`` threads; a hung call keeps its thread)."""
-    sync_tool_workers: int = 4
-    """Worker processes for sync tools (``sync_tools=process``), started at the first sync call."""
+
+
+@dataclass(kw_only=True)
+class AgentConfig(ToolRunnerConfig, EnvLoopConfig, AgentSource):
+    """``rollout.agent``: run each response as an agent loop (`asyncrl.rollouter.agents`).
+
+    None of ``env``, ``loop``, ``function``, ``command`` set (the default): plain single-turn generation.
+    The episode limits and tool settings are `EnvLoopConfig`'s and `ToolRunnerConfig`'s fields
+    (`asyncrl.agent.limits`): a run gives this record to its `EnvLoop` and `ToolRunner` as it is."""
+
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments ``env`` or ``loop`` is built with (e.g. a tool's settings; ``--task
     calculator`` sets the calculator's latency here)."""
@@ -78,14 +72,10 @@ class AgentConfig:
             raise ValueError(f"AgentConfig.endpoint_max_episode_s must be > 0, got {self.endpoint_max_episode_s}")
         if self.endpoint_branches not in ("all", "main"):
             raise ValueError(f"AgentConfig.endpoint_branches must be all or main, got {self.endpoint_branches!r}")
-        if self.sync_tools not in ("process", "thread"):
-            raise ValueError(f"AgentConfig.sync_tools must be process or thread, got {self.sync_tools!r}")
-        for name in ("max_turns", "max_tokens_per_turn", "max_context_tokens", "tool_concurrency", "sessions",
-                     "sync_tool_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"AgentConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"AgentConfig.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+        self.check_episode_limits()
+        self.check_tool_settings()
+        if self.sessions < 1:
+            raise ValueError(f"AgentConfig.sessions must be >= 1, got {self.sessions}")
         if self.sessions != 1 and self.loop is None:
             raise ValueError(f"AgentConfig.sessions={self.sessions}: only an AgentLoop (rollout.agent.loop) "
                              "returns several trajectories per run")

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from asyncrl import calls, rpc
+from asyncrl.rpc import Links
 from asyncrl.types import GenerateRequest, GenerateResult
 
 log = logging.getLogger("asyncrl.rollouter")
@@ -70,6 +71,8 @@ class EnginePool:
         self._rpc = rpc
         self._linked: dict[int, Any] = {}
         """Replica -> its calls over ZeroMQ (`asyncrl.rpc.link`), made at its first call."""
+        self._links = Links()
+        """The sockets of those calls (this process's: one `EnginePool` per Rollouter)."""
         self.timeout_s, self.batch_s = timeout_s, batch_s
         self.load = [0] * len(self.engines)
         """Requests in flight per replica."""
@@ -161,7 +164,7 @@ class EnginePool:
         linked = self._linked.get(e)
         if linked is None:
             engine = self.engines[e]
-            linked = await rpc.link(engine) if self._rpc else engine
+            linked = await rpc.link(engine, self._links) if self._rpc else engine
             if self.engines[e] is engine:  # not replaced meanwhile
                 self._linked[e] = linked
         return linked

@@ -14,8 +14,9 @@ One module per concern:
   ``key`` names the object its method runs on (None: the actor itself; an index: one of a
   benchmark host's replicas). An ``async`` method runs as a task of the actor's loop, so calls
   run concurrently as Ray runs them; a plain one inline.
-- `asyncrl.rpc.client`, **calling**: `link` asks a Ray handle for its endpoint once per process
-  and returns an `RpcActor`, a stand-in for the handle: ``actor.method.remote(*args)`` sends at
+- `asyncrl.rpc.client`, **calling**: `link` asks a Ray handle for its endpoint and returns an
+  `RpcActor`, a stand-in for the handle, sending on its caller's `Links` (one socket and liveness
+  watch per event loop and actor; each caller owns one, the module keeps none): ``actor.method.remote(*args)`` sends at
   once and returns a future; ``actor.method.options(num_returns="streaming")`` (as Ray's) and
   `calls.stream` give an async generator's items as they come. Anything else (an in-process
   engine, a test's stand-in for a handle) is returned as it is. An `RpcActor` pickles as its
@@ -39,11 +40,11 @@ Left out: cancelling a call does not stop it in the actor (as with Ray); a calle
 handshake fails (a key never registered) waits, as a call to a hung actor does, for its deadline.
 """
 
-from asyncrl.rpc.auth import client_keys, node_ip, run_env, run_key
-from asyncrl.rpc.client import OtherRunError, RpcActor, link, link_each
+from asyncrl.rpc.auth import node_ip, run_env, run_key
+from asyncrl.rpc.client import Links, OtherRunError, RpcActor, link, link_each
 from asyncrl.rpc.liveness import WATCH_S
 from asyncrl.rpc.server import RpcServer, Serving
 from asyncrl.rpc.wire import RemoteError, RemoteTraceback, WireError
 
-__all__ = ["WATCH_S", "OtherRunError", "RemoteError", "RemoteTraceback", "RpcActor", "RpcServer", "Serving", "WireError",
-           "client_keys", "link", "link_each", "node_ip", "run_env", "run_key"]
+__all__ = ["WATCH_S", "Links", "OtherRunError", "RemoteError", "RemoteTraceback", "RpcActor", "RpcServer", "Serving",
+           "WireError", "link", "link_each", "node_ip", "run_env", "run_key"]

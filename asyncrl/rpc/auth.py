@@ -79,18 +79,13 @@ class Admitted:
         return client_key in self.keys
 
 
-_client_keys: tuple[str, str] | None = None
+def curve_pair() -> tuple[str, str]:
+    """A new CURVE key pair (public, secret) for a caller's calls to actors of other nodes (each
+    `asyncrl.rpc.Links` makes one, at its first such link)."""
+    import zmq
 
-
-def client_keys() -> tuple[str, str]:
-    """This process's CURVE key pair (public, secret) for calls to actors of other nodes, made once."""
-    global _client_keys
-    if _client_keys is None:
-        import zmq
-
-        public, secret = zmq.curve_keypair()
-        _client_keys = public.decode(), secret.decode()
-    return _client_keys
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
 
 
 def node_ip() -> str:

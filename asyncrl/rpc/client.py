@@ -1,5 +1,6 @@
 """The caller's side: `link` a Ray handle to an `RpcActor`, whose ``actor.method.remote(...)``
-sends at once over one `_Link` per process, event loop and actor."""
+sends at once over one `_Link` per event loop and actor of the `Links` it was made with (its
+caller's: each caller owns one and passes it; there is no registry of the module's own)."""
 
 from __future__ import annotations
 
@@ -64,14 +65,15 @@ class _Stream:
 class _Link:
     """One process's connection to one endpoint: the socket, the calls in flight, the liveness watch."""
 
-    def __init__(self, endpoint: str, handle: Any, key: bytes, server_key: str | None = None):
+    def __init__(self, endpoint: str, handle: Any, key: bytes, server_key: str | None = None,
+                 curve: tuple[str, str] | None = None):
         self.loop = asyncio.get_running_loop()
         self._key = key
         self.rejected = 0
         """Replies dropped unread: not two frames, or a MAC that is not of this run."""
         sock = unbounded(zmq.Context.instance().socket(zmq.DEALER))
-        if server_key is not None:  # another node's actor: CURVE, with this process's keys
-            public, secret = auth.client_keys()
+        if server_key is not None:  # another node's actor: CURVE, with its `Links`' key pair (``curve``)
+            public, secret = curve
             sock.curve_serverkey = server_key.encode()
             sock.curve_publickey, sock.curve_secretkey = public.encode(), secret.encode()
         sock.connect(endpoint)
@@ -138,27 +140,50 @@ class _Link:
         self._pump.close()
 
 
-_links: dict[tuple[int, str, str], _Link] = {}
-"""(event loop's id, endpoint, actor id) -> `_Link`: one link per process, loop and actor (an
-endpoint's port may serve a later actor once one is dead)."""
+class Links:
+    """The links of one caller: a `_Link` per event loop and actor (an endpoint's port may serve a
+    later actor once one is dead), and the CURVE key pair its links to other nodes' actors use.
 
+    Whoever calls `link` owns one and passes it (the Rollouter's `EnginePool`, the aggregator, the
+    weight-sync coordinator: a process each in a run), so its calls to an actor share one socket
+    and one liveness watch; an `RpcActor` keeps the `Links` it was made with, and one made without
+    (by hand, or unpickled in another process) makes its own.
+    """
 
-def _link_to(actor: RpcActor) -> _Link:
-    loop = asyncio.get_running_loop()
-    actor_id = getattr(actor.handle, "_actor_id", None)
-    key = (id(loop), actor.endpoint, actor_id.hex() if actor_id is not None else repr(actor.handle))
-    link = _links.get(key)
-    if link is None or link.loop is not loop:
-        if actor.node is not None and actor.node != auth.node_ip():
-            raise RuntimeError(f"an RpcActor made for the processes of node {actor.node} is used on node "
-                               f"{auth.node_ip()}: link the Ray handle there (asyncrl.rpc.link)")
-        for k, old in list(_links.items()):  # links of event loops that have ended (a test's, a run's)
-            if old.loop.is_closed():
-                old.close()
-                del _links[k]
-        run_key = auth.run_key() if actor.secret is None else bytes.fromhex(actor.secret)
-        link = _links[key] = _Link(actor.endpoint, actor.handle, run_key, actor.server_key)
-    return link
+    def __init__(self) -> None:
+        self._links: dict[tuple[int, str, str], _Link] = {}
+        self._curve: tuple[str, str] | None = None
+
+    def client_keys(self) -> tuple[str, str]:
+        """The CURVE key pair (public, secret) of these links to actors of other nodes, made once."""
+        if self._curve is None:
+            self._curve = auth.curve_pair()
+        return self._curve
+
+    def to(self, actor: RpcActor) -> _Link:
+        """The link of the running event loop to ``actor``, made at the first call."""
+        loop = asyncio.get_running_loop()
+        actor_id = getattr(actor.handle, "_actor_id", None)
+        key = (id(loop), actor.endpoint, actor_id.hex() if actor_id is not None else repr(actor.handle))
+        link = self._links.get(key)
+        if link is None or link.loop is not loop:
+            if actor.node is not None and actor.node != auth.node_ip():
+                raise RuntimeError(f"an RpcActor made for the processes of node {actor.node} is used on node "
+                                   f"{auth.node_ip()}: link the Ray handle there (asyncrl.rpc.link)")
+            for k, old in list(self._links.items()):  # links of event loops that have ended (a test's, a run's)
+                if old.loop.is_closed():
+                    old.close()
+                    del self._links[k]
+            run_key = auth.run_key() if actor.secret is None else bytes.fromhex(actor.secret)
+            curve = self.client_keys() if actor.server_key is not None else None
+            link = self._links[key] = _Link(actor.endpoint, actor.handle, run_key, actor.server_key, curve)
+        return link
+
+    def close(self) -> None:
+        """Close every link (calls in flight are left unanswered)."""
+        links, self._links = self._links, {}
+        for link_ in links.values():
+            link_.close()
 
 
 class _Method:
@@ -177,7 +202,7 @@ class _Method:
         if self.streaming:
             return _awaitables(self.stream(*args, **kwargs))
         try:
-            return _link_to(self.actor).send(self.actor.key, self.name, args, kwargs, False)
+            return self.actor.links.to(self.actor).send(self.actor.key, self.name, args, kwargs, False)
         except BaseException as exc:  # noqa: BLE001 - a dead link, an argument that does not travel: where the result would be
             failed = asyncio.get_running_loop().create_future()
             failed.set_exception(exc)
@@ -185,7 +210,7 @@ class _Method:
 
     async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         """The items of an async-generator method as they come."""
-        link = _link_to(self.actor)
+        link = self.actor.links.to(self.actor)
         stream = link.send(self.actor.key, self.name, args, kwargs, True)
         try:
             async for item in stream:
@@ -205,12 +230,18 @@ class RpcActor:
     """A Ray actor handle's calls over ZeroMQ (`asyncrl.rpc`); ``handle`` is the Ray handle."""
 
     def __init__(self, handle: Any, endpoint: str, key: Any = None, server_key: str | None = None,
-                 node: str | None = None, secret: str | None = None):
+                 node: str | None = None, secret: str | None = None, links: Links | None = None):
         self.handle, self.endpoint, self.key, self.server_key = handle, endpoint, key, server_key
         self.node = node
         """The node whose processes this endpoint is for (None: any)."""
         self.secret = secret
         """The MAC key (hex) when not this process's run key (`auth.run_key`: None); never in repr."""
+        self.links = links if links is not None else Links()
+        """Where its calls go out: its caller's `Links` (not pickled: another process has its own)."""
+
+    def on(self, links: Links) -> RpcActor:
+        """This actor with its calls sent on ``links`` (a caller's: its calls to an actor share one socket)."""
+        return RpcActor(self.handle, self.endpoint, self.key, self.server_key, self.node, self.secret, links)
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("__"):
@@ -224,37 +255,45 @@ class RpcActor:
         return f"RpcActor({self.handle!r}, {self.endpoint!r}, key={self.key!r})"
 
 
-async def link(target: Any) -> Any:
+async def link(target: Any, links: Links | None = None) -> Any:
     """``target``'s calls over ZeroMQ where it is a Ray actor that serves them (`Serving`): an
-    `RpcActor` (on loopback for an actor of this node, CURVE for one of another); else ``target``.
-    An actor of another run (another run key) is refused with an `OtherRunError` that says so."""
+    `RpcActor` sending on ``links`` (the caller's; None: its own), on loopback for an actor of this
+    node, CURVE for one of another; else ``target``. An `RpcActor` of this node (made elsewhere, or
+    unpickled) is given back sending on ``links``. An actor of another run (another run key) is refused with
+    an `OtherRunError` that says so."""
     if isinstance(target, RpcActor):
-        return target
+        # Moved onto the caller's links, so its calls share a socket with theirs; not a CURVE one:
+        # its server admits only the key pair of the links it was made with.
+        same = links is None or target.links is links or target.server_key is not None
+        return target if same else target.on(links)
     from ray.actor import ActorHandle
 
     serve = getattr(getattr(target, "serve_rpc", None), "remote", None) if isinstance(target, ActorHandle) else None
     if serve is None:  # an in-process object (or a stand-in for a handle), or an actor that serves no endpoint
         return target
+    links = links if links is not None else Links()
     here = auth.node_ip()
-    served = await serve(here, auth.client_keys()[0])
+    served = await serve(here, links.client_keys()[0])
     ours = auth.key_id(auth.run_key())
     if served.get("run") != ours:
         raise OtherRunError(
             f"{target} takes the calls of another run (run key {served.get('run')}, this process's {ours}): every "
             f"process of a run needs its {auth.RUN_KEY_ENV}; asyncrl.placement starts Ray with it, a Ray started "
             "otherwise needs ray.init(runtime_env={'env_vars': asyncrl.rpc.run_env()})")
-    return RpcActor(target, served["endpoint"], server_key=served.get("server_key"), node=here)
+    return RpcActor(target, served["endpoint"], server_key=served.get("server_key"), node=here, links=links)
 
 
-async def link_each(engines: Any, keys: Iterable[Any], timeout_s: float) -> set[Any]:
-    """`link` ``engines[k]`` for each key at once, each under ``timeout_s``, and put each link in its
-    handle's place unless the handle was replaced meanwhile (a restarted replica): the keys linked.
-    One that fails or does not answer is left as it is (a caller may try it again later)."""
+async def link_each(engines: Any, keys: Iterable[Any], timeout_s: float, links: Links | None = None) -> set[Any]:
+    """`link` ``engines[k]`` on ``links`` (the caller's; None: one for these) for each key at once, each
+    under ``timeout_s``, and put each link in its handle's place unless the handle was replaced
+    meanwhile (a restarted replica): the keys linked. One that fails or does not answer is left as it
+    is (a caller may try it again later)."""
+    links = links if links is not None else Links()
     keys = list(keys)
     handles = [engines[k] for k in keys]
-    links = await asyncio.gather(*(asyncio.wait_for(link(h), timeout_s) for h in handles), return_exceptions=True)
+    outs = await asyncio.gather(*(asyncio.wait_for(link(h, links), timeout_s) for h in handles), return_exceptions=True)
     linked = set()
-    for k, handle, out in zip(keys, handles, links):
+    for k, handle, out in zip(keys, handles, outs):
         if isinstance(out, OtherRunError):  # (a timeout or a dead actor is tried again later, unsaid)
             log.warning("rpc: %s stays called through Ray: %s", k, out)
         current = engines.get(k) if isinstance(engines, dict) else engines[k]  # (a dict's entry may be dropped)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl import rpc
+from asyncrl.rpc import Links
 from asyncrl.sync.base import GroupInit, ReceiverInit, SenderInit, WeightSyncer
 from asyncrl.sync.config import WeightSyncConfig
 from asyncrl.sync.wire import WeightSyncError
@@ -92,6 +93,7 @@ class WeightSyncCoordinator:
         self._rpc = rpc
         self._linked: set[str] = set()
         """Engines called over ZeroMQ (`asyncrl.rpc.link`, made at the first sync they take part in)."""
+        self._links = Links()
 
     def add_engine(self, name: str, handle: Any) -> None:
         """Add (or replace) engine ``name``; the next sync re-forms the group with it and gives it
@@ -270,7 +272,7 @@ class WeightSyncCoordinator:
         not answer stays a Ray handle (the pause finds out what it is)."""
         names = [n for n in self.engines if n not in self._linked] if self._rpc else []
         if names:
-            self._linked |= await rpc.link_each(self.engines, names, self.config.pause_timeout_s)
+            self._linked |= await rpc.link_each(self.engines, names, self.config.pause_timeout_s, self._links)
 
     async def _each(self, names, call, timeout: float, setting: str, step: str):
         refs = {n: call(self.engines[n]) for n in names}

@@ -157,16 +157,19 @@ async def test_a_caller_of_another_node_gets_a_curve_endpoint_that_admits_only_i
     actor = Recorder()
     with pytest.raises(ValueError, match="caller_key"):
         await actor.serve_rpc(caller_node="10.255.0.1")
-    public, _ = rpc.client_keys()
+    links = rpc.Links()  # the caller's: its CURVE key pair is the one registered
+    public, _ = links.client_keys()
     served = await actor.serve_rpc(caller_node="10.255.0.1", caller_key=public)
     assert served["endpoint"].startswith("tcp://127.0.0.1:") and served["server_key"]
     assert served["endpoint"] != (await actor.serve_rpc())["endpoint"]  # this node's callers: plain loopback
-    admitted = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"])
+    admitted = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"], links=links)
     assert await asyncio.wait_for(admitted.note.remote(7), 10) == 7
+    assert await rpc.link(admitted, rpc.Links()) is admitted  # a CURVE link keeps the links its key is of
 
-    # Another key, never registered through serve_rpc: its handshake fails, no call reaches the actor.
-    monkeypatch.setattr(rpc.auth, "_client_keys", tuple(k.decode() for k in __import__("zmq").curve_keypair()))
-    stranger = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"], key="x")
+    # Another caller's links, their key never registered through serve_rpc: the handshake fails, no call
+    # reaches the actor.
+    stranger = rpc.RpcActor(_NeverDies(), served["endpoint"], server_key=served["server_key"], key="x",
+                            links=rpc.Links())
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(stranger.note.remote(8), 2)
     assert actor.seen == [7]

@@ -41,8 +41,8 @@ HUNG = textwrap.dedent('''
         return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
     async def main():
-        runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=0.5, max_concurrent=100,
-                                             sync_tools=sys.argv[1], sync_workers=20))
+        runner = ToolRunner(ToolRunnerConfig(tool_timeout_s=0.5, tool_concurrency=100,
+                                             sync_tools=sys.argv[1], sync_tool_workers=20))
         env = ToolEnv([hang, double], runner=runner)
         hung = await env.step("".join(call("hang", key=str(i)) for i in range(100)))
         t0 = time.perf_counter()

@@ -202,7 +202,7 @@ async def test_sync_tools_on_threads_run_on_the_bounded_pool_and_calls_are_bound
             running -= 1
         return key
 
-    env = ToolEnv([work], max_concurrent=2, sync_tools="thread")  # threads: the tool's state is shared in-process
+    env = ToolEnv([work], tool_concurrency=2, sync_tools="thread")  # threads: the tool's state is shared in-process
     try:
         step = await env.step("".join(call("work", key=str(i)) for i in range(6)))
     finally:

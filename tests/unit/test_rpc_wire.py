@@ -158,3 +158,28 @@ async def test_calls_over_real_sockets_need_no_pickle(monkeypatch):
         await peer.generate.remote(object())  # refused here: nothing sent
     assert echo._rpc_server.rejected == 0 and echo._rpc_server.malformed == 0
     echo.close_rpc()
+
+
+async def test_links_are_owned_by_their_caller_and_the_modules_keep_none(monkeypatch):
+    from asyncrl.rpc import client, server
+
+    monkeypatch.setattr(auth, "node_ip", lambda: "127.0.0.1")
+    echo = Echo()
+    served = await echo.serve_rpc()
+    mine, theirs, handle = rpc.Links(), rpc.Links(), _NeverDies()
+    a = rpc.RpcActor(handle, served["endpoint"], links=mine)
+    b = await rpc.link(rpc.RpcActor(handle, served["endpoint"]), mine)  # made elsewhere (unpickled): moved onto mine
+    c = rpc.RpcActor(handle, served["endpoint"], links=theirs)
+    for actor in (a, b, c):
+        assert (await asyncio.wait_for(actor.generate.remote(_request(3)), 10)).request_id == "r3"
+    assert b.links is mine and mine.to(a) is mine.to(b)  # one socket per caller and actor
+    assert theirs.to(c) is not mine.to(a) and mine.client_keys() != theirs.client_keys()
+    mine.close()
+    theirs.close()
+    echo.close_rpc()
+    # No registry at module level: what the modules hold at the top is code and constants, not state.
+    for module in (client, auth, server):
+        state = [name for name, value in vars(module).items()
+                 if isinstance(value, (dict, list, set)) and not name.startswith("__")]
+        assert state == [], f"{module.__name__} keeps {state} at module level"
+    assert not hasattr(client, "_links") and not hasattr(auth, "_client_keys")  # (the two there were)
