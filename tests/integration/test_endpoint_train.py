@@ -24,9 +24,12 @@ async def three_call_agent(row, client):
     return float(len(r.choices[0].message.content or "") % 2)
 
 
-async def test_a_function_agent_trains_on_policy_with_exact_tokens(tmp_path):
-    from asyncrl.models.tiny_chat import build_chat_model
+async def _train(tmp_path, function: str, steps: int, **trainer):
+    """``steps`` on-policy steps of the agent ``function`` (of this module) over the tiny chat model's
+    endpoint on the built-in engine: 16 prompts, groups of 4, 2 groups a step; ``trainer``: more
+    `TrainerConfig` fields. Returns the steps' results and the (closed) agent, for its counts."""
     from asyncrl.models import load_tokenizer
+    from asyncrl.models.tiny_chat import build_chat_model
     from asyncrl.rollouter.agents import build_agent
     from asyncrl.rollouter.config import AgentConfig
     from asyncrl.rollouter.engines.builtin.engine import TorchEngine
@@ -39,23 +42,30 @@ async def test_a_function_agent_trains_on_policy_with_exact_tokens(tmp_path):
     path = str(build_chat_model(tmp_path / "model"))
     tok = load_tokenizer(path)
     prompts = [Prompt(text=f"q{i}", prompt_ids=np.asarray(tok.encode(f"q{i}"), np.int64), meta={}) for i in range(16)]
-    agent = build_agent(AgentConfig(function="tests.integration.test_endpoint_train:three_call_agent", max_turns=CALLS,
+    agent = build_agent(AgentConfig(function=f"tests.integration.test_endpoint_train:{function}", max_turns=CALLS,
                                     max_tokens_per_turn=6, max_context_tokens=512), tok)
     tcfg = TrainerConfig(worker=WorkerConfig(model_path=path, pad_token_id=tok.pad_token_id, optim=OptimConfig(lr=1e-3)),
-                         groups_per_batch=2, recv_timeout_s=120)
+                         groups_per_batch=2, recv_timeout_s=120, **trainer)
     rcfg = RolloutConfig(n=4, max_tokens=6, groups_per_sync=tcfg.groups_per_sync, staleness_threshold=0.0)
     try:
         results, _, _, _ = await train_steps(tcfg, rcfg, TorchEngine(path, seed=0), prompts,
-                                                     lambda p, ids: 0.0, 3, agent=agent)
+                                             lambda p, ids: 0.0, steps, agent=agent)
     finally:
         await agent.aclose()
+    return results, agent
+
+
+async def test_a_function_agent_trains_on_policy_with_exact_tokens(tmp_path):
+    # two steps: the second samples on the weights the first trained and synced (on-policy after a sync)
+    results, agent = await _train(tmp_path, "three_call_agent", 2)
+    assert len(results) == 2
     for r in results:
         m = r.metrics
         assert m["agent/turns_mean"] == CALLS and m["agent/turns_max"] == CALLS
         assert m["is_ratio_max"] == pytest.approx(1.0, abs=1e-3) and m["is_ratio_min"] == pytest.approx(1.0, abs=1e-3)
     counts = agent.loop.counts
     assert counts["http_forks"] == 0 and counts["http_failed_episodes"] == 0
-    assert counts["http_calls"] >= CALLS * 3 * 2 * 4  # (episodes still in flight at the end were cancelled)
+    assert counts["http_calls"] >= CALLS * 2 * 2 * 4  # (episodes still in flight at the end were cancelled)
 
 
 async def summarising_agent(row, client):
@@ -76,31 +86,8 @@ async def test_every_branch_of_an_edited_history_trains_on_policy(tmp_path):
     """Episodes 0 and 2 of each group of 4 fork: 6 trajectories per group, all trained, ratio still 1."""
     import json
 
-    from asyncrl.agent.tiny_chat import build_chat_model
-    from asyncrl.models import load_tokenizer
-    from asyncrl.rollouter.agents import build_agent
-    from asyncrl.rollouter.config import AgentConfig
-    from asyncrl.rollouter.engines.builtin.engine import TorchEngine
-    from asyncrl.rollouter.feed import Prompt
-    from asyncrl.rollouter.rollouter import RolloutConfig
-    from asyncrl.trainer.config import OptimConfig, TrainerConfig, WorkerConfig
-    from tests.unit.inprocess import train_steps
-
-    torch.set_num_threads(1)
-    path = str(build_chat_model(tmp_path / "model"))
-    tok = load_tokenizer(path)
-    prompts = [Prompt(text=f"q{i}", prompt_ids=np.asarray(tok.encode(f"q{i}"), np.int64), meta={}) for i in range(16)]
-    agent = build_agent(AgentConfig(function="tests.integration.test_endpoint_train:summarising_agent", max_turns=3,
-                                    max_tokens_per_turn=6, max_context_tokens=512), tok)
     samples = tmp_path / "samples.jsonl"
-    tcfg = TrainerConfig(worker=WorkerConfig(model_path=path, pad_token_id=tok.pad_token_id, optim=OptimConfig(lr=1e-3)),
-                         groups_per_batch=2, recv_timeout_s=120, samples_path=str(samples))
-    rcfg = RolloutConfig(n=4, max_tokens=6, groups_per_sync=tcfg.groups_per_sync, staleness_threshold=0.0)
-    try:
-        results, _, _, _ = await train_steps(tcfg, rcfg, TorchEngine(path, seed=0), prompts,
-                                             lambda p, ids: 0.0, 2, agent=agent)
-    finally:
-        await agent.aclose()
+    results, agent = await _train(tmp_path, "summarising_agent", 2, samples_path=str(samples))
     for r in results:
         m = r.metrics
         assert m["is_ratio_max"] == pytest.approx(1.0, abs=1e-3) and m["is_ratio_min"] == pytest.approx(1.0, abs=1e-3)

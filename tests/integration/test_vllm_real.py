@@ -431,6 +431,7 @@ async def test_an_agent_loops_turns_on_vllm_match_the_trainer_and_reuse_the_pref
     from asyncrl.rollouter.agents import build_agent
     from asyncrl.rollouter.config import AgentConfig
     from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+    from tests.integration.test_endpoint_vllm import trainer_is_ratio
 
     block = 128  # vLLM's CPU KV block: only whole blocks are cached
     agent = build_agent(AgentConfig(loop="tests.unit.agent_envs:ThreeFixedTurns"), None)
@@ -455,6 +456,9 @@ async def test_an_agent_loops_turns_on_vllm_match_the_trainer_and_reuse_the_pref
         # turn k+1's prompt = turn k's prompt + its 6 tokens (+ the observation): its full blocks were cached
         later_turns_blocks += sum((len(t.prompt_ids) + 10 * k - 4) // block * block for k in (1, 2))
     assert cached >= later_turns_blocks > 0, (cached, later_turns_blocks)
+    # what the trainer reports for these groups in a sync run (its batch, forward and loss statistics)
+    low, high = trainer_is_ratio(served.trainer, r.producer.groups, pad_token_id=0)
+    assert abs(low - 1) < 1e-3 and abs(high - 1) < 1e-3, (low, high)
 
 
 def _weights(model) -> dict:
