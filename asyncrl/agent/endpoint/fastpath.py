@@ -68,26 +68,27 @@ async def send_json(send: Any, status: int, content: Any, headers: dict[str, str
 
 
 class FastPath:
-    """ASGI app: the generation routes served directly (the module docstring), the rest by ``app``."""
+    """ASGI app: the generation routes served directly (the module docstring), the rest by ``app``.
+    ``serve_call``, ``stream`` and ``error_headers``: the server module's own (`_serve_call`,
+    `stream_response`, ``_NO_RETRY``), handed in (that module imports this one)."""
 
-    def __init__(self, server: Any, app: Any):
-        from asyncrl.agent.endpoint import server as http  # (it imports this module)
-
-        self.server, self.app, self.http = server, app, http
+    def __init__(self, server: Any, app: Any, *, serve_call: Any, stream: Any, error_headers: dict[str, str]):
+        self.server, self.app = server, app
+        self.serve_call, self.stream, self.error_headers = serve_call, stream, error_headers
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         route = route_of(scope)
         if route is None:
             return await self.app(scope, receive, send)
-        server, http = self.server, self.http
+        server = self.server
         try:
             ep = server.lookup(route[0], header(scope, b"authorization"))
             body = await read_json(receive)
             server.calls += 1
-            answer = await http._serve_call(server, ep, SimpleNamespace(receive=receive), getattr(ep, route[1])(body))
+            answer = await self.serve_call(server, ep, SimpleNamespace(receive=receive), getattr(ep, route[1])(body))
         except EndpointError as e:
             server.errors += 1
-            return await send_json(send, e.status, e.body(), http._NO_RETRY)
+            return await send_json(send, e.status, e.body(), self.error_headers)
         if not body.get("stream"):
             return await send_json(send, 200, answer)
-        await http.stream_response(answer, body)(scope, receive, send)
+        await self.stream(answer, body)(scope, receive, send)

@@ -73,7 +73,8 @@ class EndpointServer:
         sock.bind((self.host, self.port))
         sock.listen(4096)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(FastPath(self, build_app(self)), log_level="warning", lifespan="off", access_log=False,
+        app = FastPath(self, build_app(self), serve_call=_serve_call, stream=stream_response, error_headers=_NO_RETRY)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=60)
         self._server = _OwnedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="asyncrl-endpoint")
