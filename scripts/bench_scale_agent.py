@@ -224,6 +224,7 @@ async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=N
     total = max(concurrent, round(concurrent * args.agent_rounds))
     counts = {"tool_calls": 0, "live": 0}
     agent = (make_agent or _agent)(args, counts)
+    client_cpu = getattr(agent, "client_cpu", None)  # the CPU so far of clients in a process of their own (--http)
     prefill = args.prefill_tokens_per_s or None
     hosts = []
     if args.agent_hosts:  # the replicas in Ray actor processes, as in a run (their schedulers leave this loop)
@@ -275,10 +276,12 @@ async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=N
         while len(admitted) < concurrent and not run.done():  # the window opens once the concurrency is full
             await asyncio.sleep(0.005)
         t0, r0, k0, lag0, cpu0 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags), time.process_time()
+        x0 = await client_cpu() if client_cpu else 0.0
         fed_wait = asyncio.create_task(fed.wait())
         await asyncio.wait({run, fed_wait}, return_when=asyncio.FIRST_COMPLETED)  # a failed run ends the wait too
         fed_wait.cancel()
         t1, r1, k1, lag1, cpu1 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags), time.process_time()
+        x1 = await client_cpu() if client_cpu else 0.0
         deadline = time.monotonic() + 600
         while len(sink.sent) < len(admitted) and time.monotonic() < deadline:
             sink.changed.clear()
@@ -315,7 +318,8 @@ async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=N
         "conversations_sent": len(turns), "loop_lag_p50_ms": 1e3 * float(np.percentile(window_lags, 50)),
         "loop_lag_p99_ms": 1e3 * float(np.percentile(window_lags, 99)), "loop_lag_max_ms": 1e3 * max(window_lags),
         "run_lag_max_ms": 1e3 * max(lags), "loop_lag_ticks": lag1 - lag0, "live_conversations_mean": float(np.mean(live[lag0:lag1] or [0])),
-        "turn_req_s": (r1 - r0) / window, "cpu_ms_per_turn": 1e3 * (cpu1 - cpu0) / max(r1 - r0, 1), "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
+        "turn_req_s": (r1 - r0) / window, "cpu_ms_per_turn": 1e3 * (cpu1 - cpu0) / max(r1 - r0, 1),
+        "client_cpu_ms_per_turn": 1e3 * (x1 - x0) / max(r1 - r0, 1), "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
         "mean_turns": float(np.mean(turns)) if turns else 0.0,
         **check_delivery(admitted, sink.sent, n, args.agent_turns),
         "turn_requests": turn_requests, "engine_calls_per_turn": rollouter.pool.calls / max(turn_requests, 1),

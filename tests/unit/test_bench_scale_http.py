@@ -1,6 +1,7 @@
 """``scripts/bench_scale.py --agent --http``, small: every episode an OpenAI-client agent over real
 HTTP; each admitted episode ends in one sent group with all its calls on one branch (no fork), and
-the JSON last line carries the issue's keys beside the in-process path's CPU per turn."""
+the JSON last line carries the issue's keys beside the in-process path's CPU per turn (the clients
+in their own process: their CPU counted apart from the server's)."""
 
 import json
 import sys
@@ -12,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_scale  # noqa: E402
 
 KEYS = {"http", "episodes", "loop_lag_p99_ms", "calls_s", "cpu_ms_per_call", "cpu_ms_per_call_inprocess", "lost",
-        "duplicated"}
+        "duplicated", "cpu_ms_per_call_server", "cpu_ms_per_call_clients", "http_clients"}
 
 
 @pytest.mark.timeout(120)
@@ -24,3 +25,7 @@ def test_http_episodes_end_in_one_group_each_with_every_call(capsys):
     assert result["episodes"] == 64 and result["lost"] == result["duplicated"] == 0
     assert result["bad_turns"] == result["failed"] == 0  # every episode's 4 calls extended one branch
     assert result["calls_s"] > 0 and result["cpu_ms_per_call"] > 0 and result["cpu_ms_per_call_inprocess"] > 0
+    # the clients ran in their own process (the default): its CPU is counted apart, and in the total
+    assert result["http_clients"] == "process" and result["cpu_ms_per_call_clients"] > 0
+    assert result["cpu_ms_per_call"] == pytest.approx(result["cpu_ms_per_call_server"] + result["cpu_ms_per_call_clients"],
+                                                      abs=2e-3)

@@ -20,6 +20,7 @@ episode as it was.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,11 +44,18 @@ def content_text(content: Any) -> str:
 def canonical_arguments(arguments: Any) -> str:
     """Tool-call arguments as one canonical JSON text (a JSON string is parsed first)."""
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments.strip()
+        return _canonical_text(arguments)
     return json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=16384)
+def _canonical_text(arguments: str) -> str:
+    """`canonical_arguments` of a JSON text, remembered: every call of an episode sends its earlier
+    assistant messages again, whose arguments would otherwise be parsed and re-serialized each time."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except json.JSONDecodeError:
+        return arguments.strip()
 
 
 def message_key(m: Message) -> tuple:
@@ -117,12 +125,15 @@ class Branch:
     last_turn: list[int] = field(default_factory=list)
     finish: str = "stop"
 
+    ids: np.ndarray | None = None
+    """The prompt and every part's ids joined, as of the last `History.commit` (None: no turn yet)."""
+
     def context(self) -> np.ndarray:
-        return np.concatenate([self.prompt_ids, *(p[0] for p in self.parts)])
+        return self.prompt_ids if self.ids is None else self.ids
 
     def trajectory(self, reward: float | None) -> AgentTrajectory:
         def joined(i: int, dtype) -> np.ndarray:
-            return np.concatenate([p[i] for p in self.parts]).astype(dtype) if self.parts else np.zeros(0, dtype)
+            return np.concatenate([p[i] for p in self.parts]).astype(dtype, copy=False) if self.parts else np.zeros(0, dtype)
 
         final = next((s.text for s in reversed(self.sampled) if s is not None), "")
         return AgentTrajectory(prompt_ids=self.prompt_ids, response_ids=joined(0, np.int64), loss_mask=joined(1, np.uint8),
@@ -207,7 +218,8 @@ class History:
                         np.asarray(turn.versions, np.int64)))
         b.keys = p.keys + [sampled.key]
         b.sampled = b.sampled + [None] * (len(p.keys) - len(b.sampled)) + [sampled]
-        b.length = len(p.context) + len(ids)
+        b.ids = np.concatenate([p.context, ids])  # (``p.context``: the branch's ids and the bridge)
+        b.length = len(b.ids)
         b.last_turn = ids.tolist()
         b.finish = turn.finish_reason
         b.calls += 1

@@ -12,7 +12,9 @@ call is then a coroutine beside the Rollouter's (no process hop, no serializatio
 ids); it awaits the episode's `LLM` directly, so the pause-keep across a weight sync,
 per-token versions and partial rollout apply to it as to any agent turn. The server binds
 loopback unless ``rollout.agent.endpoint_host`` says otherwise (agents in sandboxes on other
-hosts); the episode secret is its authentication.
+hosts); the episode secret is its authentication. The two generation routes are answered by
+`asyncrl.agent.endpoint.fastpath` in front of the FastAPI app (the same answers, without FastAPI's
+per-request cost); the app serves the rest.
 
 A client that disconnects before its answer cancels the call, which aborts its engine request;
 nothing of it is recorded. The engine returns a turn whole, so ``stream: true`` sends the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import socket
@@ -35,6 +38,7 @@ from fastapi import FastAPI, Request  # (module level: the routes' annotations a
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from asyncrl.agent.endpoint.episode import EndpointError, Episode
+from asyncrl.agent.endpoint.fastpath import FastPath
 
 log = logging.getLogger("asyncrl.agent.endpoint")
 _ENDED_KEPT = 100_000  # ended episodes remembered for a 409 (beyond: 404)
@@ -70,9 +74,16 @@ class EndpointServer:
         sock.bind((self.host, self.port))
         sock.listen(4096)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False,
+        app = FastPath(self, build_app(self), serve_call=_serve_call, stream=stream_response, error_headers=_NO_RETRY)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=60)
         self._server = _OwnedServer(config)
+        config.load()  # (here, not in the task: what it imports is frozen below)
+        if gc.get_freeze_count():  # a process whose start-up is frozen (the Rollouter's: `settle_gc`)
+            # What the server's start imported and built lives as long as the process: frozen too, or
+            # every full collection walks these ~20,000 objects again.
+            gc.collect()
+            gc.freeze()
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="asyncrl-endpoint")
 
     async def close(self) -> None:
@@ -190,6 +201,18 @@ def _chunks(body: dict, include_usage: bool) -> list[dict]:
     return out
 
 
+def stream_response(answer: dict, body: dict) -> StreamingResponse:
+    """``answer`` as the SSE stream a ``stream: true`` request gets."""
+    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    async def sse():
+        for c in _chunks(answer, usage):
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream")
+
+
 def build_app(server: EndpointServer):
     """The FastAPI app of ``server`` (routes in the module docstring)."""
     app = FastAPI(title="asyncrl episode endpoint", docs_url=None, redoc_url=None, openapi_url=None)
@@ -212,14 +235,7 @@ def build_app(server: EndpointServer):
         answer = await _serve_call(server, ep, request, getattr(ep, method)(body))
         if not body.get("stream"):
             return JSONResponse(answer)
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-        async def sse():
-            for c in _chunks(answer, usage):
-                yield f"data: {json.dumps(c)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return stream_response(answer, body)
 
     @app.post("/s/{episode}/v1/chat/completions")
     async def chat(episode: str, request: Request):

@@ -1,0 +1,94 @@
+"""The endpoint's two generation routes as a plain ASGI app in front of the FastAPI one.
+
+``POST /s/{episode}/v1/chat/completions`` and ``POST /s/{episode}/v1/completions`` are nearly
+every request an agent makes. Through FastAPI each paid for its routing, its dependency solving
+(pydantic validation of the path parameter and the ``Request``), its exception and exit-stack
+middleware: on ``scripts/bench_scale.py --agent --http`` that was about as much CPU as the
+episode's own work (history matching, rendering, the engine call). `FastPath` answers those two
+routes itself, with the same lookup, the same `EndpointError` answers (status, body and
+``x-should-retry``), the same JSON (compact, UTF-8) and the same SSE stream; every other request
+(``models``, ``reward``, any route added to the FastAPI app) goes to the FastAPI app unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from asyncrl.agent.endpoint.episode import EndpointError
+
+_METHODS = {("chat", "completions"): "chat", ("completions",): "complete"}
+"""The path after ``/s/{episode}/v1/``, split at ``/``: the `Episode` method serving it."""
+
+
+def route_of(scope: dict) -> tuple[str, str] | None:
+    """(episode, method) of a generation call (as FastAPI's ``/s/{episode}/v1/...`` routes match
+    it: the episode one non-empty path segment), else None."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return None
+    parts = scope["path"].split("/")
+    if len(parts) < 5 or parts[0] or parts[1] != "s" or not parts[2] or parts[3] != "v1":
+        return None
+    method = _METHODS.get(tuple(parts[4:]))
+    return None if method is None else (parts[2], method)
+
+
+def header(scope: dict, name: bytes) -> str | None:
+    """A request header (names arrive lowercased), as Starlette decodes it."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def read_json(receive: Any) -> Any:
+    """The request body parsed as JSON (400 if it is not)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise EndpointError(499, "the client disconnected; its request was aborted")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise EndpointError(400, "the request body is not JSON") from None
+
+
+async def send_json(send: Any, status: int, content: Any, headers: dict[str, str] | None = None) -> None:
+    """One JSON answer, rendered as Starlette's ``JSONResponse`` renders it."""
+    body = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+    raw = [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
+    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class FastPath:
+    """ASGI app: the generation routes served directly (the module docstring), the rest by ``app``.
+    ``serve_call``, ``stream`` and ``error_headers``: the server module's own (`_serve_call`,
+    `stream_response`, ``_NO_RETRY``), handed in (that module imports this one)."""
+
+    def __init__(self, server: Any, app: Any, *, serve_call: Any, stream: Any, error_headers: dict[str, str]):
+        self.server, self.app = server, app
+        self.serve_call, self.stream, self.error_headers = serve_call, stream, error_headers
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        route = route_of(scope)
+        if route is None:
+            return await self.app(scope, receive, send)
+        server = self.server
+        try:
+            ep = server.lookup(route[0], header(scope, b"authorization"))
+            body = await read_json(receive)
+            server.calls += 1
+            answer = await self.serve_call(server, ep, SimpleNamespace(receive=receive), getattr(ep, route[1])(body))
+        except EndpointError as e:
+            server.errors += 1
+            return await send_json(send, e.status, e.body(), self.error_headers)
+        if not body.get("stream"):
+            return await send_json(send, 200, answer)
+        await self.stream(answer, body)(scope, receive, send)
