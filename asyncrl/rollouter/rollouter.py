@@ -73,6 +73,7 @@ from asyncrl.rollouter.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
 from asyncrl.rollouter.resumable import Rounds, generate_resumable
+from asyncrl.rollouter.response import Ended, ResponseOutcome, missing_reward, settle
 from asyncrl.rollouter.rewards import Rewards
 from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.skip import SkipManager, is_replayed
@@ -295,19 +296,14 @@ class Rollouter:
             )
         finally:
             await calls.close()
-        outcomes, episodes = flatten_runs(self.agent, outcomes)  # a run of a loop: one entry per session or branch
-        for k, o in enumerate(outcomes):  # the rewards, started as each response ended; most are done by now
-            if isinstance(o, tuple):
-                try:
-                    o[0].reward = await Rewards.value(o[2])
-                except Exception as exc:  # noqa: BLE001 - the user's reward function
-                    where = f"the reward function ({getattr(self.reward_fn, '__qualname__', 'reward_fn')})"
-                    outcomes[k] = UserCodeError.of(exc, where, sample_id, prompt.text)
+        ended, episodes = flatten_runs(self.agent, outcomes)  # a run of a loop: one entry per session or branch
+        outcomes = await settle(ended, lambda exc: UserCodeError.of(
+            exc, f"the reward function ({getattr(self.reward_fn, '__qualname__', 'reward_fn')})", sample_id, prompt.text))
         user = next((o for o in outcomes if isinstance(o, UserCodeError)), None)
         if user is not None:  # the user's code, not a fault: on_user_error decides (_one_group)
             raise user
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
-        trajectories = [o[0] for o in outcomes if isinstance(o, tuple)]
+        trajectories = [o.trajectory for o in outcomes if isinstance(o, ResponseOutcome)]
         meta = {"prompt": prompt.text, **prompt.meta, **({EPISODES_KEY: episodes} if episodes else {})}
         if errors:
             return Group(sample_id=sample_id, trajectories=trajectories, expected=self._group_size, status="failed",
@@ -315,7 +311,7 @@ class Rollouter:
         group = Group(sample_id=sample_id, trajectories=trajectories, meta=meta,
                       expected=len(episodes) if episodes else self._group_size)  # branches: n or more
         if group.complete:  # an episode's branches count once
-            self.admission.on_complete(sample_id, (replica for _, replica, _ in first_of_episodes(outcomes, episodes)))
+            self.admission.on_complete(sample_id, (o.replica for o in first_of_episodes(outcomes, episodes)))
         return group
 
     def _request(self, sample_id: str, index: int, k: int, prompt: Prompt, parts: PartialResponse,
@@ -340,9 +336,9 @@ class Rollouter:
         return self.cfg.seed + 1000 * index + k
 
     async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt,
-                            calls: GroupCalls) -> tuple[Trajectory, int, Any] | list[tuple[Trajectory, int, Any]]:
-        """One response, resumed across truncations; returns it with the replica that finished it
-        and its reward under way (`Rewards.start`). With an agent loop, the loop's run instead
+                            calls: GroupCalls) -> Ended | list[Ended]:
+        """One response, resumed across truncations: `Ended`, with the replica that finished it and
+        its reward under way (`Rewards.start`). With an agent loop, the loop's run instead
         (`asyncrl.rollouter.agents`): a list, one entry per session."""
         if self.agent is not None:
             return await run_agent_response(self.agent, sample_id, k, prompt, calls, self._seed(index, k),
@@ -357,11 +353,15 @@ class Rollouter:
         self.rounds.truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
         response_ids, logprobs, versions = parts.joined()
         finish = result.finish_reason if result.finish_reason != "truncated" else "length"
-        trajectory = Trajectory(
-            sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=response_ids,
-            logprobs=logprobs, versions=versions, finish_reason=finish, age=parts.age,
-        )
-        return trajectory, replica, self.rewards.start(prompt, response_ids)
+
+        def build(index: int, reward: float | None) -> Trajectory:
+            if reward is None:
+                raise missing_reward(sample_id, index)
+            return Trajectory(sample_id=sample_id, index=index, prompt_ids=prompt.prompt_ids,
+                              response_ids=response_ids, logprobs=logprobs, versions=versions,
+                              finish_reason=finish, reward=reward, age=parts.age)
+
+        return Ended(k, replica, self.rewards.start(prompt, response_ids), build)
 
     def stats_now(self) -> dict:
         """`RolloutStats` and the pool's counters as a dict (the idle span in progress included),
