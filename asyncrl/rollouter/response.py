@@ -1,4 +1,11 @@
-"""A response's outcome, typed: what ended (`Ended`), then what the group keeps (`ResponseOutcome`).
+"""One response's state in one record (`Response`), and its outcome, typed: what ended (`Ended`),
+then what the group keeps (`ResponseOutcome`).
+
+A single-turn response lives in a `Response` from its first request to its trajectory (as
+nano-vllm keeps a request in one ``Sequence``): which sample and index it is, the parts it
+generated so far across truncations (`PartialResponse`, with its age), the replica that served
+it, and where it stands. Partial rollout's `Rounds.truncated` holds these records; a checkpoint
+saves only their parts, in `PartialResponse.to_json`'s layout.
 
 A response (or one session or branch of an agent loop's run) ends with its tokens, the replica
 that finished it and its reward under way (`asyncrl.rollouter.rewards.Rewards.start`). Its
@@ -12,10 +19,61 @@ these and never changes them after.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
+import numpy as np
+
+from asyncrl.rollouter.partial import PartialResponse
 from asyncrl.rollouter.rewards import Pending, Rewards
 from asyncrl.types import Trajectory
+
+Status = Literal["running", "truncated", "finished"]
+
+
+@dataclass(eq=False)
+class Response:
+    """One single-turn response of a group in flight, from its first request to its trajectory."""
+
+    sample_id: str
+    """Its prompt's id (``sample_{epoch}_{index}``)."""
+    k: int
+    """Which of the group's ``n`` responses it is."""
+    parts: PartialResponse = field(default_factory=PartialResponse)
+    """What it generated so far, across truncations (a checkpoint saves this)."""
+    replica: int = -1
+    """The engine replica of its last request (-1: none yet)."""
+    status: Status = "running"
+    """``running`` (on an engine, or about to be), ``truncated`` (waiting for the next round), ``finished``."""
+    prompt_ids: np.ndarray | None = None
+    """Its prompt's token ids (set when it starts, or resumes from a checkpoint)."""
+    finish_reason: str | None = None
+    """How it ended (``length`` for one stopped at its budget by truncations); None until it finished."""
+    tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """``(response_ids, logprobs, versions)``, its parts joined once when it finished."""
+
+    @property
+    def age(self) -> int:
+        """Truncations it survived."""
+        return self.parts.age
+
+    def finish(self, finish_reason: str, replica: int) -> np.ndarray:
+        """It ended on ``replica``: join its parts once; returns its response ids (what its reward reads)."""
+        self.status, self.replica = "finished", replica
+        self.finish_reason = finish_reason if finish_reason != "truncated" else "length"
+        self.tokens = self.parts.joined()
+        return self.tokens[0]
+
+    def trajectory(self, index: int, reward: float | None) -> Trajectory:
+        """Its trajectory as response ``index``, with ``reward`` (`Ended.build`); raises with none."""
+        if reward is None:
+            raise missing_reward(self.sample_id, index)
+        if self.tokens is None or self.prompt_ids is None:
+            raise RuntimeError(f"{self.sample_id}/{self.k}: trajectory() before finish() (status {self.status})")
+        response_ids, logprobs, versions = self.tokens
+        return Trajectory(sample_id=self.sample_id, index=index, prompt_ids=self.prompt_ids, response_ids=response_ids,
+                          logprobs=logprobs, versions=versions, finish_reason=self.finish_reason, reward=reward,
+                          age=self.parts.age)
 
 
 @dataclass(frozen=True)

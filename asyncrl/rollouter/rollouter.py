@@ -73,11 +73,11 @@ from asyncrl.rollouter.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
 from asyncrl.rollouter.resumable import Rounds, generate_resumable
-from asyncrl.rollouter.response import Ended, ResponseOutcome, missing_reward, settle
+from asyncrl.rollouter.response import Ended, Response, ResponseOutcome, settle
 from asyncrl.rollouter.rewards import Rewards
 from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.skip import SkipManager, is_replayed
-from asyncrl.types import EPISODES_KEY, FILTERED_KEY, GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
+from asyncrl.types import EPISODES_KEY, FILTERED_KEY, GenerateRequest, Group, SamplingParams, parse_sample_id
 from asyncrl.usercode import USER_ERROR_KEY, UserCodeError, UserErrors
 
 __all__ = ["Prompt", "RolloutConfig", "RolloutState", "RolloutStats", "Rollouter", "encode_prompts", "settle_gc"]
@@ -131,7 +131,8 @@ class Rollouter:
         self._gate = asyncio.Condition()
         self._groups: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
         self.rounds = Rounds(self.partials, self.stats, self.partial.max_age if self.aggregator is not None else 0,
-                             {sid: dict(responses) for sid, responses in self.state.partials.items()})
+                             {sid: {k: Response(sid, k, parts, status="truncated") for k, parts in responses.items()}
+                              for sid, responses in self.state.partials.items()})
         """The version, the round's end and the truncated responses (`snapshot` saves them)."""
         self._stopping = False
         self._finished = 0
@@ -200,7 +201,7 @@ class Rollouter:
             **self.feed.position(),
             "in_flight": sorted(self._groups, key=lambda sample_id: parse_sample_id(sample_id)[1]),
             "unacked": [g.sample_id for g in unacked] if unacked is not None else [],
-            "partials": {sid: {str(k): parts.to_json() for k, parts in responses.items()}
+            "partials": {sid: {str(k): response.parts.to_json() for k, response in responses.items()}
                          for sid, responses in self.rounds.truncated.items() if responses},
         }
 
@@ -344,24 +345,16 @@ class Rollouter:
             return await run_agent_response(self.agent, sample_id, k, prompt, calls, self._seed(index, k),
                                             cfg=self.cfg, rounds=self.rounds, rewards=self.rewards)
         budget = prompt.max_tokens or self.cfg.max_tokens
-        parts = self.rounds.truncated.get(sample_id, {}).get(k)
-        resuming = parts is not None  # only a resume puts parts there before this call
-        parts = parts or PartialResponse()
+        response = self.rounds.truncated.get(sample_id, {}).get(k)
+        resuming = response is not None  # only a resume puts a record there before this call
+        response = response or Response(sample_id, k)
+        response.prompt_ids = prompt.prompt_ids
         result, replica = await generate_resumable(
-            self.rounds, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), parts, budget,
-            resuming=resuming, keep=(sample_id, k))
+            self.rounds, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), response.parts, budget,
+            resuming=resuming, keep=response)
         self.rounds.truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
-        response_ids, logprobs, versions = parts.joined()
-        finish = result.finish_reason if result.finish_reason != "truncated" else "length"
-
-        def build(index: int, reward: float | None) -> Trajectory:
-            if reward is None:
-                raise missing_reward(sample_id, index)
-            return Trajectory(sample_id=sample_id, index=index, prompt_ids=prompt.prompt_ids,
-                              response_ids=response_ids, logprobs=logprobs, versions=versions,
-                              finish_reason=finish, reward=reward, age=parts.age)
-
-        return Ended(k, replica, self.rewards.start(prompt, response_ids), build)
+        response_ids = response.finish(result.finish_reason, replica)
+        return Ended(k, replica, self.rewards.start(prompt, response_ids), response.trajectory)
 
     def stats_now(self) -> dict:
         """`RolloutStats` and the pool's counters as a dict (the idle span in progress included),
