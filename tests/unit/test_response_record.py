@@ -16,9 +16,9 @@ from asyncrl.agent.loop import SingleTurnLoop
 from asyncrl.queue.memory import MemorySink
 from asyncrl.rollouter.agents import Agent
 from asyncrl.rollouter.engines.builtin.engine import TorchEngine
-from asyncrl.rollouter.response import Ended, ResponseOutcome, missing_reward, settle
+from asyncrl.rollouter.response import Ended, Response, ResponseOutcome, missing_reward, settle
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
-from asyncrl.types import Trajectory
+from asyncrl.types import GenerateResult, Trajectory
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,3 +95,26 @@ async def test_a_reward_that_raises_is_handed_to_reward_error():
     failed.set_exception(ZeroDivisionError("bad reward"))
     (out,) = await settle([Ended(0, 0, failed, trajectory)], lambda exc: RuntimeError(f"user: {exc}"))
     assert isinstance(out, RuntimeError) and str(out) == "user: bad reward"
+
+
+def test_a_response_record_joins_its_parts_once_and_builds_its_trajectory():
+    response = Response("sample_0_5", 1)
+    assert response.status == "running" and response.age == 0 and response.replica == -1
+    with pytest.raises(RuntimeError, match=r"sample_0_5/1: trajectory\(\) before finish\(\) \(status running\)"):
+        response.trajectory(1, 1.0)
+    response.parts.add(GenerateResult("sample_0_5/1", np.array([7, 8]), np.array([-0.5, -0.25]), np.array([0, 0]),
+                                      "truncated"))
+    response.parts.age = 1
+    response.parts.add(GenerateResult("sample_0_5/1/1", np.array([9]), np.array([-1.0]), np.array([1]), "truncated"))
+    response.prompt_ids = np.array([1, 2, 3])
+    ids = response.finish("truncated", replica=3)  # stopped at its budget by a truncation
+    assert ids.tolist() == [7, 8, 9] and response.status == "finished" and response.replica == 3
+    t = response.trajectory(1, 2.5)
+    assert t.finish_reason == "length" and t.age == 1 and t.reward == 2.5 and t.index == 1
+    assert t.response_ids.tolist() == [7, 8, 9] and t.versions.tolist() == [0, 0, 1] and t.prompt_ids.tolist() == [1, 2, 3]
+    assert t.logprobs.tolist() == [-0.5, -0.25, -1.0]
+    with pytest.raises(ValueError, match=r"^sample_0_5\[1\]: the response has no reward"):
+        response.trajectory(1, None)
+    # A checkpoint saves the record's parts in PartialResponse's layout, as before the record.
+    assert response.parts.to_json() == {"age": 1, "response_ids": [7, 8, 9], "logprobs": [-0.5, -0.25, -1.0],
+                                        "versions": [0, 0, 1]}
