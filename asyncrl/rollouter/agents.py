@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,6 +59,8 @@ from asyncrl.usercode import UserCodeError
 from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from asyncrl.agent import AgentLoop
     from asyncrl.rollouter.feed import Prompt
 
@@ -297,7 +298,7 @@ def flatten_runs(agent: Agent | None, outcomes: list) -> tuple[list, list[int] |
     for k, o in enumerate(outcomes):
         for x in o if isinstance(o, list) else [o]:
             if agent.branches and isinstance(x, Ended):
-                x = replace(x, index=len(episodes))
+                x = x.renumbered(len(episodes))
                 episodes.append(k)
             flat.append(x)
     return flat, episodes if agent.branches else None

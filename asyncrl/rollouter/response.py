@@ -19,7 +19,7 @@ these and never changes them after.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -98,6 +98,10 @@ class Ended:
     """Its reward under way (`Rewards.start`); None: none was started (an env's reward is in the episode)."""
     build: Callable[[int, float | None], Trajectory]
     """``(index, reward) -> Trajectory``: raises when the response has no reward at all."""
+
+    def renumbered(self, index: int) -> Ended:
+        """The same response as the group's ``index``-th trajectory (an episode's branches, in response order)."""
+        return replace(self, index=index)
 
     def settle(self, reward: float | None) -> ResponseOutcome:
         """The outcome, its trajectory built now with ``reward`` (the awaited value of `reward`)."""
