@@ -39,7 +39,6 @@ Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands eac
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,13 +51,16 @@ from asyncrl.calls import call_within
 from asyncrl.rollouter.config import AgentConfig, RolloutConfig
 from asyncrl.rollouter.partial import PartialResponse
 from asyncrl.rollouter.pool import GroupCalls
-from asyncrl.rollouter.rewards import Rewards, score
+from asyncrl.rollouter.response import Ended
+from asyncrl.rollouter.rewards import Pending, Rewards, score
 from asyncrl.rollouter.resumable import Rounds, generate_resumable
 from asyncrl.turns import to_trajectory
 from asyncrl.usercode import UserCodeError
 from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from asyncrl.agent import AgentLoop
     from asyncrl.rollouter.feed import Prompt
 
@@ -254,9 +256,10 @@ async def validate_agent_response(agent: Agent, engine: Any, request_id: str, pr
 
 
 async def run_agent_response(agent: Agent, sample_id: str, k: int, prompt: Prompt, calls: GroupCalls, seed: int, *,
-                             cfg: RolloutConfig, rounds: Rounds, rewards: Rewards) -> list[tuple[Trajectory, int, Any]]:
+                             cfg: RolloutConfig, rounds: Rounds, rewards: Rewards) -> list[Ended]:
     """Response ``k`` as one run of the loop: its trajectories (``agent.sessions`` of them), each
-    with the replica of its last turn and its reward under way (started on ``rewards``)."""
+    `Ended` with the replica of its last turn and its reward under way (started on ``rewards``;
+    none for an episode whose env gave one)."""
     llm = RolloutLLM(cfg, rounds, calls, sample_id, k, seed)
     try:
         out = await agent.loop.run(prompt, llm)
@@ -269,14 +272,19 @@ async def run_agent_response(agent: Agent, sample_id: str, k: int, prompt: Promp
     episodes = out if isinstance(out, (list, tuple)) else [out]
     if agent.branches and episodes:  # one episode's branches: the main one's reward is everyone's
         reward = _reward(rewards, prompt, episodes[0])
-        return [(to_trajectory(ep, sample_id=sample_id, index=b, reward=0.0, age=llm.age), llm.replica, reward)
-                for b, ep in enumerate(episodes)]
+        return [Ended(b, llm.replica, reward, _builder(ep, sample_id, llm.age)) for b, ep in enumerate(episodes)]
     if len(episodes) != agent.sessions:
         raise SessionCountError(f"{sample_id}/{k}: {agent.name} returned {len(episodes)} trajectories, "
                                 f"rollout.agent.sessions={agent.sessions}", where=agent.name, sample_id=sample_id,
                                 prompt=getattr(prompt, "text", None))
-    return [(to_trajectory(ep, sample_id=sample_id, index=k * agent.sessions + s, reward=0.0, age=llm.age),
-             llm.replica, _reward(rewards, prompt, ep)) for s, ep in enumerate(episodes)]
+    return [Ended(k * agent.sessions + s, llm.replica, _reward(rewards, prompt, ep), _builder(ep, sample_id, llm.age))
+            for s, ep in enumerate(episodes)]
+
+
+def _builder(episode: Any, sample_id: str, age: int) -> Callable[[int, float | None], Trajectory]:
+    """``episode``'s trajectory once its reward is in; `to_trajectory` raises if it has none at all
+    (its env gave none and none was given)."""
+    return lambda index, reward: to_trajectory(episode, sample_id=sample_id, index=index, reward=reward, age=age)
 
 
 def flatten_runs(agent: Agent | None, outcomes: list) -> tuple[list, list[int] | None]:
@@ -288,8 +296,8 @@ def flatten_runs(agent: Agent | None, outcomes: list) -> tuple[list, list[int] |
     flat, episodes = [], []
     for k, o in enumerate(outcomes):
         for x in o if isinstance(o, list) else [o]:
-            if agent.branches and isinstance(x, tuple):
-                x[0].index = len(episodes)
+            if agent.branches and isinstance(x, Ended):
+                x = x.renumbered(len(episodes))
                 episodes.append(k)
             flat.append(x)
     return flat, episodes if agent.branches else None
@@ -302,12 +310,11 @@ def first_of_episodes(entries: list, episodes: list[int] | None) -> list:
     return [x for i, x in enumerate(entries) if i == 0 or episodes[i] != episodes[i - 1]]
 
 
-def _reward(rewards: Rewards, prompt: Prompt, episode: Any) -> Any:
-    """The env's reward as a done future, else the task's reward of the last model turn, started."""
+def _reward(rewards: Rewards, prompt: Prompt, episode: Any) -> Pending | None:
+    """None when the env gave a reward (it is in the episode), else the task's reward of the last
+    model turn, started."""
     if episode.reward is not None:
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(float(episode.reward))
-        return done
+        return None
     return rewards.start(prompt, last_turn(np.asarray(episode.response_ids), np.asarray(episode.loss_mask)))
 
 

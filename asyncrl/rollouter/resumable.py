@@ -8,9 +8,9 @@ agent loops' turns (`asyncrl.rollouter.agents`) run through it, so truncation me
 thing for both.
 
 It works against `Rounds`, the round state the Rollouter owns and moves (the weight version, the
-round's end), never against the Rollouter itself. ``keep`` names the response in
-`Rounds.truncated` (what a checkpoint saves, so that a resume continues the response from its
-parts); agent turns pass None: a conversation in flight at a crash is generated again from its
+round's end), never against the Rollouter itself. ``keep`` is the single-turn response's record
+(`asyncrl.rollouter.response.Response`), which a truncation puts in `Rounds.truncated` (a
+checkpoint saves its parts, so that a resume continues the response from them); agent turns pass None: a conversation in flight at a crash is generated again from its
 start, which keeps exactly once without saving tool state.
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse
 from asyncrl.rollouter.pool import GroupCalls
+from asyncrl.rollouter.response import Response
 from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.types import GenerateRequest, GenerateResult
 
@@ -37,8 +38,9 @@ class Rounds:
     """Counts ``truncated`` and ``resumed`` responses."""
     max_age: int = 0
     """Truncations a response may survive; 0: rounds truncate nothing (no aggregator)."""
-    truncated: dict[str, dict[int, PartialResponse]] = field(default_factory=dict)
-    """Truncated responses not yet finished, of groups not yet sent: what a checkpoint saves."""
+    truncated: dict[str, dict[int, Response]] = field(default_factory=dict)
+    """Truncated responses not yet finished, of groups not yet sent (``sample_id -> {k: record}``):
+    a checkpoint saves their parts."""
     version: int = 0
     """The weight version the engines serve (the round)."""
     closed: bool = False
@@ -47,7 +49,7 @@ class Rounds:
 
 async def generate_resumable(r: Rounds, calls: GroupCalls, make_request: Callable[[PartialResponse], GenerateRequest],
                              parts: PartialResponse, budget: int, *, resuming: bool = False,
-                             keep: tuple[str, int] | None = None) -> tuple[GenerateResult, int]:
+                             keep: Response | None = None) -> tuple[GenerateResult, int]:
     """Generate into ``parts`` until it ends or holds ``budget`` tokens; the last result and its replica.
 
     ``resuming``: ``parts`` came from a checkpoint (its first dispatch counts as a resume)."""
@@ -69,6 +71,8 @@ async def generate_resumable(r: Rounds, calls: GroupCalls, make_request: Callabl
             r.stats.resumed += 1
             resuming = False
         dispatched_in = r.version
+        if keep is not None:
+            keep.status = "running"
         result, replica = await calls.generate(request, truncatable)
         parts.add(result)
         if result.finish_reason != "truncated" or parts.n_tokens >= budget:
@@ -77,7 +81,8 @@ async def generate_resumable(r: Rounds, calls: GroupCalls, make_request: Callabl
             parts.age += 1
             r.stats.truncated += 1
             if keep is not None:
-                r.truncated.setdefault(keep[0], {})[keep[1]] = parts
+                keep.status = "truncated"
+                r.truncated.setdefault(keep.sample_id, {})[keep.k] = keep
             resuming = True
         # (Stopped before its first token, by the synchronous workflow's round end: it waits
         # for the next round as it was.) The round it was stopped in: never later than its

@@ -73,10 +73,11 @@ from asyncrl.rollouter.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
 from asyncrl.rollouter.resumable import Rounds, generate_resumable
+from asyncrl.rollouter.response import Ended, Response, ResponseOutcome, settle
 from asyncrl.rollouter.rewards import Rewards
 from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.skip import SkipManager, is_replayed
-from asyncrl.types import EPISODES_KEY, FILTERED_KEY, GenerateRequest, Group, SamplingParams, Trajectory, parse_sample_id
+from asyncrl.types import EPISODES_KEY, FILTERED_KEY, GenerateRequest, Group, SamplingParams, parse_sample_id
 from asyncrl.usercode import USER_ERROR_KEY, UserCodeError, UserErrors
 
 __all__ = ["Prompt", "RolloutConfig", "RolloutState", "RolloutStats", "Rollouter", "encode_prompts", "settle_gc"]
@@ -130,7 +131,8 @@ class Rollouter:
         self._gate = asyncio.Condition()
         self._groups: dict[str, asyncio.Task] = {}  # sample_id admitted and not yet sent -> its task
         self.rounds = Rounds(self.partials, self.stats, self.partial.max_age if self.aggregator is not None else 0,
-                             {sid: dict(responses) for sid, responses in self.state.partials.items()})
+                             {sid: {k: Response(sid, k, parts, status="truncated") for k, parts in responses.items()}
+                              for sid, responses in self.state.partials.items()})
         """The version, the round's end and the truncated responses (`snapshot` saves them)."""
         self._stopping = False
         self._finished = 0
@@ -199,7 +201,7 @@ class Rollouter:
             **self.feed.position(),
             "in_flight": sorted(self._groups, key=lambda sample_id: parse_sample_id(sample_id)[1]),
             "unacked": [g.sample_id for g in unacked] if unacked is not None else [],
-            "partials": {sid: {str(k): parts.to_json() for k, parts in responses.items()}
+            "partials": {sid: {str(k): response.parts.to_json() for k, response in responses.items()}
                          for sid, responses in self.rounds.truncated.items() if responses},
         }
 
@@ -295,19 +297,14 @@ class Rollouter:
             )
         finally:
             await calls.close()
-        outcomes, episodes = flatten_runs(self.agent, outcomes)  # a run of a loop: one entry per session or branch
-        for k, o in enumerate(outcomes):  # the rewards, started as each response ended; most are done by now
-            if isinstance(o, tuple):
-                try:
-                    o[0].reward = await Rewards.value(o[2])
-                except Exception as exc:  # noqa: BLE001 - the user's reward function
-                    where = f"the reward function ({getattr(self.reward_fn, '__qualname__', 'reward_fn')})"
-                    outcomes[k] = UserCodeError.of(exc, where, sample_id, prompt.text)
+        ended, episodes = flatten_runs(self.agent, outcomes)  # a run of a loop: one entry per session or branch
+        outcomes = await settle(ended, lambda exc: UserCodeError.of(
+            exc, f"the reward function ({getattr(self.reward_fn, '__qualname__', 'reward_fn')})", sample_id, prompt.text))
         user = next((o for o in outcomes if isinstance(o, UserCodeError)), None)
         if user is not None:  # the user's code, not a fault: on_user_error decides (_one_group)
             raise user
         errors = [f"{k}: {type(o).__name__}: {o}" for k, o in enumerate(outcomes) if isinstance(o, BaseException)]
-        trajectories = [o[0] for o in outcomes if isinstance(o, tuple)]
+        trajectories = [o.trajectory for o in outcomes if isinstance(o, ResponseOutcome)]
         meta = {"prompt": prompt.text, **prompt.meta, **({EPISODES_KEY: episodes} if episodes else {})}
         if errors:
             return Group(sample_id=sample_id, trajectories=trajectories, expected=self._group_size, status="failed",
@@ -315,7 +312,7 @@ class Rollouter:
         group = Group(sample_id=sample_id, trajectories=trajectories, meta=meta,
                       expected=len(episodes) if episodes else self._group_size)  # branches: n or more
         if group.complete:  # an episode's branches count once
-            self.admission.on_complete(sample_id, (replica for _, replica, _ in first_of_episodes(outcomes, episodes)))
+            self.admission.on_complete(sample_id, (o.replica for o in first_of_episodes(outcomes, episodes)))
         return group
 
     def _request(self, sample_id: str, index: int, k: int, prompt: Prompt, parts: PartialResponse,
@@ -340,28 +337,24 @@ class Rollouter:
         return self.cfg.seed + 1000 * index + k
 
     async def _one_response(self, sample_id: str, index: int, k: int, prompt: Prompt,
-                            calls: GroupCalls) -> tuple[Trajectory, int, Any] | list[tuple[Trajectory, int, Any]]:
-        """One response, resumed across truncations; returns it with the replica that finished it
-        and its reward under way (`Rewards.start`). With an agent loop, the loop's run instead
+                            calls: GroupCalls) -> Ended | list[Ended]:
+        """One response, resumed across truncations: `Ended`, with the replica that finished it and
+        its reward under way (`Rewards.start`). With an agent loop, the loop's run instead
         (`asyncrl.rollouter.agents`): a list, one entry per session."""
         if self.agent is not None:
             return await run_agent_response(self.agent, sample_id, k, prompt, calls, self._seed(index, k),
                                             cfg=self.cfg, rounds=self.rounds, rewards=self.rewards)
         budget = prompt.max_tokens or self.cfg.max_tokens
-        parts = self.rounds.truncated.get(sample_id, {}).get(k)
-        resuming = parts is not None  # only a resume puts parts there before this call
-        parts = parts or PartialResponse()
+        response = self.rounds.truncated.get(sample_id, {}).get(k)
+        resuming = response is not None  # only a resume puts a record there before this call
+        response = response or Response(sample_id, k)
+        response.prompt_ids = prompt.prompt_ids
         result, replica = await generate_resumable(
-            self.rounds, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), parts, budget,
-            resuming=resuming, keep=(sample_id, k))
+            self.rounds, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), response.parts, budget,
+            resuming=resuming, keep=response)
         self.rounds.truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
-        response_ids, logprobs, versions = parts.joined()
-        finish = result.finish_reason if result.finish_reason != "truncated" else "length"
-        trajectory = Trajectory(
-            sample_id=sample_id, index=k, prompt_ids=prompt.prompt_ids, response_ids=response_ids,
-            logprobs=logprobs, versions=versions, finish_reason=finish, age=parts.age,
-        )
-        return trajectory, replica, self.rewards.start(prompt, response_ids)
+        response_ids = response.finish(result.finish_reason, replica)
+        return Ended(k, replica, self.rewards.start(prompt, response_ids), response.trajectory)
 
     def stats_now(self) -> dict:
         """`RolloutStats` and the pool's counters as a dict (the idle span in progress included),

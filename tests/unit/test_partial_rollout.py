@@ -187,9 +187,9 @@ async def test_sync_workflow_admits_nothing_once_the_round_has_its_groups_until_
         await until(lambda: r.rounds.closed and r.rounds.truncated.get("sample_0_0", {}).get(0, PartialResponse()).age == 2,
                     what="round 1 ended, sample 0 truncated again")
         assert r.stats.resumed >= N and aggregator.truncated_rounds[1] >= N
-        for parts in r.rounds.truncated["sample_0_0"].values():
-            ids, _, versions = parts.joined()
-            assert parts.age == 2 and set(versions.tolist()) == {0, 1} and len(ids) < LONG
+        for response in r.rounds.truncated["sample_0_0"].values():
+            ids, _, versions = response.parts.joined()
+            assert response.age == 2 and response.status == "truncated" and set(versions.tolist()) == {0, 1} and len(ids) < LONG
     finally:
         await r.stop()
         await task

@@ -1,0 +1,137 @@
+"""One response's state in one record (`Response`), and its outcome, typed: what ended (`Ended`),
+then what the group keeps (`ResponseOutcome`).
+
+A single-turn response lives in a `Response` from its first request to its trajectory (as
+nano-vllm keeps a request in one ``Sequence``): which sample and index it is, the parts it
+generated so far across truncations (`PartialResponse`, with its age), the replica that served
+it, and where it stands. Partial rollout's `Rounds.truncated` holds these records; a checkpoint
+saves only their parts, in `PartialResponse.to_json`'s layout.
+
+A response (or one session or branch of an agent loop's run) ends with its tokens, the replica
+that finished it and its reward under way (`asyncrl.rollouter.rewards.Rewards.start`). Its
+`Trajectory` is built once, when that reward is in (`Ended.settle`), with the reward in it: no
+placeholder is written first and overwritten later, so a trajectory with no reward (an agent
+episode whose env gave none and for which none was started) fails its group with one line,
+instead of being trained on a made-up 0.0. The group builds its `ResponseOutcome` records from
+these and never changes them after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from asyncrl.rollouter.partial import PartialResponse
+from asyncrl.rollouter.rewards import Pending, Rewards
+from asyncrl.types import Trajectory
+
+Status = Literal["running", "truncated", "finished"]
+
+
+@dataclass(eq=False)
+class Response:
+    """One single-turn response of a group in flight, from its first request to its trajectory."""
+
+    sample_id: str
+    """Its prompt's id (``sample_{epoch}_{index}``)."""
+    k: int
+    """Which of the group's ``n`` responses it is."""
+    parts: PartialResponse = field(default_factory=PartialResponse)
+    """What it generated so far, across truncations (a checkpoint saves this)."""
+    replica: int = -1
+    """The engine replica of its last request (-1: none yet)."""
+    status: Status = "running"
+    """``running`` (on an engine, or about to be), ``truncated`` (waiting for the next round), ``finished``."""
+    prompt_ids: np.ndarray | None = None
+    """Its prompt's token ids (set when it starts, or resumes from a checkpoint)."""
+    finish_reason: str | None = None
+    """How it ended (``length`` for one stopped at its budget by truncations); None until it finished."""
+    tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """``(response_ids, logprobs, versions)``, its parts joined once when it finished."""
+
+    @property
+    def age(self) -> int:
+        """Truncations it survived."""
+        return self.parts.age
+
+    def finish(self, finish_reason: str, replica: int) -> np.ndarray:
+        """It ended on ``replica``: join its parts once; returns its response ids (what its reward reads)."""
+        self.status, self.replica = "finished", replica
+        self.finish_reason = finish_reason if finish_reason != "truncated" else "length"
+        self.tokens = self.parts.joined()
+        return self.tokens[0]
+
+    def trajectory(self, index: int, reward: float | None) -> Trajectory:
+        """Its trajectory as response ``index``, with ``reward`` (`Ended.build`); raises with none."""
+        if reward is None:
+            raise missing_reward(self.sample_id, index)
+        if self.tokens is None or self.prompt_ids is None:
+            raise RuntimeError(f"{self.sample_id}/{self.k}: trajectory() before finish() (status {self.status})")
+        response_ids, logprobs, versions = self.tokens
+        return Trajectory(sample_id=self.sample_id, index=index, prompt_ids=self.prompt_ids, response_ids=response_ids,
+                          logprobs=logprobs, versions=versions, finish_reason=self.finish_reason, reward=reward,
+                          age=self.parts.age)
+
+
+@dataclass(frozen=True)
+class ResponseOutcome:
+    """One trajectory of a group, with the replica that finished it (the aggregator's count)."""
+
+    trajectory: Trajectory
+    """The response, its reward in it."""
+    replica: int
+    """The engine replica of its last request (an agent run: of its last turn)."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A response that ended, its reward under way: `settle` builds its trajectory once the reward is in."""
+
+    index: int
+    """Its index in the group (an agent run with branches: renumbered in response order)."""
+    replica: int
+    """The engine replica of its last request."""
+    reward: Pending | None
+    """Its reward under way (`Rewards.start`); None: none was started (an env's reward is in the episode)."""
+    build: Callable[[int, float | None], Trajectory]
+    """``(index, reward) -> Trajectory``: raises when the response has no reward at all."""
+
+    def renumbered(self, index: int) -> Ended:
+        """The same response as the group's ``index``-th trajectory (an episode's branches, in response order)."""
+        return replace(self, index=index)
+
+    def settle(self, reward: float | None) -> ResponseOutcome:
+        """The outcome, its trajectory built now with ``reward`` (the awaited value of `reward`)."""
+        return ResponseOutcome(self.build(self.index, reward), self.replica)
+
+
+def missing_reward(sample_id: str, index: int) -> ValueError:
+    """The one-line error of a response that ended with no reward."""
+    return ValueError(f"{sample_id}[{index}]: the response has no reward (its env gave none and no reward "
+                      "was started for it; the task's reward function scores a response that has none)")
+
+
+async def settle(ended: list[Ended | BaseException],
+                 reward_error: Callable[[Exception], BaseException]) -> list[ResponseOutcome | BaseException]:
+    """Each ended response's outcome, its trajectory built once its reward is in (started as it
+    ended: most are done by now); an error stays as it is. A reward that raises becomes
+    ``reward_error(exc)`` (the user's error); a response left with no reward at all
+    (`missing_reward`), or one whose trajectory cannot be built, fails the group like an engine's error."""
+    outcomes: list[ResponseOutcome | BaseException] = []
+    for o in ended:
+        if not isinstance(o, Ended):
+            outcomes.append(o)
+            continue
+        try:
+            reward = None if o.reward is None else await Rewards.value(o.reward)
+        except Exception as exc:  # noqa: BLE001 - the user's reward function
+            outcomes.append(reward_error(exc))
+            continue
+        try:
+            outcomes.append(o.settle(reward))
+        except Exception as exc:  # noqa: BLE001 - no reward, or a malformed episode
+            outcomes.append(exc)
+    return outcomes
