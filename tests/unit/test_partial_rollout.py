@@ -305,7 +305,7 @@ async def test_a_checkpoint_keeps_the_partial_buffer_and_a_resume_continues_each
         # is truncated and waits in the buffer for a round that never comes: the run stops there.
         first = rollouter()
         task = asyncio.create_task(first.run(num_groups=4))
-        await until(lambda: len(first.partials) == N and len(first.producer.groups) == 3, what="truncated responses")
+        await until(lambda: len(first.partials) == N and len(first.producer.groups) == 3, timeout=180, what="truncated responses")
         await first.stop()
         await task
         saved = json.loads(json.dumps(first.snapshot()))  # what the checkpoint sidecar holds
