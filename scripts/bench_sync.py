@@ -22,8 +22,10 @@ wire wait / load) and, from the per-bucket timelines both sides keep, the overla
 packs ran while the previous bucket was still on the wire, how many engine loads ran while the
 next receive was posted, and how long each engine had no receive posted (its wire idle).
 Run: ``python scripts/bench_sync.py [--json] [--sizes-mb 50 500] [--bucket-mb 4] [--repeats 5]``.
-With ``--lora RANK [RANK ...]`` it compares instead adapter-only (LoRA) syncs with full syncs on the
-largest size (``scripts/lora_bench.py``: bytes, sync time and the trainer's peak memory per rank).
+With ``--lora RANK [RANK ...]`` it compares instead adapter-only (LoRA) syncs with full syncs
+(``scripts/lora_bench.py``: bytes, sync time and the trainer's peak memory per rank), by default on
+the real Qwen2.5-0.5B shape (``--shape qwen2.5-0.5b``, one engine per trainer); ``--shape sized``
+takes the largest ``--sizes-mb`` of the widened Qwen2 shape instead (two engines per trainer).
 With ``--json`` the last line is the last size run (500 MB by default):
 ``{"sync_gb_s", "raw_gb_s", "vs_raw", "vs_raw_median", "vs_raw_min", "vs_raw_max",
 "pause_resume_ms", "peak_extra_mb_rank0", "tracked_extra_mb_rank0", "loadavg"}``; ``vs_raw`` =
@@ -53,10 +55,35 @@ def parse_args(argv=None):
                    help="interleaved raw/sync repetitions per size (medians and spread reported)")
     p.add_argument("--json", action="store_true", help="print the JSON summary of the largest size last")
     p.add_argument("--lora", type=int, nargs="+", default=None, metavar="RANK",
-                   help="LoRA ranks: adapter-only sync side by side with full sync on the largest size (see lora_bench)")
+                   help="LoRA ranks: adapter-only sync side by side with full sync on --shape (see lora_bench)")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
                    help="trainer.lora.target_modules for --lora (default: every linear layer of the blocks)")
+    p.add_argument("--shape", choices=SHAPES, default="qwen2.5-0.5b",
+                   help="model for --lora: qwen2.5-0.5b (default: Qwen2.5-0.5B's config, random weights, one "
+                        "engine per trainer) or sized (the largest --sizes-mb of the widened Qwen2 shape)")
     return p.parse_args(argv)
+
+
+SHAPES = ("qwen2.5-0.5b", "sized")
+
+#: Qwen2.5-0.5B's config.json (no download): 494M parameters, ~1.98 GB of fp32 with the
+#: 151936 x 896 embedding tied to the LM head (a full sync sends it once). The bench only syncs and
+#: steps, never generates, so the context is left short (256): no parameter depends on it.
+QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000.0, "max_position_embeddings": 256, "hidden_act": "silu"}
+
+
+def build_qwen25_05b(path: Path) -> Path:
+    """The Qwen2.5-0.5B shape with seeded random fp32 weights and the tiny tokenizer (its ids fit the vocabulary)."""
+    from transformers import Qwen2Config
+
+    from asyncrl.models.tiny import build_tokenizer, save_random_model
+
+    tok = build_tokenizer()
+    cfg = Qwen2Config(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      **QWEN25_05B)
+    return save_random_model(cfg, tok, path, seed=0)
 
 
 def model_overrides(size_mb: float) -> dict:
@@ -226,8 +253,18 @@ def main(argv=None) -> int:
     if args.lora:
         from lora_bench import run_lora
 
+        from asyncrl.models.tiny import build_tiny_model
+
+        if args.shape == "qwen2.5-0.5b":
+            # ~2 GB per copy: a full trainer with AdamW (~8 GB), a LoRA trainer and one engine each fit
+            # a 24 GB machine; two engines each would not leave room for anything else
+            shape, build, n_engines = "qwen2.5-0.5b", build_qwen25_05b, 1
+        else:
+            size = max(args.sizes_mb)
+            shape, n_engines = f"sized {size:g} MB", 2
+            build = lambda path: build_tiny_model(path, seed=0, **model_overrides(size))
         try:
-            return run_lora(args, max(args.sizes_mb), model_overrides)
+            return run_lora(args, shape, build, n_engines)
         finally:
             ray.shutdown()
     rows = []

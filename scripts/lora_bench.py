@@ -1,9 +1,10 @@
 """``bench_sync.py --lora RANK [RANK ...]``: adapter-only (LoRA) weight sync against full sync.
 
-Per LoRA rank, on bench_sync's Qwen2-shaped model (the largest ``--sizes-mb``, 500 MB of fp32 by
-default): two trainer ranks (`TrainerWorker`, 1-rank FSDP2 each), one full and one with
-``trainer.lora.rank=RANK`` (target modules: ``--lora-targets``, default every linear layer of the blocks), each with
-two `TorchEngine` actors and a `WeightSyncCoordinator` of its own. After a first sync of each
+Per LoRA rank, on the model bench_sync builds (``--shape``: Qwen2.5-0.5B's config with random
+weights by default, or the largest ``--sizes-mb`` of its widened Qwen2 shape): two trainer ranks
+(`TrainerWorker`, 1-rank FSDP2 each), one full and one with ``trainer.lora.rank=RANK`` (target modules:
+``--lora-targets``, default every linear layer of the blocks), each with its own `TorchEngine` actors
+(one for the 0.5B shape, two for the sized one) and `WeightSyncCoordinator`. After a first sync of each
 (group, metadata, buffers), ``--repeats`` rounds of one full sync then one LoRA sync, interleaved,
 and one optimizer step of each trainer on the same random batch with its peak RSS growth
 (sampled every millisecond) and its RSS after the step. Figures are medians over the repeats:
@@ -79,9 +80,9 @@ def _batch(vocab: int):
 
 
 class Side:
-    """One trainer rank, its two engines and its coordinator."""
+    """One trainer rank, its engines and its coordinator."""
 
-    def __init__(self, path: Path, lora_rank: int, targets: list[str] | None = None):
+    def __init__(self, path: Path, lora_rank: int, targets: list[str] | None = None, n_engines: int = 2):
         from asyncrl.rollouter.actor import remote_engine_actor
         from asyncrl.sync.coordinator import WeightSyncConfig, WeightSyncCoordinator
         from asyncrl.trainer.config import LoraConfig, TrainerConfig, WorkerConfig
@@ -92,7 +93,7 @@ class Side:
         self.trainer = RankGroup.start_ray(TrainerConfig(worker=worker, world_size=1, cpus_per_rank=0.25))
         cls = remote_engine_actor(num_cpus=0.25)
         self.engines = [cls.remote(kind="torch", model_path=str(path), eos_token_ids=(), num_threads=1)
-                        for _ in range(2)]
+                        for _ in range(n_engines)]
         self.coord = WeightSyncCoordinator(self.trainer.workers, self.engines, WeightSyncConfig())
         self.rank0 = self.trainer.workers[0]
 
@@ -111,8 +112,10 @@ class Side:
         self.trainer.close()
 
 
-async def bench_rank(path: Path, rank: int, repeats: int, vocab: int, targets: list[str] | None) -> dict:
-    full, lora = Side(path, 0), Side(path, rank, targets if rank else None)
+async def bench_rank(path: Path, rank: int, repeats: int, vocab: int, targets: list[str] | None,
+                     n_engines: int) -> dict:
+    full = Side(path, 0, n_engines=n_engines)
+    lora = Side(path, rank, targets if rank else None, n_engines)
     try:
         await asyncio.gather(*[h.ready.remote() for h in full.engines + lora.engines])
         await full.sync()
@@ -141,17 +144,15 @@ async def bench_rank(path: Path, rank: int, repeats: int, vocab: int, targets: l
         lora.close()
 
 
-def run_lora(args, size_mb: float, model_overrides) -> int:
-    from asyncrl.models.tiny import build_tiny_model
-
+def run_lora(args, shape: str, build, n_engines: int) -> int:
+    """``build(path)`` saves the model to ``path`` (bench_sync's shapes); ``n_engines`` engines per trainer."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = model_overrides(size_mb)
-        path = build_tiny_model(Path(tmp) / "m", seed=0, **overrides)
+        path = build(Path(tmp) / "m")
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         for rank in args.lora:
             t0 = time.perf_counter()
-            row = asyncio.run(bench_rank(path, rank, args.repeats, vocab, args.lora_targets))
+            row = asyncio.run(bench_rank(path, rank, args.repeats, vocab, args.lora_targets, n_engines))
             rows.append(row)
             print(f"rank {rank:3d}: bytes {row['bytes_full'] / 1e6:.1f} MB -> {row['bytes_lora'] / 1e6:.2f} MB "
                   f"({row['bytes_ratio']:.0f}x fewer), sync {row['sync_s_full'] * 1e3:.0f} -> "
@@ -162,6 +163,6 @@ def run_lora(args, size_mb: float, model_overrides) -> int:
     if args.json:
         top = next((r for r in rows if r["lora_rank"] == 16), rows[0])
         print(json.dumps({**{k: (round(v, 4) if isinstance(v, float) else v) for k, v in top.items()},
-                          "size_mb": size_mb, "repeats": args.repeats, "ranks": rows,
+                          "shape": shape, "engines_per_trainer": n_engines, "repeats": args.repeats, "ranks": rows,
                           "loadavg": [round(x, 2) for x in os.getloadavg()]}))
     return 0
