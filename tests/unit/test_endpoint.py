@@ -240,6 +240,51 @@ async def _no_call(row, spec):
     return 1.0
 
 
+KEYED: list[tuple[str, str, str]] = []
+
+
+async def keyed_agent(row, spec: ClientSpec):
+    KEYED.append((spec.episode_key, spec.base_url, spec.api_key))
+    c = openai.AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0)
+    await c.chat.completions.create(model=spec.model, messages=[{"role": "user", "content": row["prompt"]}])
+    return 1.0
+
+
+KEY_SCRIPT = """
+import json, os, sys, urllib.request
+row = json.load(sys.stdin)
+open(row["out"], "w").write(os.environ["ASYNCRL_EPISODE_KEY"])
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", json.dumps({"model": "m",
+    "messages": [{"role": "user", "content": "hi"}]}).encode(), {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+    "Content-Type": "application/json"})
+urllib.request.urlopen(req)
+print("1.0")
+"""
+
+
+async def test_every_run_of_an_episode_gets_the_same_episode_key_and_a_new_url_and_secret(tmp_path):
+    # (as after a resume: the Rollouter runs sample_0_0's episode 0 again; docs/endpoint.md)
+    KEYED.clear()
+    loop = EndpointLoop(TOK, function=keyed_agent)
+    script = tmp_path / "agent.py"
+    script.write_text(KEY_SCRIPT)
+    command = EndpointLoop(TOK, command=f"{sys.executable} {script}")
+    try:
+        for _ in range(2):
+            await loop.run({"prompt": "hi"}, ScriptedLLM(["ok"]))  # its episode_id: sample_0_0/0
+        await command.run({"prompt": "hi", "out": str(tmp_path / "key")}, ScriptedLLM(["ok"]))
+        outside_run = ScriptedLLM(["ok"])
+        outside_run.episode_id = None
+        outside = await loop.run({"prompt": "hi"}, outside_run)
+    finally:
+        await loop.aclose()
+        await command.aclose()
+    (k1, url1, key1), (k2, url2, key2), (k3, url3, _) = KEYED
+    assert k1 == k2 == "sample_0_0/0" and url1 != url2 and key1 != key2
+    assert (tmp_path / "key").read_text() == "sample_0_0/0"
+    assert outside.reward == 1.0 and k3 == url3.split("/s/")[1].removesuffix("/v1")  # outside a run: unique
+
+
 AGENT_SCRIPT = """
 import json, os, sys, urllib.request
 row = json.load(sys.stdin)
