@@ -405,8 +405,9 @@ class FixedEngine:
         from asyncrl.types import GenerateResult
 
         self.requests.append(request.request_id)
-        ids = TOK.encode("ok", add_special_tokens=False) + [TOK.convert_tokens_to_ids("<|im_end|>")]
-        return GenerateResult(request.request_id, ids, [-0.1] * len(ids), [self.version] * len(ids), "stop")
+        ids = np.asarray(TOK.encode("ok", add_special_tokens=False) + [TOK.convert_tokens_to_ids("<|im_end|>")])
+        return GenerateResult(request.request_id, ids, np.full(len(ids), -0.1, np.float32),
+                              np.full(len(ids), self.version), "stop")
 
     async def abort(self, request_ids):
         pass
