@@ -27,7 +27,7 @@ def attempt(run_dir, model, n: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "EP_RESUME_DIR": str(run_dir), "EP_RESUME_ATTEMPT": str(n), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", CHILD, str(model), str(n)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=240, check=False)
 
 
 def lines(path) -> list[dict]:
