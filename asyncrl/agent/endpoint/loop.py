@@ -8,7 +8,8 @@ Two ways in (beside ``rollout.agent.env`` and ``rollout.agent.loop``):
   point an OpenAI client. It returns the episode's reward, or None: a reward posted to the
   endpoint, else the task's reward function on the final assistant turn.
 - ``rollout.agent.command: "python path/agent.py"``: a subprocess per episode (any language) with
-  ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``OPENAI_MODEL`` set and the row on stdin as JSON. Its
+  ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``OPENAI_MODEL`` (and ``ASYNCRL_EPISODE_KEY``,
+  `ClientSpec.episode_key`) set and the row on stdin as JSON. Its
   reward is posted to the endpoint or printed as its last stdout line; with neither, or a
   non-zero exit (its code and stderr tail are reported), its group fails.
 
@@ -61,6 +62,9 @@ class ClientSpec:
     """The episode's secret."""
     model: str
     """The model name to send (any name is served by the policy)."""
+    episode_key: str = ""
+    """``{sample_id}/{k}`` in a run: the same when the episode runs again after a resume (the URL and
+    key are new each time), so a tool with side effects can key them by it (docs/endpoint.md)."""
 
     @property
     def reward_url(self) -> str:
@@ -133,7 +137,7 @@ class EndpointLoop(AgentLoop):
         ep = Episode(f"{base}-{uuid.uuid4().hex[:8]}", llm, self.renderer, self.limits, self.model)
         server.add(ep)
         self.counts["episodes"] += 1
-        spec = ClientSpec(server.base_url(ep), ep.secret, self.model)
+        spec = ClientSpec(server.base_url(ep), ep.secret, self.model, str(getattr(llm, "episode_id", None) or ep.id))
         try:
             reward = await asyncio.wait_for(self._drive(row_of(prompt), spec), self.limits.max_episode_s)
         except TimeoutError:
@@ -192,7 +196,7 @@ class EndpointLoop(AgentLoop):
 async def run_command(command: str, row: dict, spec: ClientSpec) -> float | None:
     """One episode as a subprocess (the module docstring): its reward printed, else None."""
     env = {**os.environ, "OPENAI_BASE_URL": spec.base_url, "OPENAI_API_KEY": spec.api_key, "OPENAI_MODEL": spec.model,
-           "ASYNCRL_REWARD_URL": spec.reward_url}
+           "ASYNCRL_REWARD_URL": spec.reward_url, "ASYNCRL_EPISODE_KEY": spec.episode_key}
     proc = await asyncio.create_subprocess_exec(*shlex.split(command), stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     try:
