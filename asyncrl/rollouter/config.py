@@ -24,7 +24,7 @@ class AgentSource:
     called once per episode against its own endpoint (`asyncrl.agent.endpoint`, docs/endpoint.md)."""
     command: str | None = None
     """A command run once per episode (``python path/agent.py``) with ``OPENAI_BASE_URL``,
-    ``OPENAI_API_KEY``, ``OPENAI_MODEL`` set and the row on stdin as JSON (docs/endpoint.md)."""
+    ``OPENAI_API_KEY``, ``OPENAI_MODEL``, ``ASYNCRL_EPISODE_KEY`` set and the row on stdin as JSON (docs/endpoint.md)."""
     endpoint_host: str = "127.0.0.1"
     """Address the endpoint binds (``function`` / ``command``); loopback unless agents run on other hosts."""
     endpoint_port: int = 0
