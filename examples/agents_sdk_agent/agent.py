@@ -13,7 +13,7 @@ built-in env has. It returns None, so the task's reward function scores the fina
 from __future__ import annotations
 
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-from agents.exceptions import MaxTurnsExceeded
+from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from openai import AsyncOpenAI
 
 from examples import calculator_tool
@@ -42,4 +42,9 @@ async def run(row: dict, client) -> float | None:
             await Runner.run(agent, calculator_tool.prompt_messages(row), max_turns=MAX_TURNS)
         except MaxTurnsExceeded:
             pass  # still calling tools at the limit: the final text (none) earns no reward
+        except ModelBehaviorError:
+            # The policy called a tool the agent lacks (a misspelt name) or sent arguments that are
+            # not JSON: the SDK gives up on the run. That is the model's mistake, which RL should
+            # teach away, not an error in this code: the episode ends without an answer (reward 0).
+            pass
     return None
