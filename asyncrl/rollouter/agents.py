@@ -161,6 +161,12 @@ class RolloutLLM(SessionLLM):
         """A turn cancelled by its loop aborts its engine request (an endpoint agent sets it: a client
         that disconnects gives its call up); otherwise a cancel is the group's and `Rollouter.stop` aborts."""
 
+    def _next_turn(self) -> int:  # straight on the record, not through the properties: once per turn
+        record = self.record
+        turn = record.turns
+        record.turns = turn + 1
+        return turn
+
     async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
         cfg, record, turn = self.cfg, self.record, self._next_turn()
         prompt_ids = np.asarray(token_ids, dtype=np.int64)
