@@ -136,8 +136,9 @@ class Conversation:
 
     def finish(self, episodes: Sequence[Any], rewards: Sequence[Pending | None], first: int) -> list[Ended]:
         """The run returned ``episodes`` (their ``rewards`` under way): each one `Ended`, numbered
-        from ``first`` in the group, with the replica of the last turn."""
-        self.status, self.episodes, self.rewards = "finished", episodes, rewards
+        from ``first`` in the group, with the replica of the last turn. No turn is in flight now: the
+        last one's parts are let go (the episodes hold its tokens)."""
+        self.status, self.episodes, self.rewards, self.parts = "finished", episodes, rewards, None
         return [Ended(first + s, self.replica, reward, partial(self.trajectory, ep))
                 for s, (ep, reward) in enumerate(zip(episodes, rewards))]
 

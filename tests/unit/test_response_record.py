@@ -160,7 +160,8 @@ async def test_a_conversation_record_holds_the_runs_state_and_its_adapter_none()
     assert llm.turns == 2 and llm.sessions is record.sessions and llm.episode_id == "sample_0_4/2"
     assert actors[1].ended == record.sessions and actors[0].ended == []  # ended where its turns went
     ended = record.finish(episodes, [None, None], first=4)  # a multi-output run: trajectories 4 and 5
-    assert record.status == "finished" and record.episodes is episodes and not record.checkpointed
+    assert record.status == "finished" and record.episodes is episodes and record.parts is None
+    assert not record.checkpointed  # a conversation in flight at a crash is generated again from its start
     assert [(e.index, e.replica, e.reward) for e in ended] == [(4, 1, None), (5, 1, None)]
     outcome = ended[1].settle(0.75)
     assert outcome.replica == 1 and outcome.trajectory.index == 5 and outcome.trajectory.reward == 0.75
