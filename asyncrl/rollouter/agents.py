@@ -13,6 +13,8 @@ Rollouter's process (`RolloutWorker`); the Rollouter's `_one_response` hands eac
   response's own (`turn_seed`), and ``session_id={sample_id}/{k}`` (``/s{j}`` for the j-th
   conversation a loop opens after the first), so an engine may keep the conversation's KV between
   turns; each session is ended on the engines (`end_session`) when the run ends, however it ends.
+  The run's state (turns, sessions, the turn in flight, age, replica, status, then its episodes and
+  rewards) is one `asyncrl.rollouter.response.Conversation` record; `RolloutLLM` keeps none of its own.
 - Partial rollout truncates a turn like a response (`asyncrl.rollouter.resumable`): the turn waits
   for the next round and resumes from its prompt + partial turn; its later tokens carry the new
   version. A weight sync between turns (during a tool call) simply means the next turn is
@@ -51,16 +53,13 @@ from asyncrl.calls import call_within
 from asyncrl.rollouter.config import AgentConfig, RolloutConfig
 from asyncrl.rollouter.partial import PartialResponse
 from asyncrl.rollouter.pool import GroupCalls
-from asyncrl.rollouter.response import Ended
+from asyncrl.rollouter.response import Conversation, Ended
 from asyncrl.rollouter.rewards import Pending, Rewards, score
 from asyncrl.rollouter.resumable import Rounds, generate_resumable
-from asyncrl.turns import to_trajectory
 from asyncrl.usercode import UserCodeError
-from asyncrl.types import GenerateRequest, SamplingParams, Trajectory
+from asyncrl.types import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from asyncrl.agent import AgentLoop
     from asyncrl.rollouter.feed import Prompt
 
@@ -136,30 +135,42 @@ def turn_seed(response_seed: int, turn: int, age: int) -> int:
     return response_seed + 7919 * age + 104729 * turn
 
 
+def _on_record(name: str, doc: str) -> property:
+    """An attribute of `SessionLLM` kept in the conversation's record, not on the adapter."""
+    return property(lambda llm: getattr(llm.record, name), lambda llm, value: setattr(llm.record, name, value), doc=doc)
+
+
 class RolloutLLM(SessionLLM):
     """The `LLM` one response's loop talks to: each turn a request through the group's calls.
 
     A loop that runs several conversations for one prompt calls `session` for each after the
     first; turns then go under that session's id. ``cfg`` gives the sampling settings, ``rounds``
-    partial rollout's rounds (`generate_resumable`).
+    partial rollout's rounds (`generate_resumable`). Its state (turns, sessions, the turn in
+    flight, age, replica, the engine's error) is ``record``'s (`Conversation`), not its own.
     """
 
-    def __init__(self, cfg: RolloutConfig, rounds: Rounds, calls: GroupCalls, sample_id: str, k: int, seed: int):
-        super().__init__(f"{sample_id}/{k}")
+    turns = _on_record("turns", "Turns asked for so far.")
+    session_id = _on_record("session_id", "The session later turns go under.")
+    sessions = _on_record("sessions", "Every session opened, ended when the run ends.")
+
+    def __init__(self, cfg: RolloutConfig, rounds: Rounds, calls: GroupCalls, record: Conversation, seed: int):
+        self.record = record
+        super().__init__(record.id)
         self.cfg, self.rounds, self.calls, self.seed = cfg, rounds, calls, seed
-        self.age = 0
-        """Truncations its turns survived."""
-        self.replica = -1
-        """The replica of the last turn."""
-        self.engine_error: BaseException | None = None
         self.abort_on_cancel = False
         """A turn cancelled by its loop aborts its engine request (an endpoint agent sets it: a client
         that disconnects gives its call up); otherwise a cancel is the group's and `Rollouter.stop` aborts."""
 
+    def _next_turn(self) -> int:  # straight on the record, not through the properties: once per turn
+        record = self.record
+        turn = record.turns
+        record.turns = turn + 1
+        return turn
+
     async def generate(self, token_ids, *, max_tokens: int, stop: tuple[int, ...] = ()) -> Turn:
-        cfg, turn = self.cfg, self._next_turn()
+        cfg, record, turn = self.cfg, self.record, self._next_turn()
         prompt_ids = np.asarray(token_ids, dtype=np.int64)
-        session_id = self.session_id
+        session_id = record.session_id
 
         def make_request(parts: PartialResponse) -> GenerateRequest:
             ids, _, _ = parts.joined()
@@ -170,35 +181,36 @@ class RolloutLLM(SessionLLM):
                 sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                         stop_token_ids=tuple(stop), seed=turn_seed(self.seed, turn, parts.age)))
 
-        parts = PartialResponse()
+        parts = record.parts = PartialResponse()
         sent: list[str] = []
         try:
-            result, self.replica = await generate_resumable(
-                self.rounds, self.calls, lambda p: _noted(make_request(p), sent), parts, max_tokens)
+            result, record.replica = await generate_resumable(
+                self.rounds, self.calls, lambda p: _noted(make_request(p), sent), record, max_tokens)
         except asyncio.CancelledError:
             if self.abort_on_cancel:  # the loop gave the turn up (an endpoint client went away): free the engine
                 await self._abort(sent[-1:])
             raise
         except Exception as exc:
-            self.engine_error = exc  # the engine's error, not the loop's: it passes through unchanged
+            record.engine_error = exc  # the engine's error, not the loop's: it passes through unchanged
             raise
-        self.age += parts.age
+        record.age += parts.age
         ids, logprobs, versions = parts.joined()
         finish = result.finish_reason if result.finish_reason != "truncated" else "length"
         return Turn(ids, logprobs, versions, finish)
 
     async def _abort(self, request_ids: list[str]) -> None:
-        """Abort a cancelled turn's request on the group's replica (a no-op for one that never went out)."""
-        if request_ids and self.calls.replica is not None:
+        """Abort a cancelled turn's request on the replica it went to (a no-op for one that never went out)."""
+        if request_ids and self.record.replica >= 0:
             try:
-                await call_within(self.calls.pool.handle(self.calls.replica), "abort", 10.0, request_ids)
+                await call_within(self.calls.pool.handle(self.record.replica), "abort", 10.0, request_ids)
             except Exception as exc:  # noqa: BLE001 - the engine may be gone, and the request with it
                 log.debug("abort(%s) failed: %r", request_ids, exc)
 
     async def end_sessions(self) -> None:
-        """Let the engine drop what it keeps for this response's conversations (a no-op where it keeps nothing)."""
-        if self.calls.replica is not None:
-            await end_sessions(self.calls.pool.handle(self.calls.replica), self.sessions)
+        """Let the engine its turns went to drop what it keeps for this response's conversations (a
+        no-op where it keeps nothing, or where no turn went out)."""
+        if self.record.replica >= 0:
+            await end_sessions(self.calls.pool.handle(self.record.replica), self.record.sessions)
 
 
 def _noted(request: GenerateRequest, sent: list[str]) -> GenerateRequest:
@@ -260,31 +272,24 @@ async def run_agent_response(agent: Agent, sample_id: str, k: int, prompt: Promp
     """Response ``k`` as one run of the loop: its trajectories (``agent.sessions`` of them), each
     `Ended` with the replica of its last turn and its reward under way (started on ``rewards``;
     none for an episode whose env gave one)."""
-    llm = RolloutLLM(cfg, rounds, calls, sample_id, k, seed)
+    record = Conversation(sample_id, k)
+    llm = RolloutLLM(cfg, rounds, calls, record, seed)
     try:
         out = await agent.loop.run(prompt, llm)
     except Exception as exc:
-        if exc is llm.engine_error or type(exc).__name__ == "EpisodeFailed":  # (an endpoint episode: fails its group)
+        if exc is record.engine_error or type(exc).__name__ == "EpisodeFailed":  # (an endpoint episode: fails its group)
             raise
         raise AgentLoopError.of(exc, agent.name, sample_id, getattr(prompt, "text", None)) from exc
     finally:
         await llm.end_sessions()
     episodes = out if isinstance(out, (list, tuple)) else [out]
     if agent.branches and episodes:  # one episode's branches: the main one's reward is everyone's
-        reward = _reward(rewards, prompt, episodes[0])
-        return [Ended(b, llm.replica, reward, _builder(ep, sample_id, llm.age)) for b, ep in enumerate(episodes)]
+        return record.finish(episodes, [_reward(rewards, prompt, episodes[0])] * len(episodes), first=0)
     if len(episodes) != agent.sessions:
         raise SessionCountError(f"{sample_id}/{k}: {agent.name} returned {len(episodes)} trajectories, "
                                 f"rollout.agent.sessions={agent.sessions}", where=agent.name, sample_id=sample_id,
                                 prompt=getattr(prompt, "text", None))
-    return [Ended(k * agent.sessions + s, llm.replica, _reward(rewards, prompt, ep), _builder(ep, sample_id, llm.age))
-            for s, ep in enumerate(episodes)]
-
-
-def _builder(episode: Any, sample_id: str, age: int) -> Callable[[int, float | None], Trajectory]:
-    """``episode``'s trajectory once its reward is in; `to_trajectory` raises if it has none at all
-    (its env gave none and none was given)."""
-    return lambda index, reward: to_trajectory(episode, sample_id=sample_id, index=index, reward=reward, age=age)
+    return record.finish(episodes, [_reward(rewards, prompt, ep) for ep in episodes], first=k * agent.sessions)
 
 
 def flatten_runs(agent: Agent | None, outcomes: list) -> tuple[list, list[int] | None]:

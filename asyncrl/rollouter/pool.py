@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrl import calls, rpc
 from asyncrl.rpc import Links
@@ -299,48 +299,64 @@ async def _each(engine: Any, requests: list[GenerateRequest], truncatable: bool)
             t.cancel()
 
 
+class Placed(Protocol):
+    """The record of a response or conversation (`asyncrl.rollouter.response`): where its request went."""
+
+    replica: int
+
+
 class GroupCalls:
     """One group's way to its replica: the requests it asks for in the same turn of the event
     loop (a group's start, a round's resumed responses) go out in one call; the group keeps the
-    replica it got (`EnginePool.pick`), and moves only when that one dies."""
+    replica it got (`EnginePool.pick`), and moves only when that one dies. Each request's record
+    (`Placed`) notes the replica as the request goes out: a conversation aborts a turn it gives up
+    and ends its sessions there."""
 
     def __init__(self, pool: EnginePool):
         self.pool = pool
         self.replica: int | None = None
-        self._pending: list[tuple[GenerateRequest, bool, asyncio.Future]] = []
+        """The group's replica (None: no call yet); its responses' own are in their records."""
+        self._pending: list[tuple[GenerateRequest, bool, asyncio.Future, Placed | None]] = []
         self._tasks: set[asyncio.Task] = set()
 
-    async def generate(self, request: GenerateRequest, truncatable: bool) -> tuple[GenerateResult, int]:
-        """``request``'s result and the replica that produced it."""
+    async def generate(self, request: GenerateRequest, truncatable: bool,
+                       record: Placed | None = None) -> tuple[GenerateResult, int]:
+        """``request``'s result and the replica that produced it; ``record.replica`` is set as it goes out."""
         future = asyncio.get_running_loop().create_future()
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.append((request, truncatable, future))
+        self._pending.append((request, truncatable, future, record))
         return await future
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         for truncatable in (False, True):
-            items = [(r, f) for r, t, f in pending if t == truncatable and not f.done()]
+            items = [(r, f, p) for r, t, f, p in pending if t == truncatable and not f.done()]
             if items:
-                task = asyncio.ensure_future(self._run([r for r, _ in items], truncatable, [f for _, f in items]))
+                task = asyncio.ensure_future(self._run(items, truncatable))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, requests: list[GenerateRequest], truncatable: bool, futures: list[asyncio.Future]) -> None:
-        left = dict(enumerate(requests))
+    async def _run(self, items: list[tuple[GenerateRequest, asyncio.Future, Placed | None]], truncatable: bool) -> None:
+        """One call of ``items`` (request, its future, its record), again on another replica for what a dead one left."""
+        left = {i: request for i, (request, _, _) in enumerate(items)}
 
         def deliver(i: int, outcome: Outcome, replica: int) -> None:
             left.pop(i, None)
-            if not futures[i].done():
+            future = items[i][1]
+            if not future.done():
                 if isinstance(outcome, BaseException):
-                    futures[i].set_exception(outcome)
+                    future.set_exception(outcome)
                 else:
-                    futures[i].set_result((outcome, replica))
+                    future.set_result((outcome, replica))
 
         try:
             while left:
                 e = self.replica = self.pool.pick(self.replica)
+                for i in left:  # where each request is now: a conversation aborts a turn or ends its sessions there
+                    record = items[i][2]
+                    if record is not None:
+                        record.replica = e
                 try:
                     await self.pool.call(e, dict(left), truncatable, deliver)
                 except Exception as exc:

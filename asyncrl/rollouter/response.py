@@ -1,11 +1,20 @@
-"""One response's state in one record (`Response`), and its outcome, typed: what ended (`Ended`),
-then what the group keeps (`ResponseOutcome`).
+"""One response's state in one record (`Response`; an agent loop's run: `Conversation`), and its
+outcome, typed: what ended (`Ended`), then what the group keeps (`ResponseOutcome`).
 
 A single-turn response lives in a `Response` from its first request to its trajectory (as
 nano-vllm keeps a request in one ``Sequence``): which sample and index it is, the parts it
 generated so far across truncations (`PartialResponse`, with its age), the replica that served
 it, and where it stands. Partial rollout's `Rounds.truncated` holds these records; a checkpoint
 saves only their parts, in `PartialResponse.to_json`'s layout.
+
+An agent loop's run for response ``k`` lives in a `Conversation` the same way: the turn in flight
+(its parts across that turn's truncations), the truncations its turns survived, the replica its
+last request went to (noted by `GroupCalls` as the request goes out: where a turn given up is
+aborted and where its sessions' KV lives), its turns and session ids, where it stands, then what
+the run returned and each trajectory's reward under way. The agent's `LLM` adapter
+(`asyncrl.rollouter.agents.RolloutLLM`) keeps none of it: it reads and writes the record. A
+conversation is never checkpointed (``checkpointed``): one in flight at a crash is generated
+again from its start.
 
 A response (or one session or branch of an agent loop's run) ends with its tokens, the replica
 that finished it and its reward under way (`asyncrl.rollouter.rewards.Rewards.start`). Its
@@ -18,14 +27,16 @@ these and never changes them after.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from functools import partial
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialResponse
 from asyncrl.rollouter.rewards import Pending, Rewards
+from asyncrl.turns import to_trajectory
 from asyncrl.types import Trajectory
 
 Status = Literal["running", "truncated", "finished"]
@@ -51,6 +62,11 @@ class Response:
     """How it ended (``length`` for one stopped at its budget by truncations); None until it finished."""
     tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     """``(response_ids, logprobs, versions)``, its parts joined once when it finished."""
+    reward: Pending | None = None
+    """Its reward under way (`Rewards.start`), once it finished."""
+
+    checkpointed: ClassVar[bool] = True
+    """A truncation puts it in `Rounds.truncated`: a checkpoint saves its parts."""
 
     @property
     def age(self) -> int:
@@ -74,6 +90,62 @@ class Response:
         return Trajectory(sample_id=self.sample_id, index=index, prompt_ids=self.prompt_ids, response_ids=response_ids,
                           logprobs=logprobs, versions=versions, finish_reason=self.finish_reason, reward=reward,
                           age=self.parts.age)
+
+    def ended(self) -> Ended:
+        """What the group settles (`settle`): response ``k``, its replica, its reward under way."""
+        return Ended(self.k, self.replica, self.reward, self.trajectory)
+
+
+@dataclass(eq=False, slots=True)
+class Conversation:
+    """One agent loop's run as response ``k`` of a group, from its first turn to its trajectories."""
+
+    sample_id: str
+    """Its prompt's id (``sample_{epoch}_{index}``)."""
+    k: int
+    """Which of the group's ``n`` runs it is."""
+    parts: PartialResponse | None = None
+    """Its turn in flight, across that turn's truncations (a new one each turn; None before the first)."""
+    age: int = 0
+    """Truncations its turns survived (a turn's, added when the turn ends)."""
+    replica: int = -1
+    """The engine replica its last request went to (-1: none went out): its sessions' KV lives there."""
+    status: Status = "running"
+    """``running`` (a turn on an engine, or the loop between turns), ``truncated`` (a turn waiting
+    for the next round), ``finished`` (the run returned)."""
+    turns: int = 0
+    """Turns asked for so far."""
+    session_id: str = ""
+    """The session its turns go under now (``{sample_id}/{k}``, then ``/s{j}`` for the j-th conversation after it)."""
+    sessions: list[str] = field(default_factory=list)
+    """Every session it opened: each is ended on ``replica`` when the run ends, however it ends."""
+    engine_error: BaseException | None = None
+    """The engine's error that ended a turn: it fails the group as the engine's, not the loop's."""
+    episodes: Sequence[Any] = ()
+    """What the run returned (`asyncrl.agent.AgentTrajectory`s: one per session or branch)."""
+    rewards: Sequence[Pending | None] = ()
+    """Each episode's reward under way (None: its env gave one, it is in the episode)."""
+
+    checkpointed: ClassVar[bool] = False
+    """Never saved: a conversation in flight at a crash is generated again from its start."""
+
+    @property
+    def id(self) -> str:
+        """``{sample_id}/{k}``: its request ids' stem, its first session and its episode id."""
+        return f"{self.sample_id}/{self.k}"
+
+    def finish(self, episodes: Sequence[Any], rewards: Sequence[Pending | None], first: int) -> list[Ended]:
+        """The run returned ``episodes`` (their ``rewards`` under way): each one `Ended`, numbered
+        from ``first`` in the group, with the replica of the last turn. No turn is in flight now: the
+        last one's parts are let go (the episodes hold its tokens)."""
+        self.status, self.episodes, self.rewards, self.parts = "finished", episodes, rewards, None
+        return [Ended(first + s, self.replica, reward, partial(self.trajectory, ep))
+                for s, (ep, reward) in enumerate(zip(episodes, rewards))]
+
+    def trajectory(self, episode: Any, index: int, reward: float | None) -> Trajectory:
+        """``episode``'s trajectory as response ``index`` with ``reward``; `to_trajectory` raises
+        when it has none at all (its env gave none and none was given)."""
+        return to_trajectory(episode, sample_id=self.sample_id, index=index, reward=reward, age=self.age)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ agent loops' turns (`asyncrl.rollouter.agents`) run through it, so truncation me
 thing for both.
 
 It works against `Rounds`, the round state the Rollouter owns and moves (the weight version, the
-round's end), never against the Rollouter itself. ``keep`` is the single-turn response's record
-(`asyncrl.rollouter.response.Response`), which a truncation puts in `Rounds.truncated` (a
-checkpoint saves its parts, so that a resume continues the response from them); agent turns pass None: a conversation in flight at a crash is generated again from its
-start, which keeps exactly once without saving tool state.
+round's end), never against the Rollouter itself, and writes into the generation's record
+(`asyncrl.rollouter.response`): its parts, its status, and (through `GroupCalls`) the replica
+each request goes to. A single-turn `Response` is ``checkpointed``: a truncation puts it in
+`Rounds.truncated` (a checkpoint saves its parts, so that a resume continues the response from
+them). An agent turn's `Conversation` is not: a conversation in flight at a crash is generated
+again from its start, which keeps exactly once without saving tool state.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse
 from asyncrl.rollouter.pool import GroupCalls
-from asyncrl.rollouter.response import Response
+from asyncrl.rollouter.response import Conversation, Response
 from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.types import GenerateRequest, GenerateResult
 
@@ -48,11 +50,12 @@ class Rounds:
 
 
 async def generate_resumable(r: Rounds, calls: GroupCalls, make_request: Callable[[PartialResponse], GenerateRequest],
-                             parts: PartialResponse, budget: int, *, resuming: bool = False,
-                             keep: Response | None = None) -> tuple[GenerateResult, int]:
-    """Generate into ``parts`` until it ends or holds ``budget`` tokens; the last result and its replica.
+                             record: Response | Conversation, budget: int, *,
+                             resuming: bool = False) -> tuple[GenerateResult, int]:
+    """Generate into ``record.parts`` until it ends or holds ``budget`` tokens; the last result and its replica.
 
-    ``resuming``: ``parts`` came from a checkpoint (its first dispatch counts as a resume)."""
+    ``resuming``: the parts came from a checkpoint (its first dispatch counts as a resume)."""
+    parts = record.parts
     owed = False  # released by the partial buffer (counted undispatched there) and not yet dispatched
     while True:
         truncatable = parts.age < r.max_age
@@ -71,18 +74,17 @@ async def generate_resumable(r: Rounds, calls: GroupCalls, make_request: Callabl
             r.stats.resumed += 1
             resuming = False
         dispatched_in = r.version
-        if keep is not None:
-            keep.status = "running"
-        result, replica = await calls.generate(request, truncatable)
+        record.status = "running"
+        result, replica = await calls.generate(request, truncatable, record)
         parts.add(result)
         if result.finish_reason != "truncated" or parts.n_tokens >= budget:
             return result, replica
         if len(result.response_ids):  # stopped with tokens: one more truncation survived
             parts.age += 1
             r.stats.truncated += 1
-            if keep is not None:
-                keep.status = "truncated"
-                r.truncated.setdefault(keep.sample_id, {})[keep.k] = keep
+            record.status = "truncated"
+            if record.checkpointed:
+                r.truncated.setdefault(record.sample_id, {})[record.k] = record
             resuming = True
         # (Stopped before its first token, by the synchronous workflow's round end: it waits
         # for the next round as it was.) The round it was stopped in: never later than its

@@ -350,11 +350,11 @@ class Rollouter:
         response = response or Response(sample_id, k)
         response.prompt_ids = prompt.prompt_ids
         result, replica = await generate_resumable(
-            self.rounds, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), response.parts, budget,
-            resuming=resuming, keep=response)
+            self.rounds, calls, lambda p: self._request(sample_id, index, k, prompt, p, budget), response, budget,
+            resuming=resuming)
         self.rounds.truncated.get(sample_id, {}).pop(k, None)  # finished: a resume would generate it again
-        response_ids = response.finish(result.finish_reason, replica)
-        return Ended(k, replica, self.rewards.start(prompt, response_ids), response.trajectory)
+        response.reward = self.rewards.start(prompt, response.finish(result.finish_reason, replica))
+        return response.ended()
 
     def stats_now(self) -> dict:
         """`RolloutStats` and the pool's counters as a dict (the idle span in progress included),

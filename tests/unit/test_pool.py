@@ -184,3 +184,34 @@ async def test_a_call_cancelled_from_outside_is_not_a_timeout():
     finally:
         await actor.resume()
         await actor.close()
+
+
+async def test_each_requests_record_notes_its_replica_as_it_goes_out():
+    """`GroupCalls` writes the replica on the request's record when the call goes out, before any
+    result (a conversation aborts a turn it gives up there, and ends its sessions there); after a
+    replica's death the next request's record names the one the group moved to."""
+
+    class Record:
+        replica = -1
+
+    actors = [SpyActor(max_running=8, tokens_per_s=4000.0, seed=0) for _ in range(2)]
+    pool = EnginePool(actors, timeout_s=30.0)
+    pool.load[0] += 100  # the group goes to replica 1
+    calls, held, moved = GroupCalls(pool), Record(), Record()
+    try:
+        await actors[1].pause("keep")  # the request waits on the engine: no result yet
+        task = asyncio.create_task(calls.generate(_request("g/0"), False, held))
+        while pool.load[1] == 0:
+            await asyncio.sleep(0.01)
+        assert held.replica == 1 and not task.done()
+        await actors[1].resume()
+        _, replica = await asyncio.wait_for(task, 30)
+        assert replica == 1 == held.replica
+        pool.load[0] -= 100
+        pool.mark_dead(1, RuntimeError("gone"))
+        _, replica = await asyncio.wait_for(calls.generate(_request("g/1"), False, moved), 30)
+        assert replica == 0 == moved.replica and held.replica == 1 and calls.replica == 0
+    finally:
+        for a in actors:
+            await a.resume()
+            await a.close()

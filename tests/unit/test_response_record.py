@@ -1,6 +1,7 @@
 """A response's outcome is typed and built once (`asyncrl.rollouter.response`): its trajectory is
 made when its reward is in, with that reward, so a response with no reward at all fails its group
-with one line instead of being trained on a placeholder. Real Rollouter, real tiny model engine."""
+with one line instead of being trained on a placeholder. An agent loop's run keeps its state in one
+`Conversation` record, its LLM adapter none. Real Rollouter, real tiny model engine, simulated replicas."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ import torch
 from asyncrl.agent import AgentLoop
 from asyncrl.agent.loop import SingleTurnLoop
 from asyncrl.queue.memory import MemorySink
-from asyncrl.rollouter.agents import Agent
+from asyncrl.rollouter.actor import EngineActor
+from asyncrl.rollouter.agents import Agent, RolloutLLM
 from asyncrl.rollouter.engines.builtin.engine import TorchEngine
-from asyncrl.rollouter.response import Ended, Response, ResponseOutcome, missing_reward, settle
+from asyncrl.rollouter.partial import PartialBuffer
+from asyncrl.rollouter.pool import EnginePool, GroupCalls
+from asyncrl.rollouter.response import Conversation, Ended, Response, ResponseOutcome, missing_reward, settle
+from asyncrl.rollouter.resumable import Rounds
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter
+from asyncrl.rollouter.stats import RolloutStats
 from asyncrl.types import GenerateResult, Trajectory
+from tests.unit import agent_envs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,3 +125,46 @@ def test_a_response_record_joins_its_parts_once_and_builds_its_trajectory():
     # A checkpoint saves the record's parts in PartialResponse's layout, as before the record.
     assert response.parts.to_json() == {"age": 1, "response_ids": [7, 8, 9], "logprobs": [-0.5, -0.25, -1.0],
                                         "versions": [0, 0, 1]}
+
+
+class EndedSessions(EngineActor):
+    """A simulated replica that notes each session ended on it."""
+
+    def __init__(self, **kw):
+        super().__init__(kind="sim", **kw)
+        self.ended: list[str] = []
+
+    async def end_session(self, session_id):
+        self.ended.append(session_id)
+        await super().end_session(session_id)
+
+
+async def test_a_conversation_record_holds_the_runs_state_and_its_adapter_none():
+    actors = [EndedSessions(max_running=8, tokens_per_s=4000.0, seed=0) for _ in range(2)]
+    pool = EnginePool(actors, timeout_s=30.0)
+    pool.load[0] += 100  # replica 0 looks busy: the group goes to replica 1
+    calls, record = GroupCalls(pool), Conversation("sample_0_4", 2)
+    llm = RolloutLLM(RolloutConfig(n=1, max_tokens=8), Rounds(PartialBuffer(), RolloutStats()), calls, record, seed=11)
+    prompt = Prompt(text="p", prompt_ids=np.array([1, 4, 5], dtype=np.int64))
+    try:
+        episodes = await agent_envs.TwoSessions().run(prompt, llm)
+        await llm.end_sessions()
+    finally:
+        for a in actors:
+            await a.close()
+    # The turns, sessions, replica and age are the record's; the adapter keeps no copy of them.
+    assert record.turns == 2 and record.sessions == ["sample_0_4/2", "sample_0_4/2/s1"]
+    assert record.session_id == "sample_0_4/2/s1" and record.replica == 1 and record.age == 0
+    assert record.status == "running" and record.parts.n_tokens == len(episodes[1].response_ids)
+    assert not {"turns", "sessions", "session_id", "age", "replica", "engine_error"} & set(vars(llm))
+    assert llm.turns == 2 and llm.sessions is record.sessions and llm.episode_id == "sample_0_4/2"
+    assert actors[1].ended == record.sessions and actors[0].ended == []  # ended where its turns went
+    ended = record.finish(episodes, [None, None], first=4)  # a multi-output run: trajectories 4 and 5
+    assert record.status == "finished" and record.episodes is episodes and record.parts is None
+    assert not record.checkpointed  # a conversation in flight at a crash is generated again from its start
+    assert [(e.index, e.replica, e.reward) for e in ended] == [(4, 1, None), (5, 1, None)]
+    outcome = ended[1].settle(0.75)
+    assert outcome.replica == 1 and outcome.trajectory.index == 5 and outcome.trajectory.reward == 0.75
+    assert outcome.trajectory.response_ids.tolist() == episodes[1].response_ids.tolist()
+    with pytest.raises(ValueError, match=r"^sample_0_4\[4\]: the episode has no reward"):
+        ended[0].settle(None)
