@@ -65,6 +65,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "agent/http_forks": (R, "endpoint calls whose history diverged from every recorded branch (a new branch)"),
     "agent/http_trajectories": (R, "trajectories endpoint episodes returned (their branches; rollout.agent.endpoint_branches)"),
     "agent/http_tool_call_turns": (R, "endpoint answers that carried at least one tool call"),
+    "agent/http_limit_ended": (R, "endpoint episodes ended by a call refused at a limit (max_turns, max_context_tokens) that the agent raised on"),
     "agent/http_failed_episodes": (R, "endpoint episodes that failed their group (no call, no reward, wall time)"),
     "rollouter/in_flight": (R, "prompts admitted and not yet sent"),
     "rollouter/failed_groups": (R, "groups sent as failed so far"),

@@ -135,6 +135,9 @@ class Episode:
         """A reward posted to ``/s/{episode}/reward`` (None: none yet)."""
         self.ended: str | None = None
         """Why the episode ended (None: it is open)."""
+        self.limit_hit: str | None = None
+        """The first of the run's per-episode limits a call was refused for (its calls, its context):
+        an exception the agent raises after that ends the episode, not the run (`EndpointLoop.run`)."""
         self.in_flight: set[asyncio.Task] = set()
         """Calls generating now (cancelled when the episode ends)."""
 
@@ -146,6 +149,7 @@ class Episode:
             raise EndpointError(409, f"episode {self.id} ran past its wall time (rollout.agent.endpoint_max_episode_s="
                                 f"{self.limits.max_episode_s})", code="episode_wall_time")
         if self.calls >= self.limits.max_calls:
+            self.limit_hit = self.limit_hit or "rollout.agent.max_turns"
             raise EndpointError(400, f"episode {self.id} made its {self.limits.max_calls} calls "
                                 "(rollout.agent.max_turns)", code="episode_calls_exceeded")
         self.calls += 1
@@ -156,6 +160,7 @@ class Episode:
             raise EndpointError(400, f"max_tokens must be a positive integer, got {asked!r}", param="max_tokens")
         room = self.limits.max_context_tokens - context_len
         if room < 1:
+            self.limit_hit = self.limit_hit or "rollout.agent.max_context_tokens"
             raise EndpointError(400, f"the conversation holds {context_len} tokens, the episode's context is "
                                 f"{self.limits.max_context_tokens} (rollout.agent.max_context_tokens)",
                                 param="messages", code="context_length_exceeded")

@@ -107,7 +107,8 @@ class EndpointLoop(AgentLoop):
         self._started: asyncio.Lock | None = None
         self._up = False
         self.counts = {"episodes": 0, "http_calls": 0, "http_forks": 0, "http_failed_episodes": 0,
-                       "http_trajectories": 0, "turns": 0, "tool_calls": 0, "http_tool_call_turns": 0}
+                       "http_trajectories": 0, "turns": 0, "tool_calls": 0, "http_tool_call_turns": 0,
+                       "http_limit_ended": 0}
         """Totals (reported as ``agent/*``): trajectories returned (branches trained); answers sampled
         (``turns``), the tool calls they carried (``tool_calls``, as an env loop's: the step's
         ``agent/tool_calls_per_turn`` needs no transcript parsing) and answers that carried any."""
@@ -144,6 +145,16 @@ class EndpointLoop(AgentLoop):
             self.counts["http_failed_episodes"] += 1
             raise EpisodeFailed(f"episode {ep.id} ran past rollout.agent.endpoint_max_episode_s="
                                 f"{self.limits.max_episode_s}") from None
+        except Exception as e:
+            if ep.limit_hit is None:
+                raise
+            # The endpoint refused a call past the run's limit and the agent's client raised on the 400
+            # (most stacks do not catch it). A policy that talks past its budget is what RL trains away,
+            # not an error in the agent's code: the episode ends with what was answered, scored as an
+            # episode that returned None (its posted reward, else the task's reward function).
+            self.counts["http_limit_ended"] += 1
+            log.debug("episode %s ended at %s: the agent raised %s", ep.id, ep.limit_hit, type(e).__name__)
+            reward = None
         finally:
             server.remove(ep, "the agent returned")
             await asyncio.gather(*ep.in_flight, return_exceptions=True)
@@ -171,7 +182,7 @@ class EndpointLoop(AgentLoop):
             made = f"its {ep.calls} call(s) ended without an answer" if ep.calls else "it made no call to its endpoint"
             raise EpisodeFailed(f"episode {ep.id} of {self.name}: nothing to train ({made})")
         reward = returned if returned is not None else ep.reward
-        if reward is None and self.command is not None:
+        if reward is None and self.command is not None and ep.limit_hit is None:
             self.counts["http_failed_episodes"] += 1
             raise EpisodeFailed(f"episode {ep.id}: {self.name} gave no reward (post it to /s/<episode>/reward or "
                                 "print it as the last stdout line)")
