@@ -58,16 +58,16 @@ def _field_docs(cls: type) -> dict[str, str]:
 def _origin_docs(cls: type) -> dict[str, str]:
     """Docstrings of a class built by `asyncrl.config.section.section_of`: from its fields' home classes."""
     docs = dict(_field_docs(cls))
-    for home in getattr(cls, "__config_origins__", ()):
-        for name, doc in _field_docs(home).items():
-            docs.setdefault(name, doc)
+    for name, home in getattr(cls, "__config_homes__", {}).items():
+        if name in _field_docs(home):
+            docs.setdefault(name, _field_docs(home)[name])
     return docs
 
 
 def _type_text(f: dataclasses.Field, cls: type) -> str:
     # A section made from its owners has their resolved types; the owner's annotation reads better.
-    homes = [h for h in getattr(cls, "__config_origins__", ()) if f.name in h.__dataclass_fields__]
-    t = homes[0].__dataclass_fields__[f.name].type if homes else f.type
+    home = getattr(cls, "__config_homes__", {}).get(f.name)
+    t = home.__dataclass_fields__[f.name].type if home is not None else f.type
     t = t if isinstance(t, str) else getattr(t, "__name__", repr(t))
     return t.replace("typing.", "")
 

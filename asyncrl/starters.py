@@ -115,15 +115,25 @@ async def start_stream(procs, net, state):
 def start_aggregator(procs, cfg) -> None:
     """Sync mode's rounds end by count (the Rollouter sets each round's threshold); async mode's
     end at the sync, inside the engines (`start_sync`'s ``clear_cache``): no aggregator."""
-    import ray
-
     from asyncrl.rollouter.aggregator import remote_aggregator_actor
 
     partial = cfg.partial_rollout
     if partial.by_count:
         threshold = partial.resolved_threshold(cfg.groups_per_sync, cfg.rollout.n)
         procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
-        procs.stack.callback(ray.kill, procs.aggregator)
+        procs.stack.push_async_callback(_close_aggregator, procs)
+
+
+async def _close_aggregator(procs) -> None:
+    """Close its sockets to the replicas (a drained close), then kill it."""
+    import ray
+
+    if procs.drain:
+        try:
+            await asyncio.wait_for(procs.aggregator.close.remote(), procs.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead or wedged aggregator is killed below
+            log.warning("the aggregator did not close (%s: %s)", type(e).__name__, e)
+    ray.kill(procs.aggregator)
 
 
 async def start_rollouter(procs, cfg, plan, stream, state, ready) -> None:
@@ -171,6 +181,7 @@ async def start_sync(procs, cfg, net, state):
                                         version=state.version if state is not None else 0,
                                         clear_cache=cfg.partial_rollout.at_sync,
                                         rpc=cfg.rollout.engine_calls == "zmq")
+    procs.stack.callback(coordinator.close)
     if state is not None:
         if state.sync_due:  # (what `Trainer.catch_up_sync` does, before the Trainer is built)
             state = dataclasses.replace(state, version=await coordinator.sync(), sync_due=False)

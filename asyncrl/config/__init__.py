@@ -6,7 +6,7 @@
     model            ModelConfig             which weights (a local HF directory, or the tiny demo model)
     data             DataConfig              train / validation files, reward function
     rollout          RolloutSection          (asyncrl.rollouter) RolloutConfig less groups_per_sync (the Trainer's)
-    engine           EngineConfig            built-in torch engine or vLLM, tensor parallel size
+    engine           EngineConfig            EngineRunConfig + (asyncrl.rollouter.engines) the engines' own fields
     trainer          TrainerSection          (asyncrl.trainer) TrainerConfig's loop + WorkerConfig's optim/algorithm
     weight_sync      WeightSyncSection       (asyncrl.sync) WeightSyncConfig less workers_per_engine (computed)
     stream           StreamConfig            (asyncrl.queue)
@@ -45,7 +45,8 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "errors",
     "ALIASES": "flags", "FLAGS": "flags", "Flag": "flags", "named": "flags",
     "ModelConfig": "data", "DataConfig": "data",
-    "EngineConfig": "engine", "VLLM_ONLY_ENGINE_SETTINGS": "engine", "BUILTIN_ONLY_ENGINE_SETTINGS": "engine",
+    "EngineConfig": "engine", "EngineRunConfig": "engine", "VLLM_ONLY_ENGINE_SETTINGS": "engine",
+    "BUILTIN_ONLY_ENGINE_SETTINGS": "engine",
     "PlacementConfig": "placement", "RunSkipConfig": "skip",
     "TrainerSection": "trainer", "AlgorithmSection": "trainer", "_FROM_PLACEMENT_OR_RUN": "trainer",
     "WeightSyncSection": "sync", "RolloutSection": "rollout",

@@ -1,27 +1,30 @@
-"""``engine``: the inference engine every replica runs, its checks, and one replica's keyword settings."""
+"""``engine``: the inference engine every replica runs, its checks, and one replica's keyword settings.
+
+Each engine owns its settings: the section takes its fields from `EngineRunConfig` (the run's own:
+which engine, batch size, restarts), `VLLMEngineConfig` and `TorchEngineConfig` (torch-free
+modules), each field defined and documented once, where its engine reads it."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.errors import ConfigError
+from asyncrl.config.section import section_of, values
+from asyncrl.rollouter.engines.backends import config_class
+
+TorchEngineConfig, VLLMEngineConfig = config_class("torch"), config_class("vllm")
 
 
 @dataclass(kw_only=True)
-class EngineConfig:
-    """The inference engine every replica runs (`asyncrl.rollouter.engines.make_engine`)."""
+class EngineRunConfig:
+    """What the run decides of its engine replicas, whichever engine they run."""
 
     kind: str = "auto"
     """``auto`` | ``torch`` | ``vllm``. ``auto``: vLLM when the Rollouter has GPUs, else the
     built-in torch engine."""
-    tensor_parallel_size: int = 1
-    """GPUs per engine replica (vLLM); replicas = ``placement.rollouter_gpus / tensor_parallel_size``."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of each GPU one vLLM replica may take."""
-    max_model_len: int | None = None
-    """Prompt + response token limit; None: the model's."""
     max_running: int | None = None
     """Requests decoded together in one batched forward; None: the engine's own (built-in: 128; vLLM:
     its ``max_num_seqs`` default, which this sets when given). The built-in engine's KV cache is
@@ -31,22 +34,6 @@ class EngineConfig:
     current weights before it takes a request); past them it is left out."""
     restart_backoff_s: float = 10.0
     """Wait before restart k of a replica: ``k`` times this."""
-    enforce_eager: bool | None = None
-    """vLLM: skip torch.compile and CUDA graph capture (faster start, slower decode); None: True
-    on CPU, False on GPU."""
-    dtype: str = "auto"
-    """Dtype the engine computes in (both engines); ``auto`` = the checkpoint's own (config.json), so an
-    fp32 model is served in fp32 like the trainer trains it; bfloat16 | float16 | float32."""
-    kv_cache_mb: float | None = None
-    """vLLM: KV cache per replica in MiB; None: vLLM sizes it on GPU, 1024 MiB on CPU."""
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Other vLLM ``AsyncEngineArgs`` fields, passed as given."""
-    session_idle_s: float = 60.0
-    """Built-in engine: an agent conversation's kept KV (between its turns) is freed after this
-    long without a next turn (vLLM's prefix cache needs no setting)."""
-    session_max_blocks: int = 2048
-    """Built-in engine: KV blocks kept for conversations between turns, least recently kept
-    evicted first (0: keep none; each turn then prefills the whole conversation)."""
 
     def __post_init__(self) -> None:
         if self.kind == "sim":
@@ -57,29 +44,50 @@ class EngineConfig:
                              "torch or vllm")
         if self.kind not in ("auto", "torch", "vllm"):
             raise ValueError(f"kind must be auto, torch or vllm, got {self.kind!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_running is not None and self.max_running < 1:
             raise ValueError(f"max_running must be >= 1 (or None for the engine's own), got {self.max_running}")
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError(f"max_restarts and restart_backoff_s must be >= 0, got {self.max_restarts}, "
                              f"{self.restart_backoff_s}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.kv_cache_mb is not None and self.kv_cache_mb <= 0:
-            raise ValueError(f"kv_cache_mb must be > 0 (or None), got {self.kv_cache_mb}")
-        if self.session_idle_s <= 0 or self.session_max_blocks < 0:
-            raise ValueError(f"session_idle_s must be > 0 and session_max_blocks >= 0, got {self.session_idle_s}, "
-                             f"{self.session_max_blocks}")
 
 
+VLLM_SETTINGS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "dtype", "enforce_eager",
+                 "kv_cache_mb", "engine_kwargs")
+"""The section's fields that are `VLLMEngineConfig`'s, passed to a vLLM replica as they are."""
+BUILTIN_SETTINGS = ("session_idle_s", "session_max_blocks")
+"""The section's fields that are `TorchEngineConfig`'s alone."""
+BOTH_ENGINES_SETTINGS = tuple(k for k in VLLM_SETTINGS if k in TorchEngineConfig.__dataclass_fields__)
+"""``max_model_len`` and ``dtype``: both engines read them (the section's defaults are vLLM's)."""
+VLLM_ONLY_ENGINE_SETTINGS = tuple(k for k in VLLM_SETTINGS if k not in BOTH_ENGINES_SETTINGS
+                                  and k != "tensor_parallel_size")  # (that one has its own error)
+"""Fields only the vLLM engine reads: set off their default for another engine, they are refused."""
+BUILTIN_ONLY_ENGINE_SETTINGS = BUILTIN_SETTINGS
+"""Fields only the built-in engine reads: set off their default for vLLM, they are refused."""
 
-VLLM_ONLY_ENGINE_SETTINGS = ("enforce_eager", "kv_cache_mb", "gpu_memory_utilization", "engine_kwargs")
-"""`EngineConfig` fields that only the vLLM engine reads: set off their default for another engine, they are refused."""
-BUILTIN_ONLY_ENGINE_SETTINGS = ("session_idle_s", "session_max_blocks")
-"""`EngineConfig` fields that only the built-in engine reads: set off their default for vLLM, they are refused."""
+
+def _check_fields(section: Any) -> None:
+    """Each owner's own checks of its fields (the engines' ``model_path`` is the run's, given later)."""
+    v = values(section)
+    EngineRunConfig(**{f.name: v[f.name] for f in dataclasses.fields(EngineRunConfig)})
+    VLLMEngineConfig(model_path="", **{k: v[k] for k in VLLM_SETTINGS})
+    TorchEngineConfig(model_path="", **{k: v[k] for k in (*BOTH_ENGINES_SETTINGS, *BUILTIN_SETTINGS)})
+
+
+EngineConfig = section_of(
+    "EngineConfig", (EngineRunConfig, VLLMEngineConfig, TorchEngineConfig), module=__name__, leave_out=frozenset(),
+    take={VLLMEngineConfig: VLLM_SETTINGS, TorchEngineConfig: BUILTIN_SETTINGS}, validate=_check_fields,
+    doc="The inference engine every replica runs (`asyncrl.rollouter.engines.make_engine`). ``kind``, "
+        "``max_running`` and the restarts are the run's; ``dtype`` and ``max_model_len`` both engines'; "
+        "``session_*`` the built-in engine's (`TorchEngineConfig`); the rest vLLM's (`VLLMEngineConfig`).")
+
+
+def engine_settings(e: EngineConfig, kind: str) -> dict[str, Any]:  # type: ignore[valid-type]
+    """The section's fields engine ``kind`` (torch or vllm) owns, by its config's field names."""
+    names = VLLM_SETTINGS if kind == "vllm" else (*BOTH_ENGINES_SETTINGS, *BUILTIN_SETTINGS)
+    out = {k: getattr(e, k) for k in names}
+    if "engine_kwargs" in out:
+        out["engine_kwargs"] = dict(out["engine_kwargs"])
+    return out
 
 
 def check_engine(e: EngineConfig, kind: str) -> None:

@@ -59,6 +59,8 @@ def presets_for(user: DictConfig) -> dict[str, Any]:
         if any(given(f"rollout.agent.{k}") is not None for k in ("loop", "function", "command")):
             # The user's own agent: the task gives its rows and reward, not its env (or the env's kwargs).
             del presets["rollout.agent.env"], presets["rollout.agent.kwargs"]
+        elif given("rollout.agent.env") not in (None, CALCULATOR_TASK_DEFAULTS["rollout.agent.env"]):
+            del presets["rollout.agent.kwargs"]  # the user's own env: built with its own kwargs, not the task env's
         if given("model.path") is None:
             presets.update(CALCULATOR_DEMO_DEFAULTS)
     if given("mode") == "sync":

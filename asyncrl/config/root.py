@@ -10,7 +10,7 @@ from typing import Literal
 from omegaconf import DictConfig
 
 from asyncrl.config.data import DataConfig, ModelConfig, check_data
-from asyncrl.config.engine import EngineConfig, check_engine, workers_per_engine
+from asyncrl.config.engine import EngineConfig, check_engine, engine_settings, workers_per_engine
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.flags import named
 from asyncrl.config.placement import PlacementConfig, check_placement
@@ -60,7 +60,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutSection = field(default_factory=RolloutSection)  # type: ignore[valid-type]
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # type: ignore[valid-type]
     trainer: TrainerSection = field(default_factory=TrainerSection)  # type: ignore[valid-type]
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)  # type: ignore[valid-type]
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -163,17 +163,13 @@ class RunConfig:
         if self.engine_kind == "vllm":
             nccl = {"weight_transfer": "nccl"} if self.weight_sync.method == "vllm" else {}
             seqs = {"max_num_seqs": e.max_running} if e.max_running is not None else {}
-            return dict(model_path=model_path, seed=self.seed, tensor_parallel_size=e.tensor_parallel_size,
-                        gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
-                        enforce_eager=e.enforce_eager, dtype=e.dtype, kv_cache_mb=e.kv_cache_mb,
-                        engine_kwargs=dict(e.engine_kwargs), **nccl, **seqs)
+            return dict(model_path=model_path, seed=self.seed, **engine_settings(e, "vllm"), **nccl, **seqs)
         # A long-tail workload ends each response at its own budget, not at the model's EOS.
         eos = {"eos_token_ids": ()} if self.data.long_tail > 1 else {}
         # With GPUs reserved for the Rollouter, Ray gives each replica its own (CUDA_VISIBLE_DEVICES).
         device = "cuda" if self.gpu else "cpu"
         slots = {"max_running": e.max_running} if e.max_running is not None else {}
-        return dict(model_path=model_path, seed=self.seed, max_model_len=e.max_model_len, device=device, dtype=e.dtype,
-                    session_idle_s=e.session_idle_s, session_max_blocks=e.session_max_blocks, **slots, **eos)
+        return dict(model_path=model_path, seed=self.seed, device=device, **engine_settings(e, "torch"), **slots, **eos)
 
 
 def check(cfg: RunConfig, given: DictConfig | None = None) -> None:

@@ -121,6 +121,13 @@ class AggregatorActor:
         self.engines[index] = engine
         self._linked.discard(index)
 
+    async def close(self) -> None:
+        """Stop linking and close the sockets to the replicas (`Links.close`): the run's shutdown."""
+        if self._linking is not None:
+            self._linking.cancel()
+            await asyncio.gather(self._linking, return_exceptions=True)
+        self._links.close()
+
     async def stats(self) -> dict:
         return {"round": self.round, "count": self.count, "threshold": self.round_threshold,
                 "per_replica": dict(self.per_replica), "truncated_rounds": dict(self.truncated_rounds)}

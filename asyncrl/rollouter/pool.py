@@ -205,6 +205,10 @@ class EnginePool:
             if isinstance(result, BaseException):
                 log.warning("engine %d did not abort its requests at stop: %s", e, result)
 
+    def close(self) -> None:
+        """Close this pool's sockets to the replicas (`Links.close`): at the Rollouter's stop, after its aborts."""
+        self._links.close()
+
     # ------------------------------------------------------------------ clocks and counters
 
     def on_pause(self) -> None:

@@ -191,7 +191,10 @@ class Rollouter:
             self._gate.notify_all()
         for task in list(self._groups.values()):
             task.cancel()
-        await self.pool.abort_all(timeout_s)
+        try:
+            await self.pool.abort_all(timeout_s)
+        finally:
+            self.pool.close()  # (the aborts were the last calls; a later one would open a socket again)
 
     def snapshot(self) -> dict:
         """The feed state for a checkpoint (JSON-able): position, plus the ids admitted and not yet

@@ -104,6 +104,10 @@ class WeightSyncCoordinator:
         self._members = None
         self.joined += 1
 
+    def close(self) -> None:
+        """Close the sockets to the engines (`Links.close`): the run's shutdown, after the last sync."""
+        self._links.close()
+
     @property
     def version(self) -> int:
         """Number of weight syncs so far (the version engines serve after a sync)."""

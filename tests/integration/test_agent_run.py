@@ -12,7 +12,12 @@ resumed with ``--resume <run_dir>`` from the same directory, and:
   checkpoint the resume started from held conversations admitted but not trained (regenerated);
 - each trained group lists one ``turns`` and ``masked_tokens`` entry per trajectory (``--n``),
   turns within ``rollout.agent.max_turns``, tokens masked out of the loss exactly when the
-  conversation had more than one turn (observations between turns).
+  conversation had more than one turn (observations between turns);
+- some conversation had more than one turn (the example runs the calculator task's shipped model,
+  warm-started to call the tool on part of its answers: about half the conversations of a run do):
+  in its transcript (``transcripts.jsonl``, decoded with the run's tokenizer) every turn the model
+  sampled is trained (mask 1), each but the last holds the call that asked for the next, and the
+  tool's answer between two turns is masked out (mask 0).
 """
 
 from __future__ import annotations
@@ -84,7 +89,7 @@ def newcomers_files(tmp_path: Path) -> tuple[list[list[str]], list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_readme_agent_example_runs_as_printed_and_a_crash_resumes_exactly_once(tmp_path):
+def test_readme_agent_example_runs_as_printed_and_a_crash_resumes_exactly_once(tmp_path, monkeypatch):
     setup, args = newcomers_files(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for cmd in setup:  # e.g. saving the tiny chat model
@@ -132,3 +137,23 @@ def test_readme_agent_example_runs_as_printed_and_a_crash_resumes_exactly_once(t
         assert len(r["turns"]) == len(r["masked_tokens"]) == n, r
         assert all(1 <= t <= max_turns for t in r["turns"]), r
         assert all((m > 0) == (t > 1) for t, m in zip(r["turns"], r["masked_tokens"])), r
+    monkeypatch.chdir(tmp_path)  # (a model directory the README names is relative to where it ran)
+    check_multi_turn_transcripts(run_dir)
+
+
+def check_multi_turn_transcripts(run_dir: Path) -> None:
+    """At least one conversation of more than one turn, and in each: the turns the model sampled
+    trained (each but the last holds its tool call), the tool answers between them masked out."""
+    from asyncrl.transcripts import read, run_tokenizer, segments
+
+    multi = [r for r in read(run_dir) if r["turns"] >= 2]
+    assert multi, "no conversation had a second turn: no observation between turns was ever masked out"
+    tokenizer = run_tokenizer(run_dir)
+    for r in multi:
+        parts = segments(tokenizer, r)
+        trained = [text for text, on in parts if on]
+        masked = [text for text, on in parts if not on]
+        assert parts[0][1] and len(trained) == r["turns"], (r["turns"], parts)  # a trained run per turn, apart
+        assert len(masked) in (r["turns"] - 1, r["turns"]), parts  # (an answer may end a conversation cut short)
+        for turn, answer in zip(trained, masked):
+            assert "<tool_call>" in turn and "<tool_response>" in answer, parts

@@ -147,6 +147,10 @@ def test_task_calculator_with_a_users_own_agent_keeps_its_rows_limits_and_model(
         agent = cfg.rollout.agent
         assert agent.env is None and agent.kwargs == {} and agent.max_turns == 3 and agent.max_tokens_per_turn == 64
         assert cfg.model_path == str(CALCULATOR_MODEL_DIR) and cfg.trainer.optim.lr == 5e-5
+    # A user's own env (the README's calc_env.py): built with its own kwargs, not the task env's.
+    cfg, _ = load_config([], ["data.task=calculator", "rollout.agent.env=calc_env:CalcEnv"])
+    assert cfg.rollout.agent.env == "calc_env:CalcEnv" and cfg.rollout.agent.kwargs == {}
+    assert cfg.rollout.agent.max_turns == 3 and cfg.model_path == str(CALCULATOR_MODEL_DIR)
 
 
 def test_bad_env_kwargs_are_named_before_ray_starts():

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
 from asyncrl.config import ConfigError, RunConfig, load_config, to_yaml
 from asyncrl.trainer.config import TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dotted_overrides_are_typed_and_land_in_the_parts_dataclasses():
@@ -343,24 +350,31 @@ def test_a_long_tail_run_trains_only_up_to_eos_because_its_engines_run_past_it()
         load_config([], ["trainer.stop_token_id=2"])
 
 
-def test_the_engine_sections_defaults_are_the_engines_own():
-    """`EngineConfig` repeats the engines' settings (their configs import torch, the run's must not):
-    where a default means the same thing on both sides, they agree."""
-    import dataclasses
+def test_the_engine_section_is_the_engines_own_fields_and_loads_without_torch():
+    """The section takes each engine's fields from its own config (one definition, one docstring):
+    what the run hands a replica builds that engine's config value for value, and neither the
+    section nor those configs load torch."""
+    code = textwrap.dedent("""
+        import sys
+        from asyncrl import configref
+        from asyncrl.config import load_config
+        from asyncrl.rollouter.engines.builtin.config import TorchEngineConfig
+        from asyncrl.rollouter.engines.vllm.config import VLLMEngineConfig
 
-    from asyncrl.config import EngineConfig
-    from asyncrl.rollouter.engines.builtin.config import TorchEngineConfig
-    from asyncrl.rollouter.engines.vllm.config import VLLMEngineConfig
-
-    def defaults(cls):
-        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
-                or f.default_factory is not dataclasses.MISSING}
-
-    run, torch_engine, vllm = defaults(EngineConfig), defaults(TorchEngineConfig), defaults(VLLMEngineConfig)
-    shared = {"torch": ("max_model_len", "session_idle_s", "session_max_blocks"),
-              "vllm": ("dtype", "gpu_memory_utilization", "max_model_len", "tensor_parallel_size", "enforce_eager",
-                       "kv_cache_mb", "engine_kwargs")}
-    assert {k: run[k] for k in shared["torch"]} == {k: torch_engine[k] for k in shared["torch"]}
-    assert {k: run[k] for k in shared["vllm"]} == {k: vllm[k] for k in shared["vllm"]}
-    assert run["max_running"] is None and vllm["max_num_seqs"] is None  # None: each engine's own
+        run, _ = load_config([], ["engine.kind=torch", "engine.dtype=bfloat16", "engine.max_model_len=256",
+                                  "engine.session_idle_s=5", "engine.max_running=8"])
+        t = TorchEngineConfig(**run.engine_kwargs("/m"))
+        assert (t.dtype, t.max_model_len, t.session_idle_s, t.max_running) == ("bfloat16", 256, 5.0, 8), t
+        run, _ = load_config([], ["engine.kind=vllm", "engine.kv_cache_mb=64", "engine.enforce_eager=false",
+                                  "engine.engine_kwargs={block_size: 16}", "engine.max_running=8"])
+        v = VLLMEngineConfig(**run.engine_kwargs("/m"))
+        assert (v.kv_cache_mb, v.enforce_eager, v.engine_kwargs, v.max_num_seqs) == (64.0, False, {"block_size": 16}, 8)
+        docs = {k.path: k.doc for s in configref.sections() for k in s.keys}
+        assert docs["engine.session_max_blocks"] == configref._field_docs(TorchEngineConfig)["session_max_blocks"]
+        assert docs["engine.kv_cache_mb"] == configref._field_docs(VLLMEngineConfig)["kv_cache_mb"]
+        print("HEAVY", sorted(m for m in ("torch", "transformers", "vllm") if m in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "HEAVY []" in out.stdout

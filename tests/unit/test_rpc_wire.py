@@ -183,3 +183,41 @@ async def test_links_are_owned_by_their_caller_and_the_modules_keep_none(monkeyp
                  if isinstance(value, (dict, list, set)) and not name.startswith("__")]
         assert state == [], f"{module.__name__} keeps {state} at module level"
     assert not hasattr(client, "_links") and not hasattr(auth, "_client_keys")  # (the two there were)
+
+
+async def test_the_owners_of_links_close_their_sockets_when_they_close(monkeypatch):
+    """The Rollouter's pool (at its stop), the aggregator and the weight-sync coordinator (at the run's
+    shutdown) each own a `Links`: their close closes its real ZeroMQ sockets and ends its liveness watches."""
+    from asyncrl.rollouter.aggregator import AggregatorActor
+    from asyncrl.rollouter.pool import EnginePool
+    from asyncrl.sync.coordinator import WeightSyncCoordinator, engine_name
+
+    monkeypatch.setattr(auth, "node_ip", lambda: "127.0.0.1")
+    echo = Echo()
+    served = await echo.serve_rpc()
+
+    def replica():  # as a process of the node gets it (unpickled): linked onto its caller's links
+        return rpc.RpcActor(_NeverDies(), served["endpoint"])
+
+    pool = EnginePool([replica()], timeout_s=10.0)
+    aggregator = AggregatorActor([replica()], None)
+    coordinator = WeightSyncCoordinator([object()], [replica()])
+    await aggregator._link()
+    await coordinator._link()
+    linked = {pool: await pool.engine(0), aggregator: aggregator.engines[0],
+              coordinator: coordinator.engines[engine_name(0)]}
+    opened = {}
+    for owner, engine in linked.items():
+        assert engine.links is owner._links
+        assert (await asyncio.wait_for(engine.generate.remote(_request(1)), 10)).request_id == "r1"
+        opened[owner] = list(owner._links._links.values())
+        assert len(opened[owner]) == 1 and not opened[owner][0]._pump.sock.closed
+    pool.close()
+    await aggregator.close()
+    coordinator.close()
+    await asyncio.sleep(0)  # (the watches' cancellation lands)
+    for owner, links in opened.items():
+        assert [link._pump.sock.closed for link in links] == [True], type(owner).__name__
+        assert [link._watcher.cancelled() for link in links] == [True], type(owner).__name__
+        assert owner._links._links == {}
+    echo.close_rpc()

@@ -489,7 +489,7 @@ async def test_both_forwards_equal_generate_with_shared_prompts(model_path, ref,
         assert np.abs(full_forward_logprobs(ref, q.prompt_ids, r.response_ids) - r.logprobs).max() <= 1e-4
     assert engine.stats()["shared_prefill_tokens"] > 0
 def test_dtype_by_name_or_auto_and_a_bad_one_named(model_path):
-    assert TorchEngineConfig(model_path=model_path, dtype="bfloat16").dtype is torch.bfloat16
+    assert TorchEngineConfig(model_path=model_path, dtype=torch.bfloat16).dtype == "bfloat16"  # kept by name
     with pytest.raises(ValueError, match="dtype must be .*'auto', got 'bf17'"):
         TorchEngineConfig(model_path=model_path, dtype="bf17")
     engine = TorchEngine(model_path, dtype="auto")  # the checkpoint's own: the tiny model is saved in float32

@@ -30,6 +30,20 @@ def engine_class(kind: str) -> type:
     raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}")
 
 
+def config_class(kind: str) -> type:
+    """The settings dataclass of engine ``kind`` (``torch`` | ``vllm``). Their modules load no torch,
+    so the run's config (`asyncrl.config.engine`) makes its ``engine`` section of their fields."""
+    if kind == "torch":
+        from asyncrl.rollouter.engines.builtin.config import TorchEngineConfig
+
+        return TorchEngineConfig
+    if kind == "vllm":
+        from asyncrl.rollouter.engines.vllm.config import VLLMEngineConfig
+
+        return VLLMEngineConfig
+    raise ValueError(f"engine kind with a config must be torch or vllm, got {kind!r}")
+
+
 def make_engine(kind: str = "torch", **engine_kwargs: Any):
     """Build an engine of ``kind`` (``torch`` | ``vllm`` | ``sim``) from its keyword settings."""
     return engine_class(kind)(**engine_kwargs)

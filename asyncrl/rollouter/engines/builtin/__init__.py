@@ -5,9 +5,15 @@ step's forward and sampling over every running request), `kv_cache` (paged KV bl
 group's requests), `sessions` (a conversation's blocks kept between its turns), `decoder` (the lean
 forward for Llama-layout models), `sampling` (seeded draws and behaviour log-probs), `config`
 (`TorchEngineConfig`).
+
+Names are imported lazily: ``config`` loads without torch (the run's config reads it).
 """
 
-from asyncrl.rollouter.engines.builtin.config import TorchEngineConfig
-from asyncrl.rollouter.engines.builtin.engine import TorchEngine
+from asyncrl._lazy import lazy_exports
 
-__all__ = ["TorchEngine", "TorchEngineConfig"]
+_EXPORTS = {
+    "TorchEngine": "asyncrl.rollouter.engines.builtin.engine",
+    "TorchEngineConfig": "asyncrl.rollouter.engines.builtin.config",
+}
+
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

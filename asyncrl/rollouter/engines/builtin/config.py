@@ -1,11 +1,15 @@
-"""Settings of the built-in engine (`asyncrl.rollouter.engines.builtin.engine.TorchEngine`)."""
+"""Settings of the built-in engine (`asyncrl.rollouter.engines.builtin.engine.TorchEngine`).
+
+No torch here: the run's config (`asyncrl.config.engine`) takes its ``engine`` section's fields from
+this class and loads without torch (``dtype`` is kept by name, as ``from_pretrained`` takes it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""The dtypes the engine computes in, by name (``auto``: the checkpoint's own)."""
 
 
 @dataclass(kw_only=True)
@@ -16,9 +20,9 @@ class TorchEngineConfig:
     """Local directory of a Hugging Face causal LM (config.json + weights)."""
     device: str = "cpu"
     """Torch device the model runs on (``cpu``, ``cuda``, ``cuda:1``...)."""
-    dtype: torch.dtype | str = torch.float32
-    """Model dtype: a torch.dtype or its name (``bfloat16``...), or ``auto`` for the checkpoint's own
-    (config.json's). float32 gives log-probs exact to ~1e-6 against a full forward."""
+    dtype: str = "float32"
+    """Model dtype by name (bfloat16 | float16 | float32; a torch.dtype is taken by name), or ``auto`` for
+    the checkpoint's own (config.json's). float32 gives log-probs exact to ~1e-6 against a full forward."""
     max_running: int = 128
     """Most requests decoded together in one batched forward (KV blocks are taken as they fill,
     so an idle slot holds no memory)."""
@@ -43,11 +47,11 @@ class TorchEngineConfig:
     the least recently kept is freed. 0 keeps nothing: every turn prefills its whole prompt."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.dtype, str) and self.dtype != "auto":
-            if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-                raise ValueError(f"dtype must be a torch dtype, its name (bfloat16, float16, float32) or 'auto', "
-                                 f"got {self.dtype!r}")
-            self.dtype = getattr(torch, self.dtype)
+        if not isinstance(self.dtype, str):  # a torch.dtype: kept by name
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be a torch dtype, its name (bfloat16, float16, float32) or 'auto', "
+                             f"got {self.dtype!r}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -1,6 +1,9 @@
 """How a vLLM replica is built and how an asyncrl request becomes vLLM's ``SamplingParams``
 (`VLLMEngineConfig`, `sampling_kwargs`, the temperature range vLLM honours); the engine itself
-is `asyncrl.rollouter.engines.vllm.engine`."""
+is `asyncrl.rollouter.engines.vllm.engine`.
+
+No torch here: the run's config (`asyncrl.config.engine`) takes its ``engine`` section's fields from
+`VLLMEngineConfig` and loads without torch."""
 
 from __future__ import annotations
 
@@ -8,12 +11,13 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from asyncrl.types import GenerateRequest
 
-from asyncrl.sync.vllm_broadcast import WORKER_EXTENSION
-from asyncrl.types import GenerateRequest
-
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""The dtypes a replica computes in, by name (``auto``: the checkpoint's own)."""
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
@@ -23,8 +27,8 @@ class VLLMEngineConfig:
 
     model_path: str | Path
     """Local Hugging Face model directory (config.json + safetensors), as for the built-in engine."""
-    dtype: str | torch.dtype = "auto"
-    """Dtype vLLM computes in: ``auto`` = the checkpoint's own (config.json's ``dtype``), so an
+    dtype: str = "auto"
+    """Dtype the replica computes in: ``auto`` = the checkpoint's own (config.json's ``dtype``), so an
     fp32 checkpoint is served in fp32 and the behaviour log-probs match an fp32 trainer (vLLM's
     own ``auto`` serves fp32 checkpoints in a 16-bit dtype); or bfloat16 | float16 | float32
     (a torch.dtype is taken by name)."""
@@ -33,7 +37,7 @@ class VLLMEngineConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of the GPU this replica may take (weights + KV cache)."""
     max_model_len: int | None = None
-    """Longest prompt + response; None lets vLLM read it from the model config."""
+    """Longest prompt + response in tokens; None: the model config's."""
     max_num_seqs: int | None = None
     """Cap on requests in the running batch; None keeps vLLM's default."""
     tensor_parallel_size: int = 1
@@ -61,12 +65,14 @@ class VLLMEngineConfig:
     only with prefix caching off (``engine_kwargs={"enable_prefix_caching": False}``)."""
     close_timeout_s: float = 30.0
     """How long `VLLMEngine.close` waits for aborted requests to leave before shutting down."""
-    engine_kwargs: dict = field(default_factory=dict)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Other ``AsyncEngineArgs`` fields, passed as given."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.dtype, torch.dtype):
+        if not isinstance(self.dtype, str):  # a torch.dtype: kept by name
             self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"VLLMEngineConfig.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"VLLMEngineConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -94,6 +100,9 @@ class VLLMEngineConfig:
 
     def engine_args(self, *, cpu: bool = False) -> dict:
         """Keyword arguments of vLLM's ``AsyncEngineArgs`` for this replica (``cpu``: vLLM's CPU build)."""
+        # (imported here: that module imports torch, which the engine's process has and the run's config must not load)
+        from asyncrl.sync.vllm_broadcast import WORKER_EXTENSION
+
         kv_mb = self.kv_cache_mb if self.kv_cache_mb is not None or not cpu else CPU_KV_CACHE_MB
         args = {
             "model": str(self.model_path),
