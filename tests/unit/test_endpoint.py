@@ -240,6 +240,28 @@ async def _no_call(row, spec):
     return 1.0
 
 
+async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted():
+    """``max_episode_s`` stops the agent (in the episode's own task) and cancels its call in flight."""
+    llm = ScriptedLLM(gate=asyncio.Event())  # the call never finishes
+    stopped = []
+
+    async def agent(row, spec):
+        try:
+            c = openai.AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0)
+            await c.chat.completions.create(model=spec.model, messages=[{"role": "user", "content": "p"}])
+        except asyncio.CancelledError:
+            stopped.append(True)
+            raise
+
+    loop = EndpointLoop(TOK, function=agent, limits=EpisodeLimits(max_episode_s=0.5))
+    try:
+        with pytest.raises(EpisodeFailed, match="ran past rollout.agent.endpoint_max_episode_s=0.5"):
+            await loop.run({"prompt": "p"}, llm)
+    finally:
+        await loop.aclose()
+    assert stopped == [True] and llm.cancelled == 1 and loop.counts["http_failed_episodes"] == 1
+
+
 AGENT_SCRIPT = """
 import json, os, sys, urllib.request
 row = json.load(sys.stdin)

@@ -56,3 +56,50 @@ def test_json_answers_are_the_same_bytes_as_starlette(status, content, headers):
     assert ours[0]["status"] == theirs[0]["status"] == status
     assert sorted(ours[0]["headers"]) == sorted(theirs[0]["headers"])
     assert ours[1]["body"] == theirs[1]["body"]
+
+
+def _reference_app():
+    """What the FastAPI app answered when it still had the generation routes (a stand-in handler)."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/s/{episode}/v1/chat/completions")
+    @app.post("/s/{episode}/v1/completions")
+    async def generate(episode: str):
+        return {"episode": episode}
+
+    return app
+
+
+@pytest.mark.parametrize("method,path", [
+    ("GET", "/s/ep-test/v1/chat/completions"),
+    ("PUT", "/s/ep-test/v1/completions"),
+    ("POST", "/s/ep-test/v1/chat/completions/"),
+    ("GET", "/s/ep-test/v1/completions//"),
+    ("POST", "/s/ep-test/v1/chat/completions/x"),
+])
+async def test_around_the_routes_the_served_app_answers_as_starlette(method, path):
+    """The fast path is the generation routes' one implementation: another method (405), a trailing
+    slash (307) and a longer path (404) get the answers Starlette's router gave for them."""
+    import httpx
+
+    from tests.unit.endpoint_helpers import ScriptedLLM, serving
+
+    async with serving(ScriptedLLM()) as (server, _):
+        async with httpx.AsyncClient(base_url=server.url) as ours, \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=_reference_app()), base_url=server.url) as theirs:
+            a, b = await ours.request(method, path, json={}), await theirs.request(method, path, json={})
+    assert a.status_code == b.status_code and a.content == b.content
+    for name in ("allow", "location", "content-type", "content-length"):
+        assert a.headers.get(name) == b.headers.get(name), name
+    assert a.status_code in (307, 404, 405)
+
+
+def test_the_fastapi_app_has_no_generation_routes():
+    """The FastAPI app behind the fast path serves the rest only (no second implementation of the two)."""
+    from asyncrl.agent.endpoint.server import EndpointServer, build_app
+
+    paths = {getattr(r, "path", None) for r in build_app(EndpointServer()).routes}
+    assert "/s/{episode}/v1/models" in paths and "/s/{episode}/v1/responses" in paths
+    assert not {"/s/{episode}/v1/chat/completions", "/s/{episode}/v1/completions"} & paths

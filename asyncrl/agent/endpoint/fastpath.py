@@ -4,10 +4,13 @@
 every request an agent makes. Through FastAPI each paid for its routing, its dependency solving
 (pydantic validation of the path parameter and the ``Request``), its exception and exit-stack
 middleware: on ``scripts/bench_scale.py --agent --http`` that was about as much CPU as the
-episode's own work (history matching, rendering, the engine call). `FastPath` answers those two
-routes itself, with the same lookup, the same `EndpointError` answers (status, body and
-``x-should-retry``), the same JSON (compact, UTF-8) and the same SSE stream; every other request
-(``models``, ``reward``, any route added to the FastAPI app) goes to the FastAPI app unchanged.
+episode's own work (history matching, rendering, the engine call). `FastPath` is the one
+implementation of those two routes (the FastAPI app has none): the lookup, the `EndpointError`
+answers (status, body and ``x-should-retry``), JSON as Starlette renders it (compact, UTF-8), the
+SSE stream, and what Starlette's router would answer around them (405 ``{"detail": "Method Not
+Allowed"}`` with ``allow: POST`` for another method, a 307 to the path without its trailing
+slash). Every other request (``models``, ``reward``, the Responses and Messages routes) goes to
+the FastAPI app unchanged.
 """
 
 from __future__ import annotations
@@ -22,16 +25,21 @@ _METHODS = {("chat", "completions"): "chat", ("completions",): "complete"}
 """The path after ``/s/{episode}/v1/``, split at ``/``: the `Episode` method serving it."""
 
 
-def route_of(scope: dict) -> tuple[str, str] | None:
-    """(episode, method) of a generation call (as FastAPI's ``/s/{episode}/v1/...`` routes match
-    it: the episode one non-empty path segment), else None."""
-    if scope["type"] != "http" or scope["method"] != "POST":
-        return None
-    parts = scope["path"].split("/")
+def match(path: str) -> tuple[str, str] | None:
+    """(episode, `Episode` method) of a generation route's path (as Starlette matches a
+    ``/s/{episode}/v1/...`` route: the episode one non-empty path segment), else None."""
+    parts = path.split("/")
     if len(parts) < 5 or parts[0] or parts[1] != "s" or not parts[2] or parts[3] != "v1":
         return None
     method = _METHODS.get(tuple(parts[4:]))
     return None if method is None else (parts[2], method)
+
+
+def route_of(scope: dict) -> tuple[str, str] | None:
+    """(episode, method) of a generation call (a POST on a generation route), else None."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return None
+    return match(scope["path"])
 
 
 def header(scope: dict, name: bytes) -> str | None:
@@ -77,9 +85,13 @@ class FastPath:
         self.serve_call, self.stream, self.error_headers = serve_call, stream, error_headers
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        route = route_of(scope)
+        route = match(scope["path"]) if scope["type"] == "http" else None
         if route is None:
+            if scope["type"] == "http" and _redirected(scope):
+                return await _redirect(scope, receive, send)
             return await self.app(scope, receive, send)
+        if scope["method"] != "POST":  # as Starlette answers a path whose route takes other methods
+            return await send_json(send, 405, {"detail": "Method Not Allowed"}, {"allow": "POST"})
         server = self.server
         try:
             ep = server.lookup(route[0], header(scope, b"authorization"))
@@ -92,3 +104,17 @@ class FastPath:
         if not body.get("stream"):
             return await send_json(send, 200, answer)
         await self.stream(answer, body)(scope, receive, send)
+
+
+def _redirected(scope: dict) -> bool:
+    """A generation route's path with trailing slashes: Starlette's router redirects it (any method)."""
+    path = scope["path"]
+    return path.endswith("/") and path != "/" and match(path.rstrip("/")) is not None
+
+
+async def _redirect(scope: dict, receive: Any, send: Any) -> None:
+    """Starlette's ``redirect_slashes`` answer: 307 to the same URL less its trailing slashes."""
+    from starlette.datastructures import URL
+    from starlette.responses import RedirectResponse
+
+    await RedirectResponse(url=str(URL(scope={**scope, "path": scope["path"].rstrip("/")})))(scope, receive, send)

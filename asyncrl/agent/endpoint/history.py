@@ -91,7 +91,7 @@ def template_message(m: Message, sampled: Sampled | None) -> Message:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class Sampled:
     """An assistant message the engine wrote, as the endpoint returned it."""
 
@@ -105,7 +105,7 @@ class Sampled:
         self.key = message_key(self.message)
 
 
-@dataclass
+@dataclass(slots=True)
 class Branch:
     """One token-exact conversation of the episode: a trajectory."""
 
@@ -122,7 +122,8 @@ class Branch:
     busy: bool = False
     """A call on this branch is in flight (a second one forks instead of racing it)."""
     calls: int = 0
-    last_turn: list[int] = field(default_factory=list)
+    last_turn: tuple[int, ...] = ()
+    """The last sampled turn's ids (a tuple of ints: the collector stops tracking it, no list to walk)."""
     finish: str = "stop"
 
     ids: np.ndarray | None = None
@@ -142,7 +143,7 @@ class Branch:
                                turns=self.calls, final_text=final)
 
 
-@dataclass
+@dataclass(slots=True)
 class Placement:
     """Where a call goes: the ids to send, and what to record once its turn is sampled."""
 
@@ -220,7 +221,7 @@ class History:
         b.sampled = b.sampled + [None] * (len(p.keys) - len(b.sampled)) + [sampled]
         b.ids = np.concatenate([p.context, ids])  # (``p.context``: the branch's ids and the bridge)
         b.length = len(b.ids)
-        b.last_turn = ids.tolist()
+        b.last_turn = tuple(ids.tolist())
         b.finish = turn.finish_reason
         b.calls += 1
         b.busy = False

@@ -140,7 +140,11 @@ class EndpointLoop(AgentLoop):
         self.counts["episodes"] += 1
         spec = ClientSpec(server.base_url(ep), ep.secret, self.model, str(getattr(llm, "episode_id", None) or ep.id))
         try:
-            reward = await asyncio.wait_for(self._drive(row_of(prompt), spec), self.limits.max_episode_s)
+            # (``asyncio.timeout``, not ``wait_for``: the agent runs in this task, not in one more Task with
+            # its waiter, callbacks and context per live episode, which every collection of the young
+            # generations would walk while the episode lasts)
+            async with asyncio.timeout(self.limits.max_episode_s):
+                reward = await self._drive(row_of(prompt), spec)
         except TimeoutError:
             self.counts["http_failed_episodes"] += 1
             raise EpisodeFailed(f"episode {ep.id} ran past rollout.agent.endpoint_max_episode_s="

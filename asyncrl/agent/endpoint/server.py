@@ -12,9 +12,9 @@ call is then a coroutine beside the Rollouter's (no process hop, no serializatio
 ids); it awaits the episode's `LLM` directly, so the pause-keep across a weight sync,
 per-token versions and partial rollout apply to it as to any agent turn. The server binds
 loopback unless ``rollout.agent.endpoint_host`` says otherwise (agents in sandboxes on other
-hosts); the episode secret is its authentication. The two generation routes are answered by
-`asyncrl.agent.endpoint.fastpath` in front of the FastAPI app (the same answers, without FastAPI's
-per-request cost); the app serves the rest.
+hosts); the episode secret is its authentication. The two generation routes are served by
+`asyncrl.agent.endpoint.fastpath` alone, a plain ASGI app in front of the FastAPI app (FastAPI's
+per-request cost was about a call's own work); the app serves the rest.
 
 A client that disconnects before its answer cancels the call, which aborts its engine request;
 nothing of it is recorded. The engine returns a turn whole, so ``stream: true`` sends the
@@ -214,7 +214,8 @@ def stream_response(answer: dict, body: dict) -> StreamingResponse:
 
 
 def build_app(server: EndpointServer):
-    """The FastAPI app of ``server`` (routes in the module docstring)."""
+    """The FastAPI app of ``server``: every route of the module docstring but the two generation
+    routes, which `FastPath` (in front of it) alone serves."""
     app = FastAPI(title="asyncrl episode endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(EndpointError)
@@ -227,23 +228,6 @@ def build_app(server: EndpointServer):
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise EndpointError(400, "the request body is not JSON") from None
-
-    async def generate(episode: str, request: Request, method: str):
-        ep = server.lookup(episode, request.headers.get("authorization"))
-        body = await body_of(request)
-        server.calls += 1
-        answer = await _serve_call(server, ep, request, getattr(ep, method)(body))
-        if not body.get("stream"):
-            return JSONResponse(answer)
-        return stream_response(answer, body)
-
-    @app.post("/s/{episode}/v1/chat/completions")
-    async def chat(episode: str, request: Request):
-        return await generate(episode, request, "chat")
-
-    @app.post("/s/{episode}/v1/completions")
-    async def completions(episode: str, request: Request):
-        return await generate(episode, request, "complete")
 
     @app.get("/s/{episode}/v1/models")
     async def models(episode: str, request: Request):
