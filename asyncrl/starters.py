@@ -121,19 +121,20 @@ def start_aggregator(procs, cfg) -> None:
     if partial.by_count:
         threshold = partial.resolved_threshold(cfg.groups_per_sync, cfg.rollout.n)
         procs.aggregator = remote_aggregator_actor().remote(procs.engines, threshold)
-        procs.stack.push_async_callback(_close_aggregator, procs)
+        procs.stack.push_async_callback(_drain_then_kill, procs, procs.aggregator, "close", "aggregator")  # its sockets
 
 
-async def _close_aggregator(procs) -> None:
-    """Close its sockets to the replicas (a drained close), then kill it."""
+async def _drain_then_kill(procs, actor, method: str, what: str) -> None:
+    """On a drained close, call ``actor.method`` (bounded by the close timeout), then kill the actor
+    whatever came of it: a dead or wedged one is killed all the same."""
     import ray
 
     if procs.drain:
         try:
-            await asyncio.wait_for(procs.aggregator.close.remote(), procs.timeout_s)
-        except Exception as e:  # noqa: BLE001 - a dead or wedged aggregator is killed below
-            log.warning("the aggregator did not close (%s: %s)", type(e).__name__, e)
-    ray.kill(procs.aggregator)
+            await asyncio.wait_for(getattr(actor, method).remote(), procs.timeout_s)
+        except Exception as e:  # noqa: BLE001 - killed below
+            log.warning("the %s did not %s (%s: %s)", what, method, type(e).__name__, e)
+    ray.kill(actor)
 
 
 async def start_rollouter(procs, cfg, plan, stream, state, ready) -> None:
@@ -155,20 +156,10 @@ async def start_rollouter(procs, cfg, plan, stream, state, ready) -> None:
         metrics_endpoint=procs.metrics.endpoints.publish if procs.metrics else None,
         metrics_interval_s=cfg.metrics.poll_interval_s, skip=absolute_dump_dirs(cfg.skip.skip_config()),
         partial=cfg.partial_rollout, aggregator=procs.aggregator)
-    procs.stack.push_async_callback(_close_rollouter, procs)
+    procs.stack.push_async_callback(_drain_then_kill, procs, procs.rollouter, "stop", "Rollouter")  # no new prompts, in-flight aborted
     await ready([procs.rollouter.ready.remote()], plan.ready_timeout_s, "Rollouter (tokenizer and dataset)")
 
 
-async def _close_rollouter(procs) -> None:
-    """Drain it (no new prompts, in-flight requests aborted), then kill it."""
-    import ray
-
-    if procs.drain:
-        try:
-            await asyncio.wait_for(procs.rollouter.stop.remote(), procs.timeout_s)
-        except Exception as e:  # noqa: BLE001 - a dead or wedged Rollouter is killed below
-            log.warning("the Rollouter did not drain (%s: %s)", type(e).__name__, e)
-    ray.kill(procs.rollouter)
 
 
 async def start_sync(procs, cfg, net, state):
