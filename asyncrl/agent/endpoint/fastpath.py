@@ -35,13 +35,6 @@ def match(path: str) -> tuple[str, str] | None:
     return None if method is None else (parts[2], method)
 
 
-def route_of(scope: dict) -> tuple[str, str] | None:
-    """(episode, method) of a generation call (a POST on a generation route), else None."""
-    if scope["type"] != "http" or scope["method"] != "POST":
-        return None
-    return match(scope["path"])
-
-
 def header(scope: dict, name: bytes) -> str | None:
     """A request header (names arrive lowercased), as Starlette decodes it."""
     for key, value in scope["headers"]:
