@@ -109,7 +109,10 @@ class Sampled:
 class Branch:
     """One token-exact conversation of the episode: a trajectory."""
 
-    tools_key: str
+    tools: Any
+    """The ``tools`` of the call that opened the branch (a list; a route's name for ``completions``):
+    a later call extends the branch only with equal tools (``==``: the order of keys inside a
+    schema does not matter, as before with sorted JSON; the branch keeps its first rendering)."""
     prompt_ids: np.ndarray
     keys: list[tuple] = field(default_factory=list)
     """`message_key` of each message the ids stand for, the sampled turns included."""
@@ -173,11 +176,11 @@ class History:
 
     def place(self, messages: list[Message], tools: list | None) -> Placement:
         """The branch ``messages`` extend (marked busy), else a new one rendered from them."""
-        tools_key = json.dumps(tools or [], sort_keys=True)
+        tools = tools or []  # (compared with ``==``, not as JSON: this runs on every call)
         keys = [message_key(m) for m in messages]
         for b in self.branches:
             n = len(b.keys)
-            if (b.tools_key == tools_key and not b.busy and len(keys) > n and keys[:n] == b.keys
+            if (b.tools == tools and not b.busy and len(keys) > n and keys[:n] == b.keys
                     and b.sampled and b.sampled[-1] is not None):
                 bridge = self.renderer.observation_ids(b.last_turn, [template_message(m, None) for m in messages[n:]])
                 b.busy = True
@@ -186,10 +189,10 @@ class History:
         rendered = [template_message(m, by_key.get(k) if m.get("role") == "assistant" else None)
                     for m, k in zip(messages, keys)]
         prompt = np.asarray(self.renderer.prompt_ids(rendered, tools or ()), np.int64)
-        branch = Branch(tools_key, prompt, busy=True)
-        return Placement(branch, True, prompt, [], keys, self._divergence(keys, messages, tools_key))
+        branch = Branch(tools, prompt, busy=True)
+        return Placement(branch, True, prompt, [], keys, self._divergence(keys, messages))
 
-    def _divergence(self, keys: list[tuple], messages: list[Message], tools_key: str) -> tuple[int, Message | None] | None:
+    def _divergence(self, keys: list[tuple], messages: list[Message]) -> tuple[int, Message | None] | None:
         """Against the branch sharing the longest prefix: the first differing message (None: the
         call's history is a prefix of it, or only the tools differ). None when nothing was recorded."""
         if not self.branches:

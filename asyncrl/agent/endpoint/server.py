@@ -75,7 +75,9 @@ class EndpointServer:
         sock.listen(4096)
         self.port = sock.getsockname()[1]
         app = FastPath(self, build_app(self), serve_call=_serve_call, stream=stream_response, error_headers=_NO_RETRY)
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+        # proxy_headers off: no route reads the client's address, and uvicorn's middleware for
+        # X-Forwarded-For would otherwise wrap every request.
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, proxy_headers=False,
                                 timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=60)
         self._server = _OwnedServer(config)
         config.load()  # (here, not in the task: what it imports is frozen below)
