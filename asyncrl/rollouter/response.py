@@ -28,21 +28,21 @@ these and never changes them after.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialResponse
-from asyncrl.rollouter.rewards import Pending, Rewards
+from asyncrl.rollouter.rewards import NOT_READY, Pending, Rewards
 from asyncrl.turns import to_trajectory
 from asyncrl.types import Trajectory
 
 Status = Literal["running", "truncated", "finished"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Response:
     """One single-turn response of a group in flight, from its first request to its trajectory."""
 
@@ -148,9 +148,9 @@ class Conversation:
         return to_trajectory(episode, sample_id=self.sample_id, index=index, reward=reward, age=self.age)
 
 
-@dataclass(frozen=True)
-class ResponseOutcome:
-    """One trajectory of a group, with the replica that finished it (the aggregator's count)."""
+class ResponseOutcome(NamedTuple):
+    """One trajectory of a group, with the replica that finished it (the aggregator's count).
+    Immutable (a named tuple: one is built per response, so its construction is kept cheap)."""
 
     trajectory: Trajectory
     """The response, its reward in it."""
@@ -158,9 +158,9 @@ class ResponseOutcome:
     """The engine replica of its last request (an agent run: of its last turn)."""
 
 
-@dataclass(frozen=True)
-class Ended:
-    """A response that ended, its reward under way: `settle` builds its trajectory once the reward is in."""
+class Ended(NamedTuple):
+    """A response that ended, its reward under way: `settle` builds its trajectory once the reward is
+    in. Immutable (a named tuple, as `ResponseOutcome`)."""
 
     index: int
     """Its index in the group (an agent run with branches: renumbered in response order)."""
@@ -173,7 +173,7 @@ class Ended:
 
     def renumbered(self, index: int) -> Ended:
         """The same response as the group's ``index``-th trajectory (an episode's branches, in response order)."""
-        return replace(self, index=index)
+        return self._replace(index=index)
 
     def settle(self, reward: float | None) -> ResponseOutcome:
         """The outcome, its trajectory built now with ``reward`` (the awaited value of `reward`)."""
@@ -198,7 +198,9 @@ async def settle(ended: list[Ended | BaseException],
             outcomes.append(o)
             continue
         try:
-            reward = None if o.reward is None else await Rewards.value(o.reward)
+            reward = None if o.reward is None else Rewards.ready(o.reward)
+            if reward is NOT_READY:
+                reward = await Rewards.value(o.reward)
         except Exception as exc:  # noqa: BLE001 - the user's reward function
             outcomes.append(reward_error(exc))
             continue
