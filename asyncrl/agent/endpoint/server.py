@@ -157,23 +157,25 @@ async def _until_disconnect(receive) -> None:
 
 
 async def _serve_call(server: EndpointServer, ep: Episode, request: Any, call) -> dict:
-    """Run ``call`` as a task of the episode; a client disconnect cancels it (its engine request is aborted)."""
+    """Run ``call`` as a task of the episode; a client disconnect cancels it (its engine request is aborted).
+
+    Callbacks, not ``asyncio.wait`` and ``gather``: this runs once per call, and those built a
+    waiter, a gathering future and callbacks on both tasks, and took a loop turn more per call."""
     task = asyncio.create_task(call)
     ep.in_flight.add(task)
     gone = asyncio.create_task(_until_disconnect(request.receive))
+    gone.add_done_callback(lambda _: task.cancel())  # the client left (after the call: a no-op)
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling() or not task.cancelled():
+            raise  # this request itself is cancelled (the server stops): not the call's doing
     finally:
         ep.in_flight.discard(task)
-        if not task.done():
-            task.cancel()
         gone.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
-    if task.cancelled():
-        if ep.ended is not None:
-            raise EndpointError(409, f"episode {ep.id} ended during the call ({ep.ended})", code="episode_ended")
-        raise EndpointError(499, "the client disconnected; its request was aborted")
-    return task.result()
+    if ep.ended is not None:  # cancelled by its episode's end
+        raise EndpointError(409, f"episode {ep.id} ended during the call ({ep.ended})", code="episode_ended")
+    raise EndpointError(499, "the client disconnected; its request was aborted")
 
 
 def _chunks(body: dict, include_usage: bool) -> list[dict]:
