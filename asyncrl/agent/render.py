@@ -27,6 +27,8 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from asyncrl.agent.base import Message
 from asyncrl.agent.segments import SegmentEncoder
 
@@ -74,7 +76,7 @@ class ChatRenderer:
         """Per message shape (its fields but the content, as JSON): the text before and after a
         one-message observation's content (None: the template does not insert it verbatim, so
         it is rendered each time)."""
-        self._prompts: OrderedDict[str, list[int]] = OrderedDict()
+        self._prompts: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def _backend(self) -> Any:
         """The fast tokenizer's ``tokenizers.Tokenizer`` (None for a slow tokenizer)."""
@@ -141,12 +143,14 @@ class ChatRenderer:
             return self.encode(self._render(messages, tools))
         ids = self._prompts.get(key)
         if ids is None:
-            ids = self._prompts[key] = self.encode(self._render(messages, tools))
+            # Kept as an array: the garbage collector never walks it (a list of a prompt's hundreds of
+            # ids, made for each new conversation, was walked by every young collection it lived through).
+            ids = self._prompts[key] = np.asarray(self.encode(self._render(messages, tools)), np.int64)
             if len(self._prompts) > _PROMPTS_KEPT:
                 self._prompts.popitem(last=False)
         else:
             self._prompts.move_to_end(key)
-        return list(ids)
+        return ids.tolist()
 
     def _wrapping(self, message: Message) -> tuple[str, str] | None:
         """The text around ``message``'s content after an assistant turn, for messages like it

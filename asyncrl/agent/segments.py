@@ -40,7 +40,9 @@ class SegmentEncoder:
         self._added = {t.content: i for i, t in added.items()}
         contents = sorted(self._added, key=len, reverse=True)  # the longest first, as the tokenizer matches
         self._split = re.compile("(" + "|".join(map(re.escape, contents)) + ")").split if contents else None
-        self._pieces: dict[str, list[int]] = {}
+        self._pieces: dict[str, tuple[int, ...]] = {}
+        """Each piece's ids, as tuples: the collector stops tracking a tuple of ints after its first
+        look, where lists of hundreds of ids would be walked again by every collection."""
         self._kept_chars = 0
         self._checks_left = CHECKED
 
@@ -57,7 +59,7 @@ class SegmentEncoder:
             elif part:
                 piece = self._pieces.get(part)
                 if piece is None:
-                    piece = self.whole(part)
+                    piece = tuple(self.whole(part))
                     if self._kept_chars + len(part) > KEPT_CHARS:
                         self._pieces.clear()
                         self._kept_chars = 0
