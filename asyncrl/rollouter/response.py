@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import numpy as np
 
 from asyncrl.rollouter.partial import PartialResponse
-from asyncrl.rollouter.rewards import NOT_READY, Pending, Rewards
+from asyncrl.rollouter.rewards import Pending, Rewards
 from asyncrl.turns import to_trajectory
 from asyncrl.types import Trajectory
 
@@ -198,9 +198,7 @@ async def settle(ended: list[Ended | BaseException],
             outcomes.append(o)
             continue
         try:
-            reward = None if o.reward is None else Rewards.ready(o.reward)
-            if reward is NOT_READY:
-                reward = await Rewards.value(o.reward)
+            reward = None if o.reward is None else await Rewards.value(o.reward)
         except Exception as exc:  # noqa: BLE001 - the user's reward function
             outcomes.append(reward_error(exc))
             continue

@@ -19,8 +19,6 @@ import numpy as np
 from asyncrl.usercode import UserCodeError
 
 Pending = asyncio.Task | concurrent.futures.Future
-NOT_READY = object()
-"""`Rewards.ready` of a reward still running (or one whose value must be awaited)."""
 
 _OWNER: contextvars.ContextVar[set[Pending] | None] = contextvars.ContextVar("asyncrl_reward_owner", default=None)
 """The rewards started under one `Rewards.owned` call: its tasks (the group's response tasks)
@@ -70,16 +68,6 @@ class Rewards:
             for pending in list(owner):
                 pending.cancel()
             raise
-
-    @staticmethod
-    def ready(pending: Pending) -> float | object:
-        """The value of a plain reward that is done, without a wake-up of the event loop (most are
-        by the time their group reads them); else `NOT_READY` (await `value`). Raises its error."""
-        if isinstance(pending, concurrent.futures.Future) and pending.done():
-            value = pending.result()
-            if not inspect.isawaitable(value):
-                return float(value)
-        return NOT_READY
 
     @staticmethod
     async def value(pending: Pending) -> float:
