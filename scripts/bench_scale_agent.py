@@ -225,6 +225,7 @@ async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=N
     counts = {"tool_calls": 0, "live": 0}
     agent = (make_agent or _agent)(args, counts)
     client_cpu = getattr(agent, "client_cpu", None)  # the CPU so far of clients in a process of their own (--http)
+    endpoint_stats = getattr(agent, "endpoint_stats", None)  # the endpoint's own process (--endpoint-server process)
     prefill = args.prefill_tokens_per_s or None
     hosts = []
     if args.agent_hosts:  # the replicas in Ray actor processes, as in a run (their schedulers leave this loop)
@@ -277,11 +278,13 @@ async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=N
             await asyncio.sleep(0.005)
         t0, r0, k0, lag0, cpu0 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags), time.process_time()
         x0 = await client_cpu() if client_cpu else 0.0
+        e0 = (await endpoint_stats())["cpu_s"] if endpoint_stats else 0.0  # (its lag ticks so far dropped)
         fed_wait = asyncio.create_task(fed.wait())
         await asyncio.wait({run, fed_wait}, return_when=asyncio.FIRST_COMPLETED)  # a failed run ends the wait too
         fed_wait.cancel()
         t1, r1, k1, lag1, cpu1 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags), time.process_time()
         x1 = await client_cpu() if client_cpu else 0.0
+        e1 = await endpoint_stats() if endpoint_stats else {"cpu_s": 0.0, "lags_ms": []}
         deadline = time.monotonic() + 600
         while len(sink.sent) < len(admitted) and time.monotonic() < deadline:
             sink.changed.clear()
@@ -319,7 +322,10 @@ async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=N
         "loop_lag_p99_ms": 1e3 * float(np.percentile(window_lags, 99)), "loop_lag_max_ms": 1e3 * max(window_lags),
         "run_lag_max_ms": 1e3 * max(lags), "loop_lag_ticks": lag1 - lag0, "live_conversations_mean": float(np.mean(live[lag0:lag1] or [0])),
         "turn_req_s": (r1 - r0) / window, "cpu_ms_per_turn": 1e3 * (cpu1 - cpu0) / max(r1 - r0, 1),
-        "client_cpu_ms_per_turn": 1e3 * (x1 - x0) / max(r1 - r0, 1), "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
+        "client_cpu_ms_per_turn": 1e3 * (x1 - x0) / max(r1 - r0, 1),
+        "endpoint_cpu_ms_per_turn": 1e3 * (e1["cpu_s"] - e0) / max(r1 - r0, 1),
+        "endpoint_lag_p99_ms": float(np.percentile(e1["lags_ms"], 99)) if e1["lags_ms"] else None,
+        "endpoint_lag_max_ms": max(e1["lags_ms"], default=None), "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
         "mean_turns": float(np.mean(turns)) if turns else 0.0,
         **check_delivery(admitted, sink.sent, n, args.agent_turns),
         "turn_requests": turn_requests, "engine_calls_per_turn": rollouter.pool.calls / max(turn_requests, 1),

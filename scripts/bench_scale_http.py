@@ -40,6 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-clients", choices=("process", "loop"), default="process",
                    help="with --http: the clients in a process of their own (an agent is the user's code), or on the "
                         "Rollouter's event loop (lag and CPU then include the client side: upper bounds)")
+    p.add_argument("--endpoint-server", choices=("process", "loop"), default="process",
+                   help="with --http: the endpoint in a process of its own next to the Rollouter, or on the Rollouter's "
+                        "event loop (rollout.agent.endpoint_server)")
 
 
 class HttpAgent:
@@ -230,7 +233,8 @@ def http_agent(args: argparse.Namespace, counts: dict):
     else:
         fn = HttpAgent(args.agent_turns, ToolLatency(args.tool_median_s, args.tool_p99_s, args.seed), counts)
     loop = EndpointLoop(build_chat_tokenizer(), function=fn, limits=EpisodeLimits(
-        max_calls=args.agent_turns, max_tokens_per_call=128, max_context_tokens=8192, max_episode_s=600))
+        max_calls=args.agent_turns, max_tokens_per_call=128, max_context_tokens=8192, max_episode_s=600),
+        server=args.endpoint_server)
     original = loop.aclose
 
     async def aclose() -> None:
@@ -240,6 +244,13 @@ def http_agent(args: argparse.Namespace, counts: dict):
     loop.aclose = aclose
     agent = Agent(loop, "bench_scale --agent --http")
     agent.client_cpu = getattr(fn, "cpu_s", None)
+    if args.endpoint_server == "process":
+
+        async def endpoint_stats() -> dict:
+            await loop.start()  # (its process starts before the measured window)
+            return await loop.host.stats()
+
+        agent.endpoint_stats = endpoint_stats
     return agent
 
 
@@ -253,8 +264,12 @@ def main(args: argparse.Namespace, ray_replicas=None) -> dict:
     print(f"in-process: {bench.report(inprocess)}", flush=True)
     http = bench.run_on(loop_name, bench.agent_run(args, make_agent=http_agent, ray_replicas=ray_replicas))
     print(f"http: {bench.report(http)}", flush=True)
-    server, clients = http["cpu_ms_per_turn"], http["client_cpu_ms_per_turn"]
+    rollouter_cpu, endpoint_cpu, clients = http["cpu_ms_per_turn"], http["endpoint_cpu_ms_per_turn"], http["client_cpu_ms_per_turn"]
+    server = rollouter_cpu + endpoint_cpu
+    endpoint_lag = http["endpoint_lag_p99_ms"] if args.endpoint_server == "process" else http["loop_lag_p99_ms"]
     result = {"http": True, "episodes": http["conversations_sent"], "loop_lag_p99_ms": round(http["loop_lag_p99_ms"], 3),
+              "endpoint_server": args.endpoint_server, "endpoint_loop_lag_p99_ms": round(endpoint_lag, 3),
+              "cpu_ms_per_call_rollouter": round(rollouter_cpu, 3), "cpu_ms_per_call_endpoint_process": round(endpoint_cpu, 3),
               "calls_s": round(http["turn_req_s"], 1), "cpu_ms_per_call": round(server + clients, 3),
               "cpu_ms_per_call_server": round(server, 3), "cpu_ms_per_call_clients": round(clients, 3),
               "cpu_ms_per_call_inprocess": round(inprocess["cpu_ms_per_turn"], 3), "lost": http["lost"],
@@ -262,8 +277,10 @@ def main(args: argparse.Namespace, ray_replicas=None) -> dict:
               "concurrent": args.agent_conversations, "calls_per_episode": args.agent_turns,
               "http_clients": args.http_clients, "loop_lag_max_ms": round(http["loop_lag_max_ms"], 3),
               "gc_pause_max_ms": round(http["gc_pause_max_ms"], 3), "load_avg_1m": round(os.getloadavg()[0], 2)}
-    print(f"http: loop lag p99 {result['loop_lag_p99_ms']} ms (target <= 50), {result['calls_s']} calls/s (target >= "
-          f"1500), CPU {result['cpu_ms_per_call']} ms/call over HTTP (server {result['cpu_ms_per_call_server']}, clients "
+    print(f"http: the Rollouter's loop lag p99 {result['loop_lag_p99_ms']} ms (target <= 50; the endpoint on "
+          f"{args.endpoint_server!r}, its own loop's p99 {result['endpoint_loop_lag_p99_ms']} ms), {result['calls_s']} calls/s "
+          f"(target >= 1500), CPU {result['cpu_ms_per_call']} ms/call over HTTP (server {result['cpu_ms_per_call_server']}"
+          f" = Rollouter {result['cpu_ms_per_call_rollouter']} + endpoint process {result['cpu_ms_per_call_endpoint_process']}, clients "
           f"{result['cpu_ms_per_call_clients']}; clients on {args.http_clients!r}) vs {result['cpu_ms_per_call_inprocess']} "
           f"ms/turn in process; lost {result['lost']} duplicated {result['duplicated']}", flush=True)
     if args.json:

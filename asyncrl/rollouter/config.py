@@ -36,6 +36,10 @@ class AgentSource:
     endpoint_forks_path: str | None = None
     """JSONL file each endpoint fork's first differing message is appended to (the launcher sets
     ``<run_dir>/endpoint_forks.jsonl``); None: logged."""
+    endpoint_server: str = "process"
+    """Where the endpoint serves: ``process`` (a process of its own next to the Rollouter: the
+    Rollouter's event loop keeps only the engine calls) or ``loop`` (the Rollouter's event loop:
+    no IPC, less CPU per call, its loop lag grows with the calls in flight; docs/endpoint.md)."""
     endpoint_branches: str = "all"
     """Which branches of an endpoint episode are trained: ``all`` (each its own trajectory with the
     episode's reward and advantage; a group then holds n or more) or ``main`` (the last call's only)."""
@@ -70,6 +74,8 @@ class AgentConfig(ToolRunnerConfig, EnvLoopConfig, AgentSource):
             raise ValueError("AgentConfig.command is empty: give the command line that runs one episode")
         if not self.endpoint_max_episode_s > 0:
             raise ValueError(f"AgentConfig.endpoint_max_episode_s must be > 0, got {self.endpoint_max_episode_s}")
+        if self.endpoint_server not in ("process", "loop"):
+            raise ValueError(f"AgentConfig.endpoint_server must be process or loop, got {self.endpoint_server!r}")
         if self.endpoint_branches not in ("all", "main"):
             raise ValueError(f"AgentConfig.endpoint_branches must be all or main, got {self.endpoint_branches!r}")
         self.check_episode_limits()

@@ -215,8 +215,9 @@ async def agent_two_calls(row, spec: ClientSpec):
     return None if row.get("task_reward") else 0.5
 
 
-async def test_a_function_agent_runs_as_an_agent_loop():
-    loop = EndpointLoop(TOK, function=agent_two_calls)
+@pytest.mark.parametrize("server", ["loop", "process"])
+async def test_a_function_agent_runs_as_an_agent_loop(server):
+    loop = EndpointLoop(TOK, function=agent_two_calls, server=server)
     try:
         traj = await loop.run({"prompt": "6*7"}, ScriptedLLM([CALL, "42"]))  # one branch: one trajectory
         assert traj.reward == 0.5 and traj.turns == 2 and traj.final_text == "42"
@@ -240,7 +241,8 @@ async def _no_call(row, spec):
     return 1.0
 
 
-async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted():
+@pytest.mark.parametrize("server", ["loop", "process"])
+async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted(server):
     """``max_episode_s`` stops the agent (in the episode's own task) and cancels its call in flight."""
     llm = ScriptedLLM(gate=asyncio.Event())  # the call never finishes
     stopped = []
@@ -253,12 +255,16 @@ async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted():
             stopped.append(True)
             raise
 
-    loop = EndpointLoop(TOK, function=agent, limits=EpisodeLimits(max_episode_s=0.5))
+    loop = EndpointLoop(TOK, function=agent, limits=EpisodeLimits(max_episode_s=0.5), server=server)
     try:
         with pytest.raises(EpisodeFailed, match="ran past rollout.agent.endpoint_max_episode_s=0.5"):
             await loop.run({"prompt": "p"}, llm)
     finally:
         await loop.aclose()
+    for _ in range(500):  # (with the server in its process, the call's cancel reaches this one over the socket)
+        if llm.cancelled:
+            break
+        await asyncio.sleep(0.01)
     assert stopped == [True] and llm.cancelled == 1 and loop.counts["http_failed_episodes"] == 1
 
 

@@ -71,4 +71,4 @@ def build_endpoint_loop(cfg: Any, tokenizer: Any) -> EndpointLoop:
     return EndpointLoop(tokenizer, function=function, command=cfg.command, limits=limits_of(cfg),
                         host=cfg.endpoint_host, port=cfg.endpoint_port, model=cfg.endpoint_model,
                         forks_path=cfg.endpoint_forks_path, name=cfg.spec,
-                        branches=cfg.endpoint_branches)
+                        branches=cfg.endpoint_branches, server=cfg.endpoint_server)

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.agent.base import LLM, AgentLoop, AgentTrajectory
-from asyncrl.agent.endpoint.episode import Episode, EpisodeLimits
-from asyncrl.agent.endpoint.server import EndpointServer
+from asyncrl.agent.endpoint.episode import EpisodeLimits
+from asyncrl.agent.endpoint.host import HOSTS, EndpointHost, EpisodeRecord, HostGone, LoopHost
 from asyncrl.agent.endpoint.tls import share_default_tls_context
 
 log = logging.getLogger("asyncrl.agent.endpoint")
@@ -91,7 +91,7 @@ class EndpointLoop(AgentLoop):
     def __init__(self, tokenizer: Any, *, function: Any = None, command: str | None = None,
                  limits: EpisodeLimits | None = None, host: str = "127.0.0.1", port: int = 0, model: str = "policy",
                  forks_path: str | None = None, name: str = "endpoint agent", renderer: Any = None,
-                 branches: str = "all"):
+                 branches: str = "all", server: str = "loop"):
         from asyncrl.agent.render import ChatRenderer
 
         if (function is None) == (command is None):
@@ -102,7 +102,14 @@ class EndpointLoop(AgentLoop):
         self.function, self.command, self.name = function, command, name
         self.renderer = renderer or ChatRenderer(tokenizer)
         self.limits = limits or EpisodeLimits()
-        self.server = EndpointServer(host, port)
+        if server not in HOSTS:
+            raise ValueError(f"EndpointLoop: server must be loop or process (rollout.agent.endpoint_server), got {server!r}")
+        if server == "process":
+            from asyncrl.agent.endpoint.process import ProcessHost
+
+            self.host: EndpointHost = ProcessHost(self.renderer, self.limits, model, host, port)
+        else:
+            self.host = LoopHost(self.renderer, self.limits, model, host, port)
         self.model, self.forks_path = model, forks_path
         self._started: asyncio.Lock | None = None
         self._up = False
@@ -113,60 +120,74 @@ class EndpointLoop(AgentLoop):
         (``turns``), the tool calls they carried (``tool_calls``, as an env loop's: the step's
         ``agent/tool_calls_per_turn`` needs no transcript parsing) and answers that carried any."""
 
-    async def start(self) -> EndpointServer:
-        """The server, started on this event loop at the first call."""
+    async def start(self) -> EndpointHost:
+        """The endpoint's host, started at the first call (its server on this event loop, or its process)."""
         if self._started is None:
             self._started = asyncio.Lock()
         async with self._started:
             if not self._up:
                 if self.function is not None:  # it builds its HTTP clients in this process
                     share_default_tls_context()
-                await self.server.start()
+                await self.host.start()
                 self._up = True
-        return self.server
+        return self.host
 
     async def aclose(self) -> None:
         if self._up:
             self._up = False
-            await self.server.close()
+            await self.host.aclose()
 
     async def run(self, prompt: Any, llm: LLM) -> AgentTrajectory | list[AgentTrajectory]:
-        server = await self.start()
+        host = await self.start()
         if hasattr(llm, "abort_on_cancel"):
             llm.abort_on_cancel = True  # a call given up (client gone, episode ended) aborts its engine request
         base = str(getattr(llm, "episode_id", None) or "episode").replace("/", "-")
-        ep = Episode(f"{base}-{uuid.uuid4().hex[:8]}", llm, self.renderer, self.limits, self.model)
-        server.add(ep)
+        episode_id = f"{base}-{uuid.uuid4().hex[:8]}"
+        try:
+            secret = await host.open(episode_id, llm)
+        except HostGone as e:
+            self.counts["http_failed_episodes"] += 1
+            raise EpisodeFailed(f"episode {episode_id}: {e}") from None
         self.counts["episodes"] += 1
-        spec = ClientSpec(server.base_url(ep), ep.secret, self.model, str(getattr(llm, "episode_id", None) or ep.id))
+        spec = ClientSpec(host.base_url(episode_id), secret, self.model, str(getattr(llm, "episode_id", None) or episode_id))
+        reward: float | None = None
+        failure: Exception | None = None
         try:
             # (``asyncio.timeout``, not ``wait_for``: the agent runs in this task, not in one more Task with
             # its waiter, callbacks and context per live episode, which every collection of the young
             # generations would walk while the episode lasts)
             async with asyncio.timeout(self.limits.max_episode_s):
                 reward = await self._drive(row_of(prompt), spec)
-        except TimeoutError:
-            self.counts["http_failed_episodes"] += 1
-            raise EpisodeFailed(f"episode {ep.id} ran past rollout.agent.endpoint_max_episode_s="
-                                f"{self.limits.max_episode_s}") from None
         except Exception as e:
-            if ep.limit_hit is None:
-                raise
+            failure = e
+        finally:
+            try:
+                record: EpisodeRecord | HostGone = await host.close(episode_id, "the agent returned", self.branches)
+            except HostGone as e:
+                record = e  # (raised below: not from here, where it would replace a cancellation)
+            else:
+                self.counts["http_calls"] += record.calls
+                self.counts["turns"] += record.turns
+                self.counts["tool_calls"] += record.tool_calls
+                self.counts["http_tool_call_turns"] += record.tool_call_turns
+        if isinstance(record, HostGone):
+            self.counts["http_failed_episodes"] += 1
+            raise EpisodeFailed(f"episode {episode_id}: {record}") from None
+        if isinstance(failure, TimeoutError):
+            self.counts["http_failed_episodes"] += 1
+            raise EpisodeFailed(f"episode {episode_id} ran past rollout.agent.endpoint_max_episode_s="
+                                f"{self.limits.max_episode_s}") from None
+        if failure is not None:
+            if record.limit_hit is None:
+                raise failure
             # The endpoint refused a call past the run's limit and the agent's client raised on the 400
             # (most stacks do not catch it). A policy that talks past its budget is what RL trains away,
             # not an error in the agent's code: the episode ends with what was answered, scored as an
             # episode that returned None (its posted reward, else the task's reward function).
             self.counts["http_limit_ended"] += 1
-            log.debug("episode %s ended at %s: the agent raised %s", ep.id, ep.limit_hit, type(e).__name__)
+            log.debug("episode %s ended at %s: the agent raised %s", episode_id, record.limit_hit, type(failure).__name__)
             reward = None
-        finally:
-            server.remove(ep, "the agent returned")
-            await asyncio.gather(*ep.in_flight, return_exceptions=True)
-            self.counts["http_calls"] += ep.calls
-            self.counts["turns"] += sum(b.calls for b in ep.history.branches)
-            self.counts["tool_calls"] += ep.tool_calls
-            self.counts["http_tool_call_turns"] += ep.tool_call_turns
-        return self._trajectory(ep, reward)
+        return self._trajectory(record, reward)
 
     async def _drive(self, row: dict, spec: ClientSpec) -> float | None:
         if self.function is not None:
@@ -176,36 +197,32 @@ class EndpointLoop(AgentLoop):
             return None if out is None else float(out)
         return await run_command(self.command, row, spec)
 
-    def _trajectory(self, ep: Episode, returned: float | None) -> AgentTrajectory | list[AgentTrajectory]:
-        history = ep.history
-        self.counts["http_forks"] += history.forks
-        if history.forks:
-            self._report_forks(ep)
-        if history.last is None:
+    def _trajectory(self, record: EpisodeRecord, returned: float | None) -> AgentTrajectory | list[AgentTrajectory]:
+        self.counts["http_forks"] += record.forks
+        if record.forks:
+            self._report_forks(record)
+        if not record.trajectories:
             self.counts["http_failed_episodes"] += 1
-            made = f"its {ep.calls} call(s) ended without an answer" if ep.calls else "it made no call to its endpoint"
-            raise EpisodeFailed(f"episode {ep.id} of {self.name}: nothing to train ({made})")
-        reward = returned if returned is not None else ep.reward
-        if reward is None and self.command is not None and ep.limit_hit is None:
+            made = f"its {record.calls} call(s) ended without an answer" if record.calls else "it made no call to its endpoint"
+            raise EpisodeFailed(f"episode {record.id} of {self.name}: nothing to train ({made})")
+        reward = returned if returned is not None else record.reward
+        if reward is None and self.command is not None and record.limit_hit is None:
             self.counts["http_failed_episodes"] += 1
-            raise EpisodeFailed(f"episode {ep.id}: {self.name} gave no reward (post it to /s/<episode>/reward or "
+            raise EpisodeFailed(f"episode {record.id}: {self.name} gave no reward (post it to /s/<episode>/reward or "
                                 "print it as the last stdout line)")
-        if self.branches == "main":
-            self.counts["http_trajectories"] += 1
-            return history.last.trajectory(reward)
-        branches = [history.last, *(b for b in history.branches if b is not history.last)]
-        self.counts["http_trajectories"] += len(branches)
-        out = [b.trajectory(reward) for b in branches]
-        return out if len(out) > 1 else out[0]
+        self.counts["http_trajectories"] += len(record.trajectories)
+        for t in record.trajectories:
+            t.reward = reward
+        return record.trajectories if len(record.trajectories) > 1 else record.trajectories[0]
 
-    def _report_forks(self, ep: Episode) -> None:
-        for index, message in ep.history.divergences:
-            record = {"episode": ep.id, "message_index": index, "message": message}
+    def _report_forks(self, record: EpisodeRecord) -> None:
+        for index, message in record.divergences:
+            row = {"episode": record.id, "message_index": index, "message": message}
             if self.forks_path:
                 with open(self.forks_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(record, default=str) + "\n")
+                    f.write(json.dumps(row, default=str) + "\n")
             else:
-                log.warning("endpoint fork: %s", json.dumps(record, default=str)[:2000])
+                log.warning("endpoint fork: %s", json.dumps(row, default=str)[:2000])
 
 
 async def run_command(command: str, row: dict, spec: ClientSpec) -> float | None:

@@ -1,0 +1,238 @@
+"""``rollout.agent.endpoint_server: process``: the endpoint in a process of its own next to the Rollouter.
+
+`ProcessHost` (the Rollouter's side) starts ``python -m asyncrl.agent.endpoint.process <fd>`` with
+one end of a socket pair (`asyncrl.agent.endpoint.channel`) and hands it the renderer, the limits
+and where to bind. That process runs the `EndpointServer` and every `Episode` with its history;
+each call's generation comes back to the Rollouter as a ``generate`` call on the episode's `LLM`
+(its pause-keep across a sync, its versions, its partial rollout and skip replay are the
+Rollouter's as with ``loop``); a call the HTTP client gives up is cancelled on both sides (its
+engine request aborted). Why: the Rollouter's event loop then holds only the engine calls, not
+the HTTP requests, bodies and histories of ~1,000 calls in flight, whose walks by Python's
+collector were the loop's lag tail (docs/benchmarks.md).
+
+The process exits when its socket closes (the Rollouter stopped or died: nothing else holds it);
+`ProcessHost.aclose` asks it to stop, waits, and kills it by pid if it does not. If it dies
+during a run, every episode open on it fails its group naming its exit code, and the next
+episode starts a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from asyncrl.agent.base import LLM
+from asyncrl.agent.endpoint.channel import Channel, ChannelClosed
+from asyncrl.agent.endpoint.episode import EpisodeLimits
+from asyncrl.agent.endpoint.host import EndpointHost, EpisodeRecord, HostGone
+
+log = logging.getLogger("asyncrl.agent.endpoint")
+
+_START_TIMEOUT_S = 120.0
+_STOP_TIMEOUT_S = 30.0
+
+
+class ProcessHost(EndpointHost):
+    """The endpoint served from a child process (the module docstring)."""
+
+    def __init__(self, renderer: Any, limits: EpisodeLimits, model: str, host: str, port: int):
+        self.settings = {"renderer": renderer, "limits": limits, "model": model, "host": host, "port": port}
+        self.proc: asyncio.subprocess.Process | None = None
+        self.channel: Channel | None = None
+        self._reading: asyncio.Task | None = None
+        self._llms: dict[str, LLM] = {}
+        self._restarting: asyncio.Lock | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    async def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "asyncrl.agent.endpoint.process", str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        self.channel = Channel(reader, writer, {"generate": self._generate}, peer="the endpoint process")
+        self._reading = asyncio.create_task(self.channel.serve(), name="asyncrl-endpoint-channel")
+        try:
+            import cloudpickle  # (the renderer may hold closures: its decoder)
+
+            blob = cloudpickle.dumps(self.settings)
+            self.url = await asyncio.wait_for(self.channel.call("start", blob), _START_TIMEOUT_S)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _gone(self) -> HostGone:
+        """What failed: the process's exit code (once it is known)."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except TimeoutError:
+                pass
+        code = None if self.proc is None else self.proc.returncode
+        return HostGone(f"the endpoint process (pid {self.pid}) exited with code {code}: its open episodes fail "
+                        "their groups")
+
+    def _up(self) -> bool:
+        return self.channel is not None and self.channel.closed is None
+
+    async def _generate(self, episode_id: str, context: Any, max_tokens: int, stop: tuple) -> Any:
+        llm = self._llms.get(episode_id)
+        if llm is None:
+            raise RuntimeError(f"episode {episode_id} is not open in the Rollouter")
+        return await llm.generate(context, max_tokens=max_tokens, stop=stop)
+
+    async def open(self, episode_id: str, llm: LLM) -> str:
+        if not self._up():  # it died: episodes from now on run on a new one
+            if self._restarting is None:
+                self._restarting = asyncio.Lock()
+            async with self._restarting:
+                if not self._up():
+                    log.warning("%s; starting a new endpoint process", await self._gone())
+                    await self.aclose()
+                    await self.start()
+        self._llms[episode_id] = llm
+        try:
+            return await self.channel.call("open", episode_id)
+        except BaseException as e:
+            self._llms.pop(episode_id, None)
+            if isinstance(e, ChannelClosed):
+                raise await self._gone() from None
+            raise
+
+    async def close(self, episode_id: str, why: str, branches: str) -> EpisodeRecord:
+        try:
+            if not self._up():
+                raise await self._gone()
+            return await self.channel.call("close", episode_id, why, branches)
+        except ChannelClosed:
+            raise await self._gone() from None
+        finally:
+            self._llms.pop(episode_id, None)
+
+    async def stats(self) -> dict:
+        """The process's CPU seconds so far and its event loop's lag since the last call (bench_scale --http)."""
+        return await self.channel.call("stats")
+
+    async def aclose(self) -> None:
+        if self.channel is not None and self.channel.closed is None:
+            try:
+                await asyncio.wait_for(self.channel.call("stop"), _STOP_TIMEOUT_S)
+            except Exception:
+                pass
+            self.channel.close("the Rollouter closed it")
+        if self._reading is not None:
+            await asyncio.gather(self._reading, return_exceptions=True)
+            self._reading = None
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), _STOP_TIMEOUT_S)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        self.channel = None
+
+
+class _Served:
+    """The endpoint process's side: the server and its episodes, served over the channel."""
+
+    def __init__(self) -> None:
+        self.server = None
+        self.channel: Channel | None = None
+        self.episodes: dict[str, Any] = {}
+        self.stopped = asyncio.Event()
+        self.lags: list[float] = []
+
+    async def start(self, blob: bytes) -> str:
+        import cloudpickle
+
+        from asyncrl.agent.endpoint.server import EndpointServer
+        from asyncrl.rollouter.heap import settle_gc
+
+        self.settings = settings = cloudpickle.loads(blob)
+        settle_gc()  # what start-up built is frozen out of the collections; the young generation collected rarely
+        self.server = EndpointServer(settings["host"], settings["port"])
+        await self.server.start()
+        asyncio.create_task(self._lag_ticks(), name="asyncrl-endpoint-lag")
+        return self.server.url
+
+    async def open(self, episode_id: str) -> str:
+        from asyncrl.agent.endpoint.episode import Episode
+
+        s = self.settings
+        ep = Episode(episode_id, _RemoteLLM(self.channel, episode_id), s["renderer"], s["limits"], s["model"])
+        self.server.add(ep)
+        self.episodes[episode_id] = ep
+        return ep.secret
+
+    async def close(self, episode_id: str, why: str, branches: str) -> EpisodeRecord:
+        ep = self.episodes.pop(episode_id)
+        self.server.remove(ep, why)
+        await asyncio.gather(*ep.in_flight, return_exceptions=True)
+        return EpisodeRecord.of(ep, branches)
+
+    async def stats(self) -> dict:
+        lags, self.lags = self.lags, []
+        return {"cpu_s": time.process_time(), "lags_ms": lags}
+
+    async def stop(self) -> None:
+        self.stopped.set()
+
+    async def _lag_ticks(self) -> None:
+        """How late this loop wakes from a 10 ms sleep (kept until `stats` takes them)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.01)
+            self.lags.append((loop.time() - t - 0.01) * 1e3)
+            if len(self.lags) > 100_000:
+                del self.lags[:50_000]
+
+
+class _RemoteLLM:
+    """An episode's `LLM` in the endpoint process: each generation is the Rollouter's."""
+
+    def __init__(self, channel: Channel, episode_id: str):
+        self.channel, self.episode_id = channel, episode_id
+
+    async def generate(self, context, *, max_tokens: int, stop: tuple = ()) -> Any:
+        return await self.channel.call("generate", self.episode_id, context, max_tokens, tuple(stop))
+
+
+async def _serve(fd: int) -> None:
+    served = _Served()
+    reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
+    served.channel = channel = Channel(reader, writer, {"start": served.start, "open": served.open, "close": served.close,
+                                                        "stats": served.stats, "stop": served.stop},
+                                       peer="the Rollouter")
+    reading = asyncio.create_task(channel.serve())
+    stopping = asyncio.create_task(served.stopped.wait())
+    await asyncio.wait([reading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if served.server is not None:
+        await served.server.close()
+    channel.close("the endpoint process stopped")
+    await asyncio.gather(reading, return_exceptions=True)
+    stopping.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m asyncrl.agent.endpoint.process <fd>``: serve until the socket at ``fd`` closes."""
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the run reaches the Rollouter, which closes us
+    asyncio.run(_serve(int(argv[0])))
+
+
+if __name__ == "__main__":
+    main()
