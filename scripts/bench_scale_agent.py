@@ -284,7 +284,7 @@ async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=N
         fed_wait.cancel()
         t1, r1, k1, lag1, cpu1 = time.perf_counter(), await requests(), counts["tool_calls"], len(lags), time.process_time()
         x1 = await client_cpu() if client_cpu else 0.0
-        e1 = await endpoint_stats() if endpoint_stats else {"cpu_s": 0.0, "lags_ms": []}
+        e1 = await endpoint_stats() if endpoint_stats else {"cpu_s": 0.0, "lags_ms": [], "gc_pauses_ms": []}
         deadline = time.monotonic() + 600
         while len(sink.sent) < len(admitted) and time.monotonic() < deadline:
             sink.changed.clear()
@@ -325,7 +325,8 @@ async def agent_run(args: argparse.Namespace, *, make_agent=None, ray_replicas=N
         "client_cpu_ms_per_turn": 1e3 * (x1 - x0) / max(r1 - r0, 1),
         "endpoint_cpu_ms_per_turn": 1e3 * (e1["cpu_s"] - e0) / max(r1 - r0, 1),
         "endpoint_lag_p99_ms": float(np.percentile(e1["lags_ms"], 99)) if e1["lags_ms"] else None,
-        "endpoint_lag_max_ms": max(e1["lags_ms"], default=None), "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
+        "endpoint_lag_max_ms": max(e1["lags_ms"], default=None),
+        "endpoint_gc_pause_max_ms": max(e1["gc_pauses_ms"], default=None), "tool_calls_per_s": (k1 - k0) / window, "window_s": window,
         "mean_turns": float(np.mean(turns)) if turns else 0.0,
         **check_delivery(admitted, sink.sent, n, args.agent_turns),
         "turn_requests": turn_requests, "engine_calls_per_turn": rollouter.pool.calls / max(turn_requests, 1),

@@ -266,9 +266,12 @@ def main(args: argparse.Namespace, ray_replicas=None) -> dict:
     print(f"http: {bench.report(http)}", flush=True)
     rollouter_cpu, endpoint_cpu, clients = http["cpu_ms_per_turn"], http["endpoint_cpu_ms_per_turn"], http["client_cpu_ms_per_turn"]
     server = rollouter_cpu + endpoint_cpu
-    endpoint_lag = http["endpoint_lag_p99_ms"] if args.endpoint_server == "process" else http["loop_lag_p99_ms"]
+    process = args.endpoint_server == "process"
+    endpoint_lag = http["endpoint_lag_p99_ms"] if process else http["loop_lag_p99_ms"]
+    endpoint_gc = http["endpoint_gc_pause_max_ms"] if process else http["gc_pause_max_ms"]
     result = {"http": True, "episodes": http["conversations_sent"], "loop_lag_p99_ms": round(http["loop_lag_p99_ms"], 3),
               "endpoint_server": args.endpoint_server, "endpoint_loop_lag_p99_ms": round(endpoint_lag, 3),
+              "endpoint_gc_pause_max_ms": round(endpoint_gc, 3),
               "cpu_ms_per_call_rollouter": round(rollouter_cpu, 3), "cpu_ms_per_call_endpoint_process": round(endpoint_cpu, 3),
               "calls_s": round(http["turn_req_s"], 1), "cpu_ms_per_call": round(server + clients, 3),
               "cpu_ms_per_call_server": round(server, 3), "cpu_ms_per_call_clients": round(clients, 3),
@@ -278,7 +281,7 @@ def main(args: argparse.Namespace, ray_replicas=None) -> dict:
               "http_clients": args.http_clients, "loop_lag_max_ms": round(http["loop_lag_max_ms"], 3),
               "gc_pause_max_ms": round(http["gc_pause_max_ms"], 3), "load_avg_1m": round(os.getloadavg()[0], 2)}
     print(f"http: the Rollouter's loop lag p99 {result['loop_lag_p99_ms']} ms (target <= 50; the endpoint on "
-          f"{args.endpoint_server!r}, its own loop's p99 {result['endpoint_loop_lag_p99_ms']} ms), {result['calls_s']} calls/s "
+          f"{args.endpoint_server!r}, its own loop's p99 {result['endpoint_loop_lag_p99_ms']} ms, GC pause max {result['endpoint_gc_pause_max_ms']} ms), {result['calls_s']} calls/s "
           f"(target >= 1500), CPU {result['cpu_ms_per_call']} ms/call over HTTP (server {result['cpu_ms_per_call_server']}"
           f" = Rollouter {result['cpu_ms_per_call_rollouter']} + endpoint process {result['cpu_ms_per_call_endpoint_process']}, clients "
           f"{result['cpu_ms_per_call_clients']}; clients on {args.http_clients!r}) vs {result['cpu_ms_per_call_inprocess']} "

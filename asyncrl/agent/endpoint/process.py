@@ -123,7 +123,8 @@ class ProcessHost(EndpointHost):
             self._llms.pop(episode_id, None)
 
     async def stats(self) -> dict:
-        """The process's CPU seconds so far and its event loop's lag since the last call (bench_scale --http)."""
+        """The process's CPU seconds so far, its event loop's lag ticks and its collector's pauses since
+        the last call (kept from the first call on: ``bench_scale.py --agent --http``)."""
         return await self.channel.call("stats")
 
     async def aclose(self) -> None:
@@ -153,7 +154,11 @@ class _Served:
         self.channel: Channel | None = None
         self.episodes: dict[str, Any] = {}
         self.stopped = asyncio.Event()
+        self.measuring = False
+        """`stats` was called: the loop's lag and the collector's pauses are being kept (for the bench)."""
         self.lags: list[float] = []
+        self.gc_ms: list[float] = []
+        self._gc_t0 = 0.0
 
     async def start(self, blob: bytes) -> str:
         import cloudpickle
@@ -165,7 +170,6 @@ class _Served:
         settle_gc()  # what start-up built is frozen out of the collections; the young generation collected rarely
         self.server = EndpointServer(settings["host"], settings["port"])
         await self.server.start()
-        asyncio.create_task(self._lag_ticks(), name="asyncrl-endpoint-lag")
         return self.server.url
 
     async def open(self, episode_id: str) -> str:
@@ -184,14 +188,28 @@ class _Served:
         return EpisodeRecord.of(ep, branches)
 
     async def stats(self) -> dict:
+        """CPU seconds so far; the loop's lag ticks and the collector's pauses since the last call (ms)."""
+        if not self.measuring:
+            import gc
+
+            self.measuring = True
+            gc.callbacks.append(self._gc_timer)
+            asyncio.create_task(self._lag_ticks(), name="asyncrl-endpoint-lag")
         lags, self.lags = self.lags, []
-        return {"cpu_s": time.process_time(), "lags_ms": lags}
+        pauses, self.gc_ms = self.gc_ms, []
+        return {"cpu_s": time.process_time(), "lags_ms": lags, "gc_pauses_ms": pauses}
+
+    def _gc_timer(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_ms.append((time.perf_counter() - self._gc_t0) * 1e3)
 
     async def stop(self) -> None:
         self.stopped.set()
 
     async def _lag_ticks(self) -> None:
-        """How late this loop wakes from a 10 ms sleep (kept until `stats` takes them)."""
+        """How late this loop wakes from a 10 ms sleep (kept until `stats` takes them; only once it was asked)."""
         loop = asyncio.get_running_loop()
         while True:
             t = loop.time()
