@@ -137,7 +137,10 @@ async def test_sync_workflow_ends_each_round_at_the_steps_groups_and_resumes_the
     # Rollouter sets each round's), and the signal stopped requests that were still running.
     assert aggregator.truncated_rounds and sum(aggregator.truncated_rounds.values()) >= 1
     assert r.stats.truncated >= 1 and r.stats.resumed == r.stats.truncated
-    assert len(producer.groups) == 12 and versions >= 12 // GROUPS_PER_SYNC - 1
+    # A sync for every step's groups but those the last round brought at once: a round ends at the
+    # step's groups, but groups finishing in the same decode step are sent too, so the last round
+    # may bring up to its 4 in flight, ending the run before the harness syncs for them.
+    assert len(producer.groups) == 12 and versions >= (12 - cfg.max_concurrent) // GROUPS_PER_SYNC
     resumed = check_trajectories(producer, max_age)
     # Ages grow across rounds (a long response is stopped in several), never beyond max_age.
     assert resumed and min(2, max_age) <= max(t.age for t in resumed)

@@ -44,14 +44,24 @@ class Channel:
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}
         self._serving: dict[int, asyncio.Task] = {}
+        self._out: list[bytes] = []
         self.closed: str | None = None
         """Why the channel closed (None: open)."""
 
     def _send(self, msg: tuple) -> None:
+        """Queue a frame; the frames of one loop turn go out in one write (`_flush`)."""
         if self.closed is not None:
             raise ChannelClosed(f"{self.peer}: {self.closed}")
         data = pickle.dumps(msg, protocol=5)
-        self.writer.write(len(data).to_bytes(_HEADER, "little") + data)
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(len(data).to_bytes(_HEADER, "little"))
+        self._out.append(data)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self.closed is None:
+            self.writer.write(b"".join(out))
 
     async def call(self, op: str, *args: Any) -> Any:
         """``op(*args)`` on the other side: its value, or its exception raised here."""

@@ -27,7 +27,9 @@ import sys
 import time
 from typing import Any
 
-from asyncrl.agent.base import LLM
+import numpy as np
+
+from asyncrl.agent.base import LLM, Turn
 from asyncrl.agent.endpoint.channel import Channel, ChannelClosed
 from asyncrl.agent.endpoint.episode import EpisodeLimits
 from asyncrl.agent.endpoint.host import EndpointHost, EpisodeRecord, HostGone
@@ -88,11 +90,12 @@ class ProcessHost(EndpointHost):
     def _up(self) -> bool:
         return self.channel is not None and self.channel.closed is None
 
-    async def _generate(self, episode_id: str, context: Any, max_tokens: int, stop: tuple) -> Any:
+    async def _generate(self, episode_id: str, context: bytes, max_tokens: int, stop: tuple) -> tuple:
         llm = self._llms.get(episode_id)
         if llm is None:
             raise RuntimeError(f"episode {episode_id} is not open in the Rollouter")
-        return await llm.generate(context, max_tokens=max_tokens, stop=stop)
+        turn = await llm.generate(np.frombuffer(context, np.int64), max_tokens=max_tokens, stop=stop)
+        return _turn_out(turn)
 
     async def open(self, episode_id: str, llm: LLM) -> str:
         if not self._up():  # it died: episodes from now on run on a new one
@@ -225,8 +228,20 @@ class _RemoteLLM:
     def __init__(self, channel: Channel, episode_id: str):
         self.channel, self.episode_id = channel, episode_id
 
-    async def generate(self, context, *, max_tokens: int, stop: tuple = ()) -> Any:
-        return await self.channel.call("generate", self.episode_id, context, max_tokens, tuple(stop))
+    async def generate(self, context, *, max_tokens: int, stop: tuple = ()) -> Turn:
+        ids = np.ascontiguousarray(context, np.int64).tobytes()
+        return _turn_in(await self.channel.call("generate", self.episode_id, ids, max_tokens, tuple(stop)))
+
+
+# A call's ids and its turn cross as the arrays' bytes: a pickled array costs several times more.
+def _turn_out(turn: Turn) -> tuple:
+    return (np.ascontiguousarray(turn.token_ids, np.int64).tobytes(), np.ascontiguousarray(turn.logprobs, np.float32).tobytes(),
+            np.ascontiguousarray(turn.versions, np.int64).tobytes(), turn.finish_reason)
+
+
+def _turn_in(blob: tuple) -> Turn:
+    ids, logprobs, versions, finish = blob
+    return Turn(np.frombuffer(ids, np.int64), np.frombuffer(logprobs, np.float32), np.frombuffer(versions, np.int64), finish)
 
 
 async def _serve(fd: int) -> None:
