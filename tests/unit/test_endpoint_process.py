@@ -62,3 +62,18 @@ async def test_the_process_exits_when_its_socket_closes_and_aclose_stops_it():
     pid = again.pid
     await again.aclose()
     assert again.proc.returncode == 0 and _gone(pid)
+
+
+def test_the_setting_is_checked_and_reaches_the_loop():
+    from asyncrl.agent.endpoint.config import build_endpoint_loop
+    from asyncrl.agent.endpoint.host import LoopHost
+    from asyncrl.rollouter.config import AgentConfig
+
+    with pytest.raises(ValueError, match="endpoint_server must be process or loop, got 'thread'"):
+        AgentConfig(function="tests.unit.test_endpoint_process:one_call", endpoint_server="thread")
+    default = build_endpoint_loop(AgentConfig(function="tests.unit.test_endpoint_process:one_call"), TOK)
+    on_loop = build_endpoint_loop(AgentConfig(function="tests.unit.test_endpoint_process:one_call",
+                                              endpoint_server="loop"), TOK)
+    assert isinstance(default.host, ProcessHost) and isinstance(on_loop.host, LoopHost)
+    with pytest.raises(ValueError, match="rollout.agent.endpoint_server"):
+        EndpointLoop(TOK, function=one_call, server="thread")

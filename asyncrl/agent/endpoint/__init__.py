@@ -1,8 +1,9 @@
 """Train an agent unchanged: an OpenAI-compatible endpoint per episode, token-exact (docs/endpoint.md).
 
-`EndpointServer` (the HTTP server, on the Rollouter's event loop), `Episode` (one episode's calls
-and limits), `History` (token-exact branches), `EndpointLoop` (a user's ``function`` or
-``command`` as an `AgentLoop`), `ClientSpec` (what a function agent gets).
+`EndpointServer` (the HTTP server, in the endpoint's process or on the Rollouter's event loop:
+`asyncrl.agent.endpoint.host`), `Episode` (one episode's calls and limits), `History`
+(token-exact branches), `EndpointLoop` (a user's ``function`` or ``command`` as an `AgentLoop`),
+`ClientSpec` (what a function agent gets).
 """
 
 from __future__ import annotations

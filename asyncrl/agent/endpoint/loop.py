@@ -13,8 +13,9 @@ Two ways in (beside ``rollout.agent.env`` and ``rollout.agent.loop``):
   reward is posted to the endpoint or printed as its last stdout line; with neither, or a
   non-zero exit (its code and stderr tail are reported), its group fails.
 
-Each episode opens a path on the process's `EndpointServer` (started on the event loop at the
-first episode, stopped by `aclose`) whose calls go to the `LLM` the loop got for that response:
+Each episode opens a path on the endpoint's server (`asyncrl.agent.endpoint.host`: in a process of
+its own, or on this event loop; started at the first episode, stopped by `aclose`) whose calls go
+to the `LLM` the loop got for that response:
 in a run, `RolloutLLM`, so pause-keep across a weight sync, per-token versions and partial
 rollout apply per call. Each branch of the episode (`asyncrl.agent.endpoint.history`) is a
 trajectory: with ``branches="all"`` (``rollout.agent.endpoint_branches``) `run` returns them all

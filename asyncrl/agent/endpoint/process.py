@@ -72,6 +72,10 @@ class ProcessHost(EndpointHost):
 
             blob = cloudpickle.dumps(self.settings)
             self.url = await asyncio.wait_for(self.channel.call("start", blob), _START_TIMEOUT_S)
+        except ChannelClosed:
+            gone = await self._gone()
+            await self.aclose()
+            raise gone from None
         except BaseException:
             await self.aclose()
             raise

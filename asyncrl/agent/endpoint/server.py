@@ -7,10 +7,12 @@ episode 404, a call after its episode ended 409.
 
 Why FastAPI/Starlette on uvicorn: a maintained ASGI stack that parses HTTP/1.1 in C
 (httptools), speaks SSE through a plain streaming response, and runs as a coroutine
-(``uvicorn.Server.serve``) on an event loop we own. Why on the Rollouter's own event loop: a
-call is then a coroutine beside the Rollouter's (no process hop, no serialization of token
-ids); it awaits the episode's `LLM` directly, so the pause-keep across a weight sync,
-per-token versions and partial rollout apply to it as to any agent turn. The server binds
+(``uvicorn.Server.serve``) on an event loop we own: the endpoint process's
+(`asyncrl.agent.endpoint.process`, the default) or the Rollouter's own
+(``rollout.agent.endpoint_server: loop``, `asyncrl.agent.endpoint.host.LoopHost`). Either way a
+call awaits its episode's `LLM`, which is the Rollouter's `RolloutLLM` (over the socket pair from
+the endpoint process), so the pause-keep across a weight sync, per-token versions and partial
+rollout apply to it as to any agent turn. The server binds
 loopback unless ``rollout.agent.endpoint_host`` says otherwise (agents in sandboxes on other
 hosts); the episode secret is its authentication. The two generation routes are served by
 `asyncrl.agent.endpoint.fastpath` alone, a plain ASGI app in front of the FastAPI app (FastAPI's
