@@ -32,7 +32,7 @@ import numpy as np
 from asyncrl.agent.base import LLM, Turn
 from asyncrl.agent.endpoint.channel import Channel, ChannelClosed
 from asyncrl.agent.endpoint.episode import EpisodeLimits
-from asyncrl.agent.endpoint.host import EndpointHost, EpisodeRecord, HostGone
+from asyncrl.agent.endpoint.host import EndpointHost, EpisodeRecord, HostGone, LoopHost
 
 log = logging.getLogger("asyncrl.agent.endpoint")
 
@@ -157,9 +157,9 @@ class _Served:
     """The endpoint process's side: the server and its episodes, served over the channel."""
 
     def __init__(self) -> None:
-        self.server = None
+        self.host: LoopHost | None = None
+        """The server and its episodes, on this process's loop."""
         self.channel: Channel | None = None
-        self.episodes: dict[str, Any] = {}
         self.stopped = asyncio.Event()
         self.measuring = False
         """`stats` was called: the loop's lag and the collector's pauses are being kept (for the bench)."""
@@ -170,29 +170,19 @@ class _Served:
     async def start(self, blob: bytes) -> str:
         import cloudpickle
 
-        from asyncrl.agent.endpoint.server import EndpointServer
         from asyncrl.rollouter.heap import settle_gc
 
-        self.settings = settings = cloudpickle.loads(blob)
+        s = cloudpickle.loads(blob)
         settle_gc()  # what start-up built is frozen out of the collections; the young generation collected rarely
-        self.server = EndpointServer(settings["host"], settings["port"])
-        await self.server.start()
-        return self.server.url
+        self.host = LoopHost(s["renderer"], s["limits"], s["model"], s["host"], s["port"])
+        await self.host.start()
+        return self.host.url
 
     async def open(self, episode_id: str) -> str:
-        from asyncrl.agent.endpoint.episode import Episode
-
-        s = self.settings
-        ep = Episode(episode_id, _RemoteLLM(self.channel, episode_id), s["renderer"], s["limits"], s["model"])
-        self.server.add(ep)
-        self.episodes[episode_id] = ep
-        return ep.secret
+        return await self.host.open(episode_id, _RemoteLLM(self.channel, episode_id))
 
     async def close(self, episode_id: str, why: str, branches: str) -> EpisodeRecord:
-        ep = self.episodes.pop(episode_id)
-        self.server.remove(ep, why)
-        await asyncio.gather(*ep.in_flight, return_exceptions=True)
-        return EpisodeRecord.of(ep, branches)
+        return await self.host.close(episode_id, why, branches)
 
     async def stats(self) -> dict:
         """CPU seconds so far; the loop's lag ticks and the collector's pauses since the last call (ms)."""
@@ -257,8 +247,8 @@ async def _serve(fd: int) -> None:
     reading = asyncio.create_task(channel.serve())
     stopping = asyncio.create_task(served.stopped.wait())
     await asyncio.wait([reading, stopping], return_when=asyncio.FIRST_COMPLETED)
-    if served.server is not None:
-        await served.server.close()
+    if served.host is not None:
+        await served.host.aclose()
     channel.close("the endpoint process stopped")
     await asyncio.gather(reading, return_exceptions=True)
     stopping.cancel()
