@@ -87,7 +87,11 @@ def row_of(prompt: Any) -> dict:
 
 
 class EndpointLoop(AgentLoop):
-    """Run ``function`` or ``command`` per episode against the endpoint (the module docstring)."""
+    """Run ``function`` or ``command`` per episode against the endpoint (the module docstring).
+
+    ``server``: where the endpoint serves (`asyncrl.agent.endpoint.host`): ``loop`` (this event
+    loop; the default of a loop built by hand, as in tests and benches) or ``process`` (a process
+    of its own; a run's default, ``rollout.agent.endpoint_server``)."""
 
     def __init__(self, tokenizer: Any, *, function: Any = None, command: str | None = None,
                  limits: EpisodeLimits | None = None, host: str = "127.0.0.1", port: int = 0, model: str = "policy",
