@@ -254,6 +254,11 @@ def http_agent(args: argparse.Namespace, counts: dict):
     return agent
 
 
+def _rounded(x: float | None) -> float | None:
+    """(None: the endpoint's process had no lag tick or collection in a window that short)"""
+    return None if x is None else round(x, 3)
+
+
 def main(args: argparse.Namespace, ray_replicas=None) -> dict:
     """One in-process run, then one over HTTP; the JSON described in the module docstring.
     ``ray_replicas``: as `bench_scale_agent.agent_run`'s."""
@@ -270,8 +275,8 @@ def main(args: argparse.Namespace, ray_replicas=None) -> dict:
     endpoint_lag = http["endpoint_lag_p99_ms"] if process else http["loop_lag_p99_ms"]
     endpoint_gc = http["endpoint_gc_pause_max_ms"] if process else http["gc_pause_max_ms"]
     result = {"http": True, "episodes": http["conversations_sent"], "loop_lag_p99_ms": round(http["loop_lag_p99_ms"], 3),
-              "endpoint_server": args.endpoint_server, "endpoint_loop_lag_p99_ms": round(endpoint_lag, 3),
-              "endpoint_gc_pause_max_ms": round(endpoint_gc, 3),
+              "endpoint_server": args.endpoint_server, "endpoint_loop_lag_p99_ms": _rounded(endpoint_lag),
+              "endpoint_gc_pause_max_ms": _rounded(endpoint_gc),
               "cpu_ms_per_call_rollouter": round(rollouter_cpu, 3), "cpu_ms_per_call_endpoint_process": round(endpoint_cpu, 3),
               "calls_s": round(http["turn_req_s"], 1), "cpu_ms_per_call": round(server + clients, 3),
               "cpu_ms_per_call_server": round(server, 3), "cpu_ms_per_call_clients": round(clients, 3),

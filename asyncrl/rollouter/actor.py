@@ -43,7 +43,7 @@ import numpy as np
 from asyncrl.calls import maybe_await
 from asyncrl.rollouter.engines.backends import make_engine
 from asyncrl.rollouter.engines.base import PauseMode
-from asyncrl.rollouter.heap import settle_gc
+from asyncrl.heap import settle_gc
 from asyncrl.rpc import Serving
 from asyncrl.types import GenerateRequest, GenerateResult
 

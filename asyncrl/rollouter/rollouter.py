@@ -69,7 +69,7 @@ from asyncrl.rollouter.config import RolloutConfig
 from asyncrl.rollouter.agents import Agent, first_of_episodes, flatten_runs, run_agent_response
 from asyncrl.rollouter.feed import Feed, Prompt, RolloutState, encode_prompts
 from asyncrl.rollouter.filters import GroupFilter, GroupFilterStalled
-from asyncrl.rollouter.heap import settle_gc
+from asyncrl.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
 from asyncrl.rollouter.resumable import Rounds, generate_resumable

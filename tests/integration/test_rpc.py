@@ -11,7 +11,7 @@ import ray
 
 from asyncrl import calls, rpc
 from asyncrl.queue.memory import MemorySink
-from asyncrl.rollouter.heap import GC_YOUNG_THRESHOLD
+from asyncrl.heap import GC_YOUNG_THRESHOLD
 from asyncrl.rollouter.actor import remote_engine_actor
 from asyncrl.rollouter.pool import actor_died
 from asyncrl.rollouter.rollouter import Prompt, RolloutConfig, Rollouter

@@ -1,7 +1,8 @@
 """``scripts/bench_scale.py --agent --http``, small: every episode an OpenAI-client agent over real
 HTTP; each admitted episode ends in one sent group with all its calls on one branch (no fork), and
 the JSON last line carries the issue's keys beside the in-process path's CPU per turn (the clients
-in their own process: their CPU counted apart from the server's)."""
+in their own process: their CPU counted apart from the server's; the endpoint in its own process:
+its CPU counted in the server's)."""
 
 import json
 import sys
@@ -13,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_scale  # noqa: E402
 
 KEYS = {"http", "episodes", "loop_lag_p99_ms", "calls_s", "cpu_ms_per_call", "cpu_ms_per_call_inprocess", "lost",
-        "duplicated", "cpu_ms_per_call_server", "cpu_ms_per_call_clients", "http_clients"}
+        "duplicated", "cpu_ms_per_call_server", "cpu_ms_per_call_clients", "http_clients", "endpoint_server",
+        "endpoint_loop_lag_p99_ms", "cpu_ms_per_call_rollouter", "cpu_ms_per_call_endpoint_process"}
 
 
 @pytest.mark.timeout(120)
@@ -29,3 +31,7 @@ def test_http_episodes_end_in_one_group_each_with_every_call(capsys):
     assert result["http_clients"] == "process" and result["cpu_ms_per_call_clients"] > 0
     assert result["cpu_ms_per_call"] == pytest.approx(result["cpu_ms_per_call_server"] + result["cpu_ms_per_call_clients"],
                                                       abs=2e-3)
+    # the endpoint served from its own process (the default): its CPU is the server's beside the Rollouter's
+    assert result["endpoint_server"] == "process" and result["cpu_ms_per_call_endpoint_process"] > 0
+    assert result["cpu_ms_per_call_server"] == pytest.approx(
+        result["cpu_ms_per_call_rollouter"] + result["cpu_ms_per_call_endpoint_process"], abs=2e-3)

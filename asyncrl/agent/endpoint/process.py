@@ -170,7 +170,7 @@ class _Served:
     async def start(self, blob: bytes) -> str:
         import cloudpickle
 
-        from asyncrl.rollouter.heap import settle_gc
+        from asyncrl.heap import settle_gc
 
         s = cloudpickle.loads(blob)
         settle_gc()  # what start-up built is frozen out of the collections; the young generation collected rarely

@@ -1,4 +1,4 @@
-"""The Rollouter process's heap: keep Python's garbage collector from pausing its event loop."""
+"""A process's heap: keep Python's garbage collector from pausing its event loop (the Rollouter's, the endpoint's)."""
 
 from __future__ import annotations
 
