@@ -258,7 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m asyncrl.agent.endpoint.process <fd>``: serve until the socket at ``fd`` closes."""
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the run reaches the Rollouter, which closes us
-    asyncio.run(_serve(int(argv[0])))
+    try:  # uvloop where installed (asyncrl depends on it), as Ray gives the Rollouter's actor
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(int(argv[0])))
+    else:
+        uvloop.run(_serve(int(argv[0])))
 
 
 if __name__ == "__main__":
