@@ -41,9 +41,9 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 import numpy as np
 
 from asyncrl.calls import maybe_await
+from asyncrl.heap import settle_gc
 from asyncrl.rollouter.engines.backends import make_engine
 from asyncrl.rollouter.engines.base import PauseMode
-from asyncrl.heap import settle_gc
 from asyncrl.rpc import Serving
 from asyncrl.types import GenerateRequest, GenerateResult
 

@@ -64,12 +64,12 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.heap import settle_gc
 from asyncrl.rollouter.admission import Admission, LockstepRounds, StalenessGate
 from asyncrl.rollouter.config import RolloutConfig
 from asyncrl.rollouter.agents import Agent, first_of_episodes, flatten_runs, run_agent_response
 from asyncrl.rollouter.feed import Feed, Prompt, RolloutState, encode_prompts
 from asyncrl.rollouter.filters import GroupFilter, GroupFilterStalled
-from asyncrl.heap import settle_gc
 from asyncrl.rollouter.partial import PartialBuffer, PartialResponse, PartialRolloutConfig
 from asyncrl.rollouter.pool import EnginePool, GroupCalls
 from asyncrl.rollouter.resumable import Rounds, generate_resumable

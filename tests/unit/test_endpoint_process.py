@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from asyncrl.agent.endpoint import EndpointLoop, EpisodeFailed
-from asyncrl.agent.endpoint.process import ProcessHost
 from asyncrl.agent.endpoint.episode import EpisodeLimits
+from asyncrl.agent.endpoint.process import ProcessHost
 from tests.unit.endpoint_helpers import RENDERER, TOK, ScriptedLLM
 
 

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import pickle
 from typing import Any, Awaitable, Callable
-
-log = logging.getLogger("asyncrl.agent.endpoint")
 
 _HEADER = 4
 
@@ -123,13 +120,14 @@ class Channel:
         try:
             value = await self.handlers[op](*args)
         except asyncio.CancelledError:
-            if self._serving.pop(rid, None) is not None and self.closed is None:
-                # cancelled here, not by the caller (who popped it): it must not wait forever
-                self._send(("err", rid, RuntimeError(f"{op} was cancelled in the {self.peer}'s peer")))
-            return
+            # cancelled here, not by the caller (whose cancel popped it): it must not wait forever
+            self._reply(rid, ("err", rid, RuntimeError(f"{op} was cancelled in the {self.peer}'s peer")))
         except Exception as e:
-            if self._serving.pop(rid, None) is not None and self.closed is None:
-                self._send(("err", rid, _portable(e)))
-            return
+            self._reply(rid, ("err", rid, _portable(e)))
+        else:
+            self._reply(rid, ("ok", rid, value))
+
+    def _reply(self, rid: int, msg: tuple) -> None:
+        """Answer call ``rid`` unless its caller cancelled it or the channel closed."""
         if self._serving.pop(rid, None) is not None and self.closed is None:
-            self._send(("ok", rid, value))
+            self._send(msg)

@@ -138,8 +138,8 @@ class ProcessHost(EndpointHost):
         if self.channel is not None and self.channel.closed is None:
             try:
                 await asyncio.wait_for(self.channel.call("stop"), _STOP_TIMEOUT_S)
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001 - it is stopped below either way (EOF, then a kill)
+                log.debug("the endpoint process did not answer its stop: %s", e)
             self.channel.close("the Rollouter closed it")
         if self._reading is not None:
             await asyncio.gather(self._reading, return_exceptions=True)
