@@ -259,12 +259,13 @@ async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted(serve
     try:
         with pytest.raises(EpisodeFailed, match="ran past rollout.agent.endpoint_max_episode_s=0.5"):
             await loop.run({"prompt": "p"}, llm)
+        for _ in range(500):  # (with the server in its process, the call's cancel reaches this one over the socket)
+            if llm.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert llm.cancelled == 1  # by the episode's end, not by the server's close below
     finally:
         await loop.aclose()
-    for _ in range(500):  # (with the server in its process, the call's cancel reaches this one over the socket)
-        if llm.cancelled:
-            break
-        await asyncio.sleep(0.01)
     assert stopped == [True] and llm.cancelled == 1 and loop.counts["http_failed_episodes"] == 1
 
 
