@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import secrets
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,7 @@ class Episode:
 
     def __init__(self, episode_id: str, llm: LLM, renderer: Any, limits: EpisodeLimits, model: str):
         self.id, self.llm, self.renderer, self.limits, self.model = episode_id, llm, renderer, limits, model
-        self.secret = "sk-ep-" + uuid.uuid4().hex
+        self.secret = "sk-ep-" + secrets.token_hex(16)
         self.history = History(renderer)
         self.parser = HermesParser()
         self.deadline = time.monotonic() + limits.max_episode_s
@@ -198,7 +199,7 @@ class Episode:
         if not calls:
             return {"role": "assistant", "content": text}, ""
         head = text.split(self.parser.open_tag, 1)[0].strip()
-        tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        tool_calls = [{"id": f"call_{os.urandom(12).hex()}", "type": "function",
                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
         return {"role": "assistant", "content": head or None, "tool_calls": tool_calls}, "tool_calls"
 
@@ -252,7 +253,7 @@ class Episode:
 
     def _body(self, kind: str, choice: dict, placement: Placement, turn: Turn) -> dict:
         n_prompt, n_out = len(placement.context), len(turn.token_ids)
-        return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+        return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{os.urandom(16).hex()}", "object": kind,
                 "created": int(time.time()), "model": self.model, "choices": [choice],
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
 
