@@ -235,7 +235,7 @@ def http_agent(args: argparse.Namespace, counts: dict):
         fn = HttpAgent(args.agent_turns, ToolLatency(args.tool_median_s, args.tool_p99_s, args.seed), counts)
     loop = EndpointLoop(build_chat_tokenizer(), function=fn, limits=EpisodeLimits(
         max_calls=args.agent_turns, max_tokens_per_call=128, max_context_tokens=8192, max_episode_s=600),
-        server=args.endpoint_server)
+        server=args.endpoint_server, function_in="caller")  # (the clients stay where --http-clients puts them)
     original = loop.aclose
 
     async def aclose() -> None:

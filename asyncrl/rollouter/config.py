@@ -37,9 +37,9 @@ class AgentSource:
     """JSONL file each endpoint fork's first differing message is appended to (the launcher sets
     ``<run_dir>/endpoint_forks.jsonl``); None: logged."""
     endpoint_server: str = "process"
-    """Where the endpoint serves: ``process`` (a process of its own next to the Rollouter: the
-    Rollouter's event loop keeps only the engine calls) or ``loop`` (the Rollouter's event loop:
-    no IPC, less CPU per call, its loop lag grows with the calls in flight; docs/endpoint.md)."""
+    """Where the endpoint and a function agent run: ``process`` (a process of its own next to the
+    Rollouter: the Rollouter's event loop keeps only the engine calls) or ``loop`` (the Rollouter's
+    event loop: no IPC, less CPU per call, its loop lag grows with the calls in flight; docs/endpoint.md)."""
     endpoint_branches: str = "all"
     """Which branches of an endpoint episode are trained: ``all`` (each its own trajectory with the
     episode's reward and advantage; a group then holds n or more) or ``main`` (the last call's only)."""

@@ -21,7 +21,6 @@ tokens), and the Trainer's ``samples.jsonl``, ``transcripts.jsonl`` and ``checkp
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import signal
@@ -35,8 +34,17 @@ GATE = "q3"
 """The prompt whose episodes attempt 1 holds in flight until the crash."""
 ROWS = 8
 MAX_STEPS = 12
-HELD: set[str] = set()
-"""Episode keys held now (attempt 1)."""
+
+
+def hold(key: str) -> None:
+    """Note an episode held now (attempt 1; a file: the agent runs in the endpoint's process)."""
+    with open(_dir() / "held.txt", "a") as f:
+        f.write(key + "\n")
+
+
+def held_now() -> set[str]:
+    path = _dir() / "held.txt"
+    return set(path.read_text().split()) if path.exists() else set()
 
 
 def _dir() -> Path:
@@ -98,7 +106,7 @@ async def agent(row, client):
     note(event="booked", key=client.episode_key, now=book(f"{client.episode_key}/c0", row["prompt"]))
     if row["prompt"] == GATE:
         if attempt == 1:
-            HELD.add(client.episode_key)
+            hold(client.episode_key)
             await asyncio.Event().wait()  # the crash lands while the episode waits here
         await probe_old(client)
     msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
@@ -149,7 +157,6 @@ async def main(model: str, attempt: int) -> None:
     from asyncrl.types import CommittedSet
     from tests.unit.inprocess import NotifyingSyncer
 
-    me = importlib.import_module("tests.integration.endpoint_resume_child")  # where build_agent's agent runs
     torch.set_num_threads(1)
     run = _dir()
     tok = load_tokenizer(model)
@@ -178,7 +185,7 @@ async def main(model: str, attempt: int) -> None:
 
     def rollouter_state() -> dict:  # what each checkpoint stores, and which episodes were held then
         snap = rollouter.snapshot()
-        saved.append((snap, set(me.HELD)))
+        saved.append((snap, held_now()))
         return snap
 
     notifying = NotifyingSyncer(syncer, rollouter)

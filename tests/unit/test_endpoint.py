@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import httpx
@@ -242,17 +243,19 @@ async def _no_call(row, spec):
 
 
 @pytest.mark.parametrize("server", ["loop", "process"])
-async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted(server):
-    """``max_episode_s`` stops the agent (in the episode's own task) and cancels its call in flight."""
+async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted(server, tmp_path):
+    """``max_episode_s`` stops the agent (in the episode's own task; with ``process``, in the endpoint's
+    process, where it runs) and cancels its call in flight."""
     llm = ScriptedLLM(gate=asyncio.Event())  # the call never finishes
-    stopped = []
+    marker = str(tmp_path / "stopped")  # (written by the agent wherever it runs)
 
     async def agent(row, spec):
         try:
             c = openai.AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0)
             await c.chat.completions.create(model=spec.model, messages=[{"role": "user", "content": "p"}])
         except asyncio.CancelledError:
-            stopped.append(True)
+            with open(marker, "a") as f:
+                f.write(f"{os.getpid()}\n")
             raise
 
     loop = EndpointLoop(TOK, function=agent, limits=EpisodeLimits(max_episode_s=0.5), server=server)
@@ -266,7 +269,9 @@ async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted(serve
         assert llm.cancelled == 1  # by the episode's end, not by the server's close below
     finally:
         await loop.aclose()
-    assert stopped == [True] and llm.cancelled == 1 and loop.counts["http_failed_episodes"] == 1
+    stopped_in = [int(line) for line in open(marker)]
+    assert len(stopped_in) == 1 and llm.cancelled == 1 and loop.counts["http_failed_episodes"] == 1
+    assert (stopped_in[0] == os.getpid()) == (server == "loop")  # with process, the agent ran in the endpoint's
 
 
 AGENT_SCRIPT = """

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import openai
 import pytest
@@ -49,6 +50,55 @@ async def test_a_killed_endpoint_process_fails_its_episodes_and_the_next_runs_on
     finally:
         await loop.aclose()
     assert _gone(first)
+
+
+async def pid_as_reward(row, spec):
+    await one_call(row, spec)
+    if row.get("fail") == "raise":
+        raise ValueError("the agent's tool broke")
+    return "1.0" if row.get("fail") == "type" else float(os.getpid())
+
+
+async def test_the_function_agent_runs_in_the_endpoint_process_unless_told_to_run_in_the_callers():
+    loop = EndpointLoop(TOK, function=pid_as_reward, server="process", name="tests:pid_as_reward")
+    here = EndpointLoop(TOK, function=pid_as_reward, server="process", function_in="caller")
+    try:
+        traj = await loop.run({"prompt": "p"}, ScriptedLLM(["fine"]))
+        assert traj.reward == loop.host.pid != os.getpid() and traj.final_text == "fine"
+        with pytest.raises(ValueError, match="the agent's tool broke") as raised:  # as it raised it, with its traceback
+            await loop.run({"prompt": "p", "fail": "raise"}, ScriptedLLM(["fine"]))
+        assert any('raise ValueError("the agent\'s tool broke")' in note for note in raised.value.__notes__)
+        with pytest.raises(TypeError, match="tests:pid_as_reward must return a float reward or None, got str"):
+            await loop.run({"prompt": "p", "fail": "type"}, ScriptedLLM(["fine"]))
+        assert (await here.run({"prompt": "p"}, ScriptedLLM(["fine"]))).reward == os.getpid()
+    finally:
+        await loop.aclose()
+        await here.aclose()
+    with pytest.raises(ValueError, match="function_in must be endpoint or caller, got 'ray'"):
+        EndpointLoop(TOK, function=pid_as_reward, function_in="ray")
+
+
+async def sleeps_blocking(row, spec):
+    await one_call(row, spec)
+    time.sleep(1.5)  # (an agent's mistake: it blocks its event loop)
+    return 1.0
+
+
+@pytest.mark.parametrize("server", ["process", "loop"])
+async def test_an_agent_that_blocks_its_loop_holds_up_the_callers_loop_only_with_loop(server):
+    loop = EndpointLoop(TOK, function=sleeps_blocking, server=server)
+    try:
+        await loop.start()
+        episode = asyncio.create_task(loop.run({"prompt": "p"}, ScriptedLLM(["fine"])))
+        late = 0.0
+        while not episode.done():  # this loop's ticks while the agent blocks its own
+            t = time.monotonic()
+            await asyncio.sleep(0.02)
+            late = max(late, time.monotonic() - t - 0.02)
+        assert (await episode).reward == 1.0
+    finally:
+        await loop.aclose()
+    assert (late < 0.5) if server == "process" else (late > 1.0)
 
 
 async def test_the_process_exits_when_its_socket_closes_and_aclose_stops_it():

@@ -111,7 +111,8 @@ async def test_a_resume_runs_the_episodes_in_flight_at_the_checkpoint_again_from
     from asyncrl.types import CommittedSet
 
     engine = FixedEngine()
-    agent = build_agent(AgentConfig(function="tests.unit.test_endpoint_resume:held_agent"), TOK)
+    # (the endpoint and the agent on this loop: the agent waits on this process's HOLD gate)
+    agent = build_agent(AgentConfig(function="tests.unit.test_endpoint_resume:held_agent", endpoint_server="loop"), TOK)
     prompts = [Prompt(text="hi", prompt_ids=np.asarray(TOK.encode("hi"), np.int64))]
     cfg = RolloutConfig(n=2, engine_calls="ray")
     HOLD.update(gate=asyncio.Event(), held=set(), runs=[])

@@ -21,6 +21,7 @@ from typing import Any
 from asyncrl.agent.base import LLM, AgentTrajectory
 from asyncrl.agent.endpoint.episode import Episode, EpisodeLimits
 from asyncrl.agent.endpoint.server import EndpointServer
+from asyncrl.agent.endpoint.tls import share_default_tls_context
 
 HOSTS = ("loop", "process")
 
@@ -65,11 +66,21 @@ class EpisodeRecord:
                    [b.trajectory(None) for b in kept])
 
 
+def reward_of(out: Any, name: str) -> float | None:
+    """What an agent function returned, as its episode's reward (None: none); a TypeError otherwise."""
+    if out is not None and (isinstance(out, bool) or not isinstance(out, (int, float))):
+        raise TypeError(f"{name} must return a float reward or None, got {type(out).__name__}")
+    return None if out is None else float(out)
+
+
 class EndpointHost:
-    """Serves the endpoint's episodes somewhere: `start` once, then `open` and `close` each episode."""
+    """Serves the endpoint's episodes somewhere: `start` once, then `open` and `close` each episode.
+    A host given the agent function (``function``) also runs it, next to its server (`drive`)."""
 
     url: str
     """``http://host:port`` agents reach (set by `start`)."""
+    function: Any = None
+    """The agent function this host runs per episode (None: its caller runs the agent)."""
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -79,6 +90,10 @@ class EndpointHost:
 
     async def open(self, episode_id: str, llm: LLM) -> str:
         """Serve a new episode whose calls generate on ``llm``: its secret (the API key)."""
+        raise NotImplementedError
+
+    async def drive(self, episode_id: str, row: dict, spec: Any) -> float | None:
+        """Run the agent function for an open episode: the reward it returned (`reward_of`)."""
         raise NotImplementedError
 
     async def close(self, episode_id: str, why: str, branches: str) -> EpisodeRecord:
@@ -92,12 +107,16 @@ class EndpointHost:
 class LoopHost(EndpointHost):
     """``endpoint_server: loop``: an `EndpointServer` on this event loop."""
 
-    def __init__(self, renderer: Any, limits: EpisodeLimits, model: str, host: str, port: int):
+    def __init__(self, renderer: Any, limits: EpisodeLimits, model: str, host: str, port: int, *,
+                 function: Any = None, name: str = "the agent function"):
         self.renderer, self.limits, self.model = renderer, limits, model
+        self.function, self.name = function, name
         self.server = EndpointServer(host, port)
         self._episodes: dict[str, Episode] = {}
 
     async def start(self) -> None:
+        if self.function is not None:  # it builds its HTTP clients in this process
+            share_default_tls_context()
         await self.server.start()
         self.url = self.server.url
 
@@ -106,6 +125,9 @@ class LoopHost(EndpointHost):
         self.server.add(ep)
         self._episodes[episode_id] = ep
         return ep.secret
+
+    async def drive(self, episode_id: str, row: dict, spec: Any) -> float | None:
+        return reward_of(await self.function(row, spec), self.name)
 
     async def close(self, episode_id: str, why: str, branches: str) -> EpisodeRecord:
         ep = self._episodes.pop(episode_id)

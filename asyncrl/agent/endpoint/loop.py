@@ -41,7 +41,7 @@ from typing import Any
 
 from asyncrl.agent.base import LLM, AgentLoop, AgentTrajectory
 from asyncrl.agent.endpoint.episode import EpisodeLimits
-from asyncrl.agent.endpoint.host import HOSTS, EndpointHost, EpisodeRecord, HostGone, LoopHost
+from asyncrl.agent.endpoint.host import HOSTS, EndpointHost, EpisodeRecord, HostGone, LoopHost, reward_of
 from asyncrl.agent.endpoint.tls import share_default_tls_context
 
 log = logging.getLogger("asyncrl.agent.endpoint")
@@ -91,12 +91,19 @@ class EndpointLoop(AgentLoop):
 
     ``server``: where the endpoint serves (`asyncrl.agent.endpoint.host`): ``loop`` (this event
     loop; the default of a loop built by hand, as in tests and benches) or ``process`` (a process
-    of its own; a run's default, ``rollout.agent.endpoint_server``)."""
+    of its own; a run's default, ``rollout.agent.endpoint_server``).
+
+    ``function_in``: where ``function`` runs. ``endpoint`` (the default): next to the endpoint's
+    server, in its process with ``process``, so the agent's client (its HTTP, its parsing) spends no
+    CPU in the Rollouter's process, where it held up the engines; the function then crosses to that
+    process by reference (a module's function) or by value (a closure, with copies of what it
+    holds). ``caller``: on this event loop (an agent that must share this process's objects, as the
+    bench's hand-off to its own clients' process)."""
 
     def __init__(self, tokenizer: Any, *, function: Any = None, command: str | None = None,
                  limits: EpisodeLimits | None = None, host: str = "127.0.0.1", port: int = 0, model: str = "policy",
                  forks_path: str | None = None, name: str = "endpoint agent", renderer: Any = None,
-                 branches: str = "all", server: str = "loop"):
+                 branches: str = "all", server: str = "loop", function_in: str = "endpoint"):
         from asyncrl.agent.render import ChatRenderer
 
         if (function is None) == (command is None):
@@ -109,12 +116,15 @@ class EndpointLoop(AgentLoop):
         self.limits = limits or EpisodeLimits()
         if server not in HOSTS:
             raise ValueError(f"EndpointLoop: server must be loop or process (rollout.agent.endpoint_server), got {server!r}")
+        if function_in not in ("endpoint", "caller"):
+            raise ValueError(f"EndpointLoop: function_in must be endpoint or caller, got {function_in!r}")
+        hosted = {"function": function if function_in == "endpoint" else None, "name": name}
         if server == "process":
             from asyncrl.agent.endpoint.process import ProcessHost
 
-            self.host: EndpointHost = ProcessHost(self.renderer, self.limits, model, host, port)
+            self.host: EndpointHost = ProcessHost(self.renderer, self.limits, model, host, port, **hosted)
         else:
-            self.host = LoopHost(self.renderer, self.limits, model, host, port)
+            self.host = LoopHost(self.renderer, self.limits, model, host, port, **hosted)
         self.model, self.forks_path = model, forks_path
         self._started: asyncio.Lock | None = None
         self._up = False
@@ -131,7 +141,7 @@ class EndpointLoop(AgentLoop):
             self._started = asyncio.Lock()
         async with self._started:
             if not self._up:
-                if self.function is not None:  # it builds its HTTP clients in this process
+                if self.function is not None and self.host.function is None:  # it builds its HTTP clients here
                     share_default_tls_context()
                 await self.host.start()
                 self._up = True
@@ -162,7 +172,7 @@ class EndpointLoop(AgentLoop):
             # its waiter, callbacks and context per live episode, which every collection of the young
             # generations would walk while the episode lasts)
             async with asyncio.timeout(self.limits.max_episode_s):
-                reward = await self._drive(row_of(prompt), spec)
+                reward = await self._drive(episode_id, row_of(prompt), spec)
         except Exception as e:
             failure = e
         finally:
@@ -194,12 +204,11 @@ class EndpointLoop(AgentLoop):
             reward = None
         return self._trajectory(record, reward)
 
-    async def _drive(self, row: dict, spec: ClientSpec) -> float | None:
+    async def _drive(self, episode_id: str, row: dict, spec: ClientSpec) -> float | None:
+        if self.host.function is not None:
+            return await self.host.drive(episode_id, row, spec)
         if self.function is not None:
-            out = await self.function(row, spec)
-            if out is not None and (isinstance(out, bool) or not isinstance(out, (int, float))):
-                raise TypeError(f"{self.name} must return a float reward or None, got {type(out).__name__}")
-            return None if out is None else float(out)
+            return reward_of(await self.function(row, spec), self.name)
         return await run_command(self.command, row, spec)
 
     def _trajectory(self, record: EpisodeRecord, returned: float | None) -> AgentTrajectory | list[AgentTrajectory]:

@@ -1,14 +1,16 @@
 """``rollout.agent.endpoint_server: process``: the endpoint in a process of its own next to the Rollouter.
 
 `ProcessHost` (the Rollouter's side) starts ``python -m asyncrl.agent.endpoint.process <fd>`` with
-one end of a socket pair (`asyncrl.agent.endpoint.channel`) and hands it the renderer, the limits
-and where to bind. That process runs the `EndpointServer` and every `Episode` with its history;
+one end of a socket pair (`asyncrl.agent.endpoint.channel`) and hands it the renderer, the limits,
+where to bind and the agent function (by name; None for a command agent). That process runs the
+`EndpointServer`, every `Episode` with its history, and the agent function of each episode;
 each call's generation comes back to the Rollouter as a ``generate`` call on the episode's `LLM`
 (its pause-keep across a sync, its versions, its partial rollout and skip replay are the
 Rollouter's as with ``loop``); a call the HTTP client gives up is cancelled on both sides (its
 engine request aborted). Why: the Rollouter's event loop then holds only the engine calls, not
 the HTTP requests, bodies and histories of ~1,000 calls in flight, whose walks by Python's
-collector were the loop's lag tail (docs/benchmarks.md).
+collector were the loop's lag tail (docs/benchmarks.md); and the agents' own clients spend their
+CPU, and block their loop if they block, here.
 
 The process exits when its socket closes (the Rollouter stopped or died: nothing else holds it);
 `ProcessHost.aclose` asks it to stop, waits, and kills it by pid if it does not. If it dies
@@ -25,6 +27,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -43,8 +46,11 @@ _STOP_TIMEOUT_S = 30.0
 class ProcessHost(EndpointHost):
     """The endpoint served from a child process (the module docstring)."""
 
-    def __init__(self, renderer: Any, limits: EpisodeLimits, model: str, host: str, port: int):
-        self.settings = {"renderer": renderer, "limits": limits, "model": model, "host": host, "port": port}
+    def __init__(self, renderer: Any, limits: EpisodeLimits, model: str, host: str, port: int, *,
+                 function: Any = None, name: str = "the agent function"):
+        self.function = function
+        self.settings = {"renderer": renderer, "limits": limits, "model": model, "host": host, "port": port,
+                         "function": function, "name": name}
         self.proc: asyncio.subprocess.Process | None = None
         self.channel: Channel | None = None
         self._reading: asyncio.Task | None = None
@@ -68,7 +74,7 @@ class ProcessHost(EndpointHost):
         self.channel = Channel(reader, writer, {"generate": self._generate}, peer="the endpoint process")
         self._reading = asyncio.create_task(self.channel.serve(), name="asyncrl-endpoint-channel")
         try:
-            import cloudpickle  # (the renderer may hold closures: its decoder)
+            import cloudpickle  # (the renderer may hold closures: its decoder; a module's function goes by name)
 
             blob = cloudpickle.dumps(self.settings)
             self.url = await asyncio.wait_for(self.channel.call("start", blob), _START_TIMEOUT_S)
@@ -118,6 +124,12 @@ class ProcessHost(EndpointHost):
             if isinstance(e, ChannelClosed):
                 raise await self._gone() from None
             raise
+
+    async def drive(self, episode_id: str, row: dict, spec: Any) -> float | None:
+        try:
+            return await self.channel.call("drive", episode_id, row, spec)
+        except ChannelClosed:
+            raise await self._gone() from None
 
     async def close(self, episode_id: str, why: str, branches: str) -> EpisodeRecord:
         try:
@@ -174,12 +186,20 @@ class _Served:
 
         s = cloudpickle.loads(blob)
         settle_gc()  # what start-up built is frozen out of the collections; the young generation collected rarely
-        self.host = LoopHost(s["renderer"], s["limits"], s["model"], s["host"], s["port"])
+        self.host = LoopHost(s["renderer"], s["limits"], s["model"], s["host"], s["port"], function=s["function"],
+                             name=s["name"])
         await self.host.start()
         return self.host.url
 
     async def open(self, episode_id: str) -> str:
         return await self.host.open(episode_id, _RemoteLLM(self.channel, episode_id))
+
+    async def drive(self, episode_id: str, row: dict, spec: Any) -> float | None:
+        try:
+            return await self.host.drive(episode_id, row, spec)
+        except Exception as e:  # its traceback, which stays here, goes with it as a note
+            e.add_note("".join(traceback.format_exception(e)).rstrip())
+            raise
 
     async def close(self, episode_id: str, why: str, branches: str) -> tuple:
         return _record_out(await self.host.close(episode_id, why, branches))
@@ -252,17 +272,18 @@ def _record_out(r: EpisodeRecord) -> tuple:
 
 
 def _record_in(blob: tuple) -> EpisodeRecord:
+    """(Writable arrays, as a pickled record's were: a trainer may hand them to torch as they are.)"""
     *head, trajectories = blob
     return EpisodeRecord(*head, [
-        AgentTrajectory(*(np.frombuffer(b, dt) for b, (_, dt) in zip(arrays, _TRAJECTORY_ARRAYS)), *rest)
+        AgentTrajectory(*(np.frombuffer(b, dt).copy() for b, (_, dt) in zip(arrays, _TRAJECTORY_ARRAYS)), *rest)
         for arrays, *rest in trajectories])
 
 
 async def _serve(fd: int) -> None:
     served = _Served()
     reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
-    served.channel = channel = Channel(reader, writer, {"start": served.start, "open": served.open, "close": served.close,
-                                                        "stats": served.stats, "stop": served.stop},
+    served.channel = channel = Channel(reader, writer, {"start": served.start, "open": served.open, "drive": served.drive,
+                                                        "close": served.close, "stats": served.stats, "stop": served.stop},
                                        peer="the Rollouter")
     reading = asyncio.create_task(channel.serve())
     stopping = asyncio.create_task(served.stopped.wait())
