@@ -101,6 +101,31 @@ async def test_an_agent_that_blocks_its_loop_holds_up_the_callers_loop_only_with
     assert (late < 0.5) if server == "process" else (late > 1.0)
 
 
+def test_an_ended_episode_crosses_the_socket_whole():
+    """Every field of the record and of its trajectories (arrays as bytes, read back writable)."""
+    import dataclasses
+
+    import numpy as np
+
+    from asyncrl.agent.base import AgentTrajectory
+    from asyncrl.agent.endpoint.host import EpisodeRecord
+    from asyncrl.agent.endpoint.process import _record_in, _record_out
+
+    t = AgentTrajectory(np.arange(3), np.arange(2), np.ones(2, np.uint8), np.full(2, -0.5, np.float32),
+                        np.array([4, -1]), "length", 0.25, turns=2, tool_calls=1, tool_errors=1, final_text="hi")
+    record = EpisodeRecord("ep-1", 3, 2, 1, 1, 1, [(1, {"role": "user"})], 0.5, "rollout.agent.max_turns", [t, t])
+    back = _record_in(_record_out(record))
+    assert [getattr(back, f.name) for f in dataclasses.fields(EpisodeRecord) if f.name != "trajectories"] == \
+        [getattr(record, f.name) for f in dataclasses.fields(EpisodeRecord) if f.name != "trajectories"]
+    assert len(back.trajectories) == 2
+    for f in dataclasses.fields(AgentTrajectory):
+        got, want = getattr(back.trajectories[1], f.name), getattr(t, f.name)
+        if isinstance(want, np.ndarray):
+            assert got.dtype == want.dtype and np.array_equal(got, want) and got.flags.writeable, f.name
+        else:
+            assert got == want, f.name
+
+
 async def test_the_process_exits_when_its_socket_closes_and_aclose_stops_it():
     host = ProcessHost(RENDERER, EpisodeLimits(), "policy", "127.0.0.1", 0)
     await host.start()

@@ -21,6 +21,7 @@ episode starts a new one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -259,24 +260,28 @@ def _turn_in(blob: tuple) -> Turn:
 
 
 # An ended episode crosses as a tuple, its trajectories' arrays as bytes: pickling the record's
-# dataclasses and arrays was ~5% of the endpoint process's CPU on the bench.
+# dataclasses and arrays was ~5% of the endpoint process's CPU on the bench. Field order comes from
+# the dataclasses themselves, so a field added to either crosses too.
 _TRAJECTORY_ARRAYS = (("prompt_ids", np.int64), ("response_ids", np.int64), ("loss_mask", np.uint8),
                       ("logprobs", np.float32), ("versions", np.int64))
+_TRAJECTORY_REST = tuple(f.name for f in dataclasses.fields(AgentTrajectory) if f.name not in dict(_TRAJECTORY_ARRAYS))
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(EpisodeRecord))
 
 
 def _record_out(r: EpisodeRecord) -> tuple:
     trajectories = [(tuple(np.ascontiguousarray(getattr(t, k), dt).tobytes() for k, dt in _TRAJECTORY_ARRAYS),
-                     t.finish_reason, t.reward, t.turns, t.tool_calls, t.tool_errors, t.final_text) for t in r.trajectories]
-    return (r.id, r.calls, r.turns, r.tool_calls, r.tool_call_turns, r.forks, r.divergences, r.reward, r.limit_hit,
-            trajectories)
+                     tuple(getattr(t, k) for k in _TRAJECTORY_REST)) for t in r.trajectories]
+    return tuple(trajectories if k == "trajectories" else getattr(r, k) for k in _RECORD_FIELDS)
 
 
 def _record_in(blob: tuple) -> EpisodeRecord:
     """(Writable arrays, as a pickled record's were: a trainer may hand them to torch as they are.)"""
-    *head, trajectories = blob
-    return EpisodeRecord(*head, [
-        AgentTrajectory(*(np.frombuffer(b, dt).copy() for b, (_, dt) in zip(arrays, _TRAJECTORY_ARRAYS)), *rest)
-        for arrays, *rest in trajectories])
+    fields = dict(zip(_RECORD_FIELDS, blob))
+    fields["trajectories"] = [
+        AgentTrajectory(**{k: np.frombuffer(b, dt).copy() for b, (k, dt) in zip(arrays, _TRAJECTORY_ARRAYS)},
+                        **dict(zip(_TRAJECTORY_REST, rest)))
+        for arrays, rest in fields["trajectories"]]
+    return EpisodeRecord(**fields)
 
 
 async def _serve(fd: int) -> None:
