@@ -80,7 +80,7 @@ async def test_the_function_agent_runs_in_the_endpoint_process_unless_told_to_ru
 
 async def sleeps_blocking(row, spec):
     await one_call(row, spec)
-    time.sleep(1.5)  # (an agent's mistake: it blocks its event loop)
+    time.sleep(1.5)  # noqa: ASYNC251 - the point: an agent that blocks its event loop
     return 1.0
 
 
