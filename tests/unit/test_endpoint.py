@@ -269,7 +269,7 @@ async def test_an_episode_past_its_wall_time_fails_and_its_call_is_aborted(serve
         assert llm.cancelled == 1  # by the episode's end, not by the server's close below
     finally:
         await loop.aclose()
-    stopped_in = [int(line) for line in open(marker)]
+    stopped_in = [int(pid) for pid in (tmp_path / "stopped").read_text().split()]
     assert len(stopped_in) == 1 and llm.cancelled == 1 and loop.counts["http_failed_episodes"] == 1
     assert (stopped_in[0] == os.getpid()) == (server == "loop")  # with process, the agent ran in the endpoint's
 
