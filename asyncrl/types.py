@@ -134,8 +134,9 @@ class Trajectory:
     @classmethod
     def _from_typed(cls, sample_id, index, prompt_ids, response_ids, logprobs, versions, finish_reason, reward, age,
                     loss_mask=None, turns=1):
-        """Private fast path for the stream codec: the arrays are already 1-d int64/float32/int64
-        (uint8 mask) with matching lengths (the codec checked them), so only ``finish_reason`` is checked."""
+        """Private fast path for the stream codec and the Rollouter's `Response` record: the arrays
+        are already 1-d int64/float32/int64 (uint8 mask) with matching lengths (the caller checked
+        them), so only ``finish_reason`` is checked."""
         if finish_reason not in FINISH_REASONS:
             raise ValueError(f"{sample_id}[{index}]: finish_reason {finish_reason!r} is not one of {FINISH_REASONS}")
         t = object.__new__(cls)

@@ -33,6 +33,13 @@ class Prompt:
     messages: list | None = None
     """The row's chat messages when it gave messages (what an endpoint agent gets as ``row["prompt"]``)."""
 
+    def __post_init__(self) -> None:
+        # int64 and 1-d from here on: a response's trajectory takes these ids as they are.
+        ids = np.asarray(self.prompt_ids, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"prompt {self.text[:40]!r}: prompt_ids must be 1-d, got shape {ids.shape}")
+        self.prompt_ids = ids
+
 
 @dataclass
 class RolloutState:

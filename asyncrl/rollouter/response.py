@@ -87,9 +87,15 @@ class Response:
         if self.tokens is None or self.prompt_ids is None:
             raise RuntimeError(f"{self.sample_id}/{self.k}: trajectory() before finish() (status {self.status})")
         response_ids, logprobs, versions = self.tokens
-        return Trajectory(sample_id=self.sample_id, index=index, prompt_ids=self.prompt_ids, response_ids=response_ids,
-                          logprobs=logprobs, versions=versions, finish_reason=self.finish_reason, reward=reward,
-                          age=self.parts.age)
+        n = len(response_ids)
+        if len(logprobs) != n or len(versions) != n:
+            raise ValueError(f"{self.sample_id}[{index}]: the engine gave {n} response ids, {len(logprobs)} "
+                             f"log-probs and {len(versions)} versions (one of each per token expected)")
+        # Typed already (the parts joined as int64 / float32 / int64, the prompt's ids int64): built
+        # without the constructor's conversions, which cost a busy Rollouter ~1 us per response.
+        return Trajectory._from_typed(self.sample_id, index, np.asarray(self.prompt_ids, np.int64), response_ids,
+                                      logprobs, versions,
+                                      self.finish_reason, reward, self.parts.age)
 
     def ended(self) -> Ended:
         """What the group settles (`settle`): response ``k``, its replica, its reward under way."""
@@ -198,7 +204,11 @@ async def settle(ended: list[Ended | BaseException],
             outcomes.append(o)
             continue
         try:
-            reward = None if o.reward is None else await Rewards.value(o.reward)
+            reward = None
+            if o.reward is not None:
+                reward = Rewards.done_value(o.reward)
+                if reward is None:
+                    reward = await Rewards.value(o.reward)
         except Exception as exc:  # noqa: BLE001 - the user's reward function
             outcomes.append(reward_error(exc))
             continue

@@ -30,6 +30,7 @@ class Rewards:
 
     def __init__(self, reward_fn: Callable[[Any, np.ndarray], float | Awaitable[float]], workers: int):
         self.reward_fn, self.workers = reward_fn, workers
+        self._coroutine = inspect.iscoroutinefunction(reward_fn)  # (asked once: `start` runs per response)
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
 
     def open(self) -> None:
@@ -45,7 +46,7 @@ class Rewards:
     def start(self, prompt: Any, response_ids: np.ndarray) -> Pending:
         """Start one response's reward: a coroutine function as a task, a plain one on the threads
         (owned by the `owned` call it runs under, if any: cancelled with that group)."""
-        if inspect.iscoroutinefunction(self.reward_fn):
+        if self._coroutine:
             pending: Pending = asyncio.ensure_future(self.reward_fn(prompt, response_ids))
         elif self._threads is None:
             raise RuntimeError("Rewards.start before open(): the reward threads are not running")
@@ -68,6 +69,17 @@ class Rewards:
             for pending in list(owner):
                 pending.cancel()
             raise
+
+    @staticmethod
+    def done_value(pending: Pending) -> float | None:
+        """The value of a reward `start` started, if it is done and plain (no awaitable returned):
+        read now, with no coroutine of its own (most are done by the time their group reads them);
+        None otherwise (`value` awaits it). Raises what the reward function raised."""
+        if pending.done():
+            value = pending.result()
+            if not inspect.isawaitable(value):
+                return float(value)
+        return None
 
     @staticmethod
     async def value(pending: Pending) -> float:

@@ -97,6 +97,22 @@ async def test_settle_builds_each_trajectory_once_with_its_reward_and_keeps_erro
         first.replica = 0  # never mutated after it is built
 
 
+async def test_settle_reads_a_done_thread_reward_now_and_awaits_one_still_running():
+    import concurrent.futures
+    import threading
+
+    done = concurrent.futures.Future()
+    done.set_result(1)  # an int from the user's function: taken as a float
+    release = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(lambda: release.wait(5) and 0.75)
+        asyncio.get_running_loop().call_later(0.05, release.set)
+        first, second = await settle([Ended(0, 0, done, trajectory), Ended(1, 0, running, trajectory)],
+                                     lambda exc: AssertionError(f"no reward raised: {exc}"))
+    assert first.trajectory.reward == 1.0 and type(first.trajectory.reward) is float
+    assert second.trajectory.reward == 0.75
+
+
 async def test_a_reward_that_raises_is_handed_to_reward_error():
     failed = asyncio.get_running_loop().create_future()
     failed.set_exception(ZeroDivisionError("bad reward"))
@@ -125,6 +141,18 @@ def test_a_response_record_joins_its_parts_once_and_builds_its_trajectory():
     # A checkpoint saves the record's parts in PartialResponse's layout, as before the record.
     assert response.parts.to_json() == {"age": 1, "response_ids": [7, 8, 9], "logprobs": [-0.5, -0.25, -1.0],
                                         "versions": [0, 0, 1]}
+
+
+def test_a_response_whose_engine_gave_unequal_token_arrays_fails_in_one_line():
+    response = Response("sample_0_6", 0, prompt_ids=np.array([1, 2], dtype=np.int32))
+    response.parts.add(GenerateResult("sample_0_6/0", np.array([7, 8]), np.array([-0.5]), np.array([0, 0]), "stop"))
+    response.finish("stop", replica=0)
+    with pytest.raises(ValueError, match=r"^sample_0_6\[0\]: the engine gave 2 response ids, 1 log-probs and 2 versions"):
+        response.trajectory(0, 1.0)
+    response.parts.logprobs[0] = np.array([-0.5, -0.25])
+    response.finish("stop", replica=0)
+    t = response.trajectory(0, 1.0)  # the prompt's ids taken as int64, whatever they came as
+    assert t.prompt_ids.dtype == np.int64 and t.prompt_ids.tolist() == [1, 2] and t.logprobs.dtype == np.float32
 
 
 class EndedSessions(EngineActor):
