@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import operator
 import sys
 import traceback
 from typing import Any
@@ -80,6 +81,17 @@ def _fields(cls: type) -> tuple[str, ...]:
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
+_RECORDS: dict[type, tuple[str, Any]] = {}
+"""A dataclass sent before -> (its wire name, a getter of its fields' values in order): a call
+carries a few records per response, so what `_default` works out per class is kept."""
+
+
+def _record_of(cls: type) -> tuple[str, Any]:
+    names = _fields(cls)
+    getter = operator.attrgetter(*names) if len(names) > 1 else (lambda obj: (getattr(obj, names[0]),) if names else ())
+    entry = _RECORDS[cls] = (_name(cls), getter)
+    return entry
+
 
 def _name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
@@ -107,8 +119,11 @@ def _default(obj: Any) -> Any:
         return [_MARK[_TUPLE], *obj]
     if cls is np.ndarray:
         return [_MARK[_NDARRAY], _dtype_name(obj.dtype), obj.tobytes(), *obj.shape]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [_MARK[_RECORD], _name(cls), *(getattr(obj, n) for n in _fields(cls))]
+    entry = _RECORDS.get(cls)
+    if entry is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        entry = _record_of(cls)
+    if entry is not None:
+        return [_MARK[_RECORD], entry[0], *entry[1](obj)]
     if isinstance(obj, BaseException):
         return _exception(obj)
     if isinstance(obj, np.generic):
@@ -225,7 +240,7 @@ def _list(items: list) -> Any:
         return tuple(items[1:])
     if code == _NDARRAY:
         # A copy: writable, as the caller's own arrays are (a view on the message would be read-only).
-        array = np.frombuffer(items[2], _dtype(items[1])).copy()
+        array = np.frombuffer(bytearray(items[2]), _dtype(items[1]))
         return array if len(items) == 4 else array.reshape(items[3:])  # (1-D: already its shape)
     if code == _RECORD:
         return _record(items[1], items[2:])

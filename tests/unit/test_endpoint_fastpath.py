@@ -98,3 +98,43 @@ def test_the_fastapi_app_has_no_generation_routes():
     paths = {getattr(r, "path", None) for r in build_app(EndpointServer()).routes}
     assert "/s/{episode}/v1/models" in paths and "/s/{episode}/v1/responses" in paths
     assert not {"/s/{episode}/v1/chat/completions", "/s/{episode}/v1/completions"} & paths
+
+
+async def test_an_answers_head_and_body_leave_in_one_send():
+    """uvicorn writes an answer's head and body apart; the endpoint's connections (`_OneWrite`) send
+    what one event-loop turn wrote in one send, at the end of that turn, and `close` sends what is
+    held before closing. A real socket transport, its sends noted."""
+    import socket
+
+    from asyncrl.agent.endpoint.server import _OneWrite
+
+    loop = asyncio.get_running_loop()
+    ours, peer = socket.socketpair()
+    transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+    sends: list[bytes] = []
+
+    class Noted:
+        def write(self, data):
+            sends.append(bytes(data))
+            transport.write(data)
+
+        def __getattr__(self, name):
+            return getattr(transport, name)
+
+    conn = _OneWrite(Noted())
+    conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n")
+    conn.write(b"body")
+    assert sends == [] and conn.get_extra_info("socket") is not None  # held until the turn ends; the rest is the transport's
+    await asyncio.sleep(0)
+    assert sends == [b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nbody"]
+    await asyncio.sleep(0)
+    assert len(sends) == 1  # nothing held: nothing more sent
+    conn.write(b"data: last\n\n")
+    conn.close()
+    assert sends[-1] == b"data: last\n\n" and transport.is_closing()
+    peer.settimeout(5)
+    got = b""
+    while chunk := await loop.run_in_executor(None, peer.recv, 4096):
+        got += chunk
+    peer.close()
+    assert got == b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nbodydata: last\n\n"

@@ -80,7 +80,8 @@ class EndpointServer:
         # proxy_headers off: no route reads the client's address, and uvicorn's middleware for
         # X-Forwarded-For would otherwise wrap every request.
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, proxy_headers=False,
-                                timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=60)
+                                timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=60,
+                                http=_one_write_protocol())
         self._server = _OwnedServer(config)
         config.load()  # (here, not in the task: what it imports is frozen below)
         if gc.get_freeze_count():  # a process whose start-up is frozen (the Rollouter's: `settle_gc`)
@@ -136,6 +137,58 @@ def _node_address() -> str:
     except ImportError:
         pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def _one_write_protocol() -> type:
+    """uvicorn's httptools protocol (the one it picks itself where httptools is installed, as here),
+    its answers written through `_OneWrite`."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class OneWriteProtocol(HttpToolsProtocol):
+        def connection_made(self, transport):  # type: ignore[override]
+            super().connection_made(_OneWrite(transport))
+
+    return OneWriteProtocol
+
+
+class _OneWrite:
+    """A connection's transport whose writes within one event-loop turn leave in one send.
+
+    uvicorn writes an answer's head and its body apart: two sends, two TCP segments on a socket with
+    Nagle off, which the client reads and parses apart (two wake-ups of its event loop). Our answers
+    are whole when sent (the fast path's head and body in one step), so the first write of a turn
+    is held and sent at the end of that turn (``call_soon``) with whatever followed it; a stream's
+    head goes out the same way, alone if no chunk came in that turn. ``close`` sends what is held
+    first. Everything else is the transport's own."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport):
+        self._transport, self._loop = transport, asyncio.get_running_loop()
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is None:
+            self._held = bytes(data)
+            self._loop.call_soon(self._send)
+        else:
+            self._held += data
+
+    def _send(self) -> None:
+        data, self._held = self._held, None
+        if data and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._send()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held = None
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class _OwnedServer:
