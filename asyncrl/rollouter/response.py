@@ -94,8 +94,7 @@ class Response:
         # Typed already (the parts joined as int64 / float32 / int64, the prompt's ids int64): built
         # without the constructor's conversions, which cost a busy Rollouter ~1 us per response.
         return Trajectory._from_typed(self.sample_id, index, np.asarray(self.prompt_ids, np.int64), response_ids,
-                                      logprobs, versions,
-                                      self.finish_reason, reward, self.parts.age)
+                                      logprobs, versions, self.finish_reason, reward, self.parts.age)
 
     def ended(self) -> Ended:
         """What the group settles (`settle`): response ``k``, its replica, its reward under way."""

@@ -88,7 +88,13 @@ carries a few records per response, so what `_default` works out per class is ke
 
 def _record_of(cls: type) -> tuple[str, Any]:
     names = _fields(cls)
-    getter = operator.attrgetter(*names) if len(names) > 1 else (lambda obj: (getattr(obj, names[0]),) if names else ())
+    if len(names) > 1:
+        getter = operator.attrgetter(*names)  # (a tuple of the values, in field order)
+    elif names:
+        get_one = operator.attrgetter(names[0])  # (one name: the value itself, not a tuple)
+        getter = lambda obj: (get_one(obj),)
+    else:
+        getter = lambda obj: ()
     entry = _RECORDS[cls] = (_name(cls), getter)
     return entry
 
