@@ -54,7 +54,7 @@ class EngineRunConfig:
 VLLM_SETTINGS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "dtype", "enforce_eager",
                  "kv_cache_mb", "engine_kwargs")
 """The section's fields that are `VLLMEngineConfig`'s, passed to a vLLM replica as they are."""
-BUILTIN_SETTINGS = ("session_idle_s", "session_max_blocks")
+BUILTIN_SETTINGS = ("batch_wait_ms", "session_idle_s", "session_max_blocks")
 """The section's fields that are `TorchEngineConfig`'s alone."""
 BOTH_ENGINES_SETTINGS = tuple(k for k in VLLM_SETTINGS if k in TorchEngineConfig.__dataclass_fields__)
 """``max_model_len`` and ``dtype``: both engines read them (the section's defaults are vLLM's)."""
@@ -78,7 +78,7 @@ EngineConfig = section_of(
     take={VLLMEngineConfig: VLLM_SETTINGS, TorchEngineConfig: BUILTIN_SETTINGS}, validate=_check_fields,
     doc="The inference engine every replica runs (`asyncrl.rollouter.engines.make_engine`). ``kind``, "
         "``max_running`` and the restarts are the run's; ``dtype`` and ``max_model_len`` both engines'; "
-        "``session_*`` the built-in engine's (`TorchEngineConfig`); the rest vLLM's (`VLLMEngineConfig`).")
+        "``batch_wait_ms`` and ``session_*`` the built-in engine's (`TorchEngineConfig`); the rest vLLM's (`VLLMEngineConfig`).")
 
 
 def engine_settings(e: EngineConfig, kind: str) -> dict[str, Any]:  # type: ignore[valid-type]

@@ -320,6 +320,28 @@ def test_config_errors_name_the_field(model_path):
         TorchEngineConfig(model_path=model_path, max_running=0)
     with pytest.raises(ValueError, match="pause_timeout_s"):
         TorchEngineConfig(model_path=model_path, pause_timeout_s=0)
+    with pytest.raises(ValueError, match="batch_wait_ms"):
+        TorchEngineConfig(model_path=model_path, batch_wait_ms=-1)
+
+
+@pytest.mark.parametrize("wait_ms", [0, 400])
+async def test_requests_that_come_one_by_one_start_together_within_batch_wait_ms(model_path, ref, wait_ms):
+    # Three requests 20 ms apart to an idle engine. With a wait they are gathered into its first
+    # step (8 tokens each: 8 steps); without one the first starts alone and the others join later.
+    ps = prompts([5, 9, 7], seed=23)
+    engine = TorchEngine(model_path, eos_token_ids=(), batch_wait_ms=wait_ms)
+    try:
+        calls = []
+        for k, p in enumerate(ps):
+            calls.append(asyncio.create_task(engine.generate(req(f"r{k}", p, 8))))
+            await asyncio.sleep(0.02)
+        results = await asyncio.gather(*calls)
+        steps = engine.stats()["steps"]
+        assert steps == 8 if wait_ms else steps > 8
+        for r, p in zip(results, ps):  # gathered or not, each is what transformers generates
+            np.testing.assert_array_equal(r.response_ids, hf_greedy(ref, p, 8))
+    finally:
+        await engine.close()
 
 
 async def test_scheduler_failure_reaches_callers(model_path):

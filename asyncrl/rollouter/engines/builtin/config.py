@@ -39,6 +39,12 @@ class TorchEngineConfig:
     decoder: str = "auto"
     """``auto``: the lean Llama-layout forward (`asyncrl.rollouter.engines.builtin.decoder`) where the model has
     that layout, else the model's own; ``hf``: always the model's own ``forward``."""
+    batch_wait_ms: float = 5.0
+    """When requests arrive while the engine runs fewer than a quarter of ``max_running``, its
+    scheduler waits this long (once per such arrival) for more before its next step, so that they
+    start in one step instead of one step each: a step's cost is mostly fixed at small batches, and
+    calls that come one by one (an agent's over HTTP, the next turns of conversations) otherwise make
+    many small steps. 0: step at once."""
     session_idle_s: float = 60.0
     """A conversation's kept KV (`asyncrl.rollouter.engines.builtin.sessions`) is freed when its next
     turn has not come this many seconds after the last one ended (a tool call that slow is rare)."""
@@ -58,6 +64,8 @@ class TorchEngineConfig:
             raise ValueError(f"max_model_len must be >= 2 (or None for the model's), got {self.max_model_len}")
         if self.decoder not in ("auto", "hf"):
             raise ValueError(f"decoder must be 'auto' or 'hf', got {self.decoder!r}")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ValueError(f"batch_wait_ms must be in [0, 1000], got {self.batch_wait_ms}")
         if self.session_idle_s <= 0:
             raise ValueError(f"session_idle_s must be > 0, got {self.session_idle_s}")
         if self.session_max_blocks < 0:

@@ -349,13 +349,23 @@ class TorchEngine:
 
     async def _schedule(self) -> None:
         cond = self._cond
+        wait_s = self.config.batch_wait_ms / 1e3
+        small = max(1, self.config.max_running // 4)
+        gather = False  # requests just came to a small batch: wait `wait_s` (unlocked) for more first
         try:
             while True:
+                if gather:
+                    await asyncio.sleep(wait_s)
                 async with cond:
                     await cond.wait_for(self._has_work)
                     if self._closed:
                         return
+                    before = len(self._running)
                     self._admit()
+                    if wait_s and not gather and before < len(self._running) < small:
+                        gather = True
+                        continue
+                    gather = False
                     if self._running:
                         await self._step()
                     cond.notify_all()
