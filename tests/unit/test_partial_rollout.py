@@ -375,7 +375,8 @@ async def test_a_replica_started_again_gets_the_round_signals_and_the_dead_one_n
         request = GenerateRequest("g/0", np.array([1, 4, 5], dtype=np.int64), max_tokens=240,
                                   sampling=SamplingParams(seed=0))
         running = asyncio.ensure_future(fresh.generate(request, True))
-        await fresh.wait_for_tokens("g/0", 1, timeout_s=60)
+        await asyncio.sleep(0)  # let the request enqueue: before that, "not in flight" ends the wait at once
+        assert await fresh.wait_for_tokens("g/0", 1, timeout_s=60) >= 1
         assert await aggregator.report(0, {0: 1, 1: 1}) is True  # the round has its N trajectories
         assert dead.signals == [] and fresh.signals[-1] == ("truncate", 0, True) == live.signals[-1]
         result = await asyncio.wait_for(running, 60)

@@ -3,34 +3,29 @@
 ``TorchEngine`` implements `asyncrl.rollouter.engines.base.RolloutEngine` in-process on asyncio.
 One scheduler task, owned by the engine, repeats a *step* under the engine's lock:
 
-1. admit queued requests while fewer than ``max_running`` run;
+1. admit queued requests while fewer than ``max_running`` run (requests that came to a small
+   batch first wait ``batch_wait_ms`` for others, so that they start in one step);
 2. run ONE forward over every running request: the newly admitted ones feed their prompt
    (the ``n`` requests of a group share one prefill), the others their last token, each into
    its own blocks of the paged KV cache (`asyncrl.rollouter.engines.builtin.kv_cache`), with
-   per-row positions and a 4-d mask; sample one token per request
-   (`asyncrl.rollouter.engines.builtin.model_runner`, `sampling`);
+   per-row positions and a 4-d mask; sample one token per request (`model_runner`, `sampling`);
 3. append tokens, finish requests on a stop token / ``max_tokens`` / the context limit, and
    hand results back. Requests join and leave between steps: continuous batching.
 
-Steps run in a worker thread, back to back until one needs the event loop (`ModelRunner.run_steps`).
-Everything else (pause, abort, weight loads, new requests) takes the same lock, so it happens
-between two steps. An engine lives on the event loop of its first call (its scheduler task).
+Steps run in a worker thread, back to back until one needs the event loop (`ModelRunner.run_steps`);
+all else (pause, abort, weight loads, new requests) takes the lock, between two steps. An engine
+lives on the event loop of its first call (its scheduler task).
 
-Log-probs: ``log_softmax(logits / T)[token]`` of the sampled token under the weights that
-produced it, after temperature and before top-k/top-p (greedy: ``T = 1``). This equals vLLM
-with ``logprobs_mode="processed_logprobs"`` when top-k/top-p are off; a trainer recomputes it
-as ``log_softmax(logits / T)`` of a full forward over prompt + response.
+Log-probs: ``log_softmax(logits / T)[token]`` of the sampled token under the weights that produced
+it, after temperature and before top-k/top-p (greedy: ``T = 1``): vLLM's
+``logprobs_mode="processed_logprobs"`` when top-k/top-p are off, and what a trainer's full forward gives.
 
-Pause modes are vLLM's (see `asyncrl.rollouter.engines.base`): ``abort`` ends everything now,
-``wait`` drains (``pause`` returns when drained, new requests are refused), ``keep`` freezes
-running requests with their KV cache and queues new ones. ``clear_cache=True`` with
-``keep`` drops the KV; on resume the engine re-prefills prompt + generated tokens (counted
-in ``stats()["reprefill_tokens"]``). Figures and where a step's time goes: ``docs/engine.md``.
-
-Conversations: a turn with a ``session_id`` that ends (stop/length) leaves its KV blocks kept
-under the session; the next turn, on the same weights and with a prompt that extends the kept
-tokens, prefills only its new tokens (`asyncrl.rollouter.engines.builtin.sessions`). Left out:
-prefix caching across groups and sessions, chunked prefill, speculative decoding, tensor parallelism.
+Pause modes are vLLM's (`asyncrl.rollouter.engines.base`): ``abort`` ends everything now, ``wait``
+drains and refuses new requests, ``keep`` freezes running requests with their KV cache and queues
+new ones; ``clear_cache=True`` drops the KV, re-prefilled on resume (``stats()["reprefill_tokens"]``).
+Conversations: a turn with a ``session_id`` that ends keeps its KV blocks; the next turn, on the
+same weights and extending the kept tokens, prefills only its new ones (`sessions`). Left out: prefix
+caching across groups, chunked prefill, speculative decoding, tensor parallelism (``docs/engine.md``).
 """
 
 from __future__ import annotations
@@ -287,19 +282,15 @@ class TorchEngine:
                 if param is None:
                     raise KeyError(f"load_weights: the model has no parameter named {name!r}")
                 if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"load_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
-                    )
+                    raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the model expects "
+                                     f"{tuple(param.shape)}")
             self._runner.weights_changed()
             await asyncio.to_thread(self._copy_weights, named)
 
     def weight_views(self) -> dict[str, torch.Tensor]:
-        """The live parameter storage by HF name (tied names share one tensor); only while paused.
-
-        A weight receiver may write received bytes straight into these tensors (no staging
-        copy); they stay valid until ``resume()``, and ``finish_weight_update`` still makes
-        the new weights live. Raises `EngineError` when the engine is not paused.
-        """
+        """The live parameter storage by HF name (tied names share one tensor); only while paused
+        (else `EngineError`). A weight receiver may write received bytes straight into them; they stay
+        valid until ``resume()``, and ``finish_weight_update`` makes the new weights live."""
         if self._paused is None:
             raise EngineError("weight_views needs a paused engine: call pause('keep') first")
         self._runner.weights_changed()  # the caller may write into them
@@ -349,8 +340,7 @@ class TorchEngine:
 
     async def _schedule(self) -> None:
         cond = self._cond
-        wait_s = self.config.batch_wait_ms / 1e3
-        small = max(1, self.config.max_running // 4)
+        wait_s, small = self.config.batch_wait_ms / 1e3, max(1, self.config.max_running // 4)
         gather = False  # requests just came to a small batch: wait `wait_s` (unlocked) for more first
         try:
             while True:
