@@ -14,7 +14,7 @@ One scheduler task, owned by the engine, repeats a *step* under the engine's loc
 
 Steps run in a worker thread, back to back until one needs the event loop (`ModelRunner.run_steps`);
 all else (pause, abort, weight loads, new requests) takes the lock, between two steps. An engine
-lives on the event loop of its first call (its scheduler task).
+lives on the event loop of its first call (its scheduler task). Where a step's time goes: ``docs/engine.md``.
 
 Log-probs: ``log_softmax(logits / T)[token]`` of the sampled token under the weights that produced
 it, after temperature and before top-k/top-p (greedy: ``T = 1``): vLLM's
@@ -25,7 +25,7 @@ drains and refuses new requests, ``keep`` freezes running requests with their KV
 new ones; ``clear_cache=True`` drops the KV, re-prefilled on resume (``stats()["reprefill_tokens"]``).
 Conversations: a turn with a ``session_id`` that ends keeps its KV blocks; the next turn, on the
 same weights and extending the kept tokens, prefills only its new ones (`sessions`). Left out: prefix
-caching across groups, chunked prefill, speculative decoding, tensor parallelism (``docs/engine.md``).
+caching across groups and sessions, chunked prefill, speculative decoding, tensor parallelism.
 """
 
 from __future__ import annotations
