@@ -31,7 +31,9 @@ def test_fifty_conversations_end_in_one_group_each_with_every_turn(capsys):
     assert result["turn_req_s"] > 0 and result["tool_calls_per_s"] > 0
     for run in result["runs"]:  # the lag figures are the window's own ticks (none: the whole run's stand in)
         assert run["loop_lag_ticks"] >= 1, run
-        assert 0 < run["loop_lag_p50_ms"] <= run["loop_lag_p99_ms"] <= run["loop_lag_max_ms"] <= run["run_lag_max_ms"]
+        # uvloop may end a 10 ms sleep early (whole-ms timers): that wake counts 0, so the median may be 0
+        assert 0 <= run["loop_lag_p50_ms"] <= run["loop_lag_p99_ms"] <= run["loop_lag_max_ms"] <= run["run_lag_max_ms"]
+        assert run["run_lag_max_ms"] > 0, run  # some wake-up came late under 96 conversations
     # turns 2-4 extend their session's last turn: the replica prefills only the observation
     assert result["session_tokens_reused_per_turn"] > result["prefill_tokens_per_turn"] > 0
     # a conversation's turns leave nothing in reference cycles: the collector's pauses stay small at 1,000

@@ -232,7 +232,7 @@ class _Served:
         while True:
             t = loop.time()
             await asyncio.sleep(0.01)
-            self.lags.append((loop.time() - t - 0.01) * 1e3)
+            self.lags.append(max(0.0, loop.time() - t - 0.01) * 1e3)  # uvloop's ms timers may wake early: 0
             if len(self.lags) > 100_000:
                 del self.lags[:50_000]
 
